@@ -1,0 +1,149 @@
+"""The `dflash` command: a thin Click group; each command builds its config and calls one function.
+
+    dflash extract --config configs/debug.yaml --model PATH --data FILE --out STORE
+    dflash train   --config configs/debug.yaml --store STORE --out RUN
+    dflash inspect STORE [--sample N] [--json]
+    dflash inspect verify STORE
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from common.config import build_config, describe
+from common.logging import init_logger
+
+
+def _config_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    fn = click.option(
+        "--set",
+        "overrides",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="override any config field, e.g. --set packing.seq_len=4096 (repeatable; "
+        "values are YAML). --help-config lists every field.",
+    )(fn)
+    fn = click.option(
+        "--config",
+        "config_path",
+        type=click.Path(dir_okay=False),
+        default=None,
+        help="YAML config file (see configs/); its section for this command is used",
+    )(fn)
+    return fn
+
+
+def _fail(err: Exception) -> None:
+    click.echo(f"error: {err}", err=True)
+    sys.exit(2)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """dflash-offline: train a DFlash speculative-decoding drafter for your target LLM.
+
+    Stage 1 (`extract`) runs the target once over your data and stores what the drafter
+    needs; stage 2 (`train`) trains the drafter from that store alone; `inspect` looks inside
+    a store.
+    """
+
+
+@main.command()
+@_config_options
+@click.option("--model", help="target model: local folder or hub id (target.model)")
+@click.option("--data", help="dataset file/folder or hub name (data.path)")
+@click.option("--out", help="store folder to write (store.out)")
+@click.option("--devices", help="GPU ids like 0,1, or cpu (run.devices; default 0,1)")
+@click.option("--overwrite", is_flag=True, help="delete an existing store at --out first")
+@click.option("--help-config", is_flag=True, help="list every config field and exit")
+def extract(
+    config_path: str | None,
+    overrides: tuple[str, ...],
+    model: str | None,
+    data: str | None,
+    out: str | None,
+    devices: str | None,
+    overwrite: bool,
+    help_config: bool,
+) -> None:
+    """Run the target over a dataset once and write a Zarr v3 store of features and logits.
+
+    Rerunning the same command after an interruption resumes where it stopped.
+    """
+    from stage1_extract.config import ExtractConfig
+
+    if help_config:
+        click.echo("\n".join(describe(ExtractConfig)))
+        return
+    flags = {"target.model": model, "data.path": data, "store.out": out, "run.devices": devices}
+    extra = [f"{k}={v}" for k, v in flags.items() if v is not None]
+    if overwrite:
+        extra.append("store.overwrite=true")
+    init_logger()
+    try:
+        cfg = build_config(ExtractConfig, config_path, "extract", [*overrides, *extra])
+        from stage1_extract.run import run_extract
+
+        run_extract(cfg)
+    except ValueError as err:
+        _fail(err)
+
+
+@main.command()
+@_config_options
+@click.option("--store", help="store folder written by `dflash extract` (data.store)")
+@click.option("--out", help="run folder for checkpoints, metrics and the export (run.out)")
+@click.option("--devices", help="GPU ids like 2,3, or cpu (run.devices; default 2,3)")
+@click.option("--help-config", is_flag=True, help="list every config field and exit")
+def train(
+    config_path: str | None,
+    overrides: tuple[str, ...],
+    store: str | None,
+    out: str | None,
+    devices: str | None,
+    help_config: bool,
+) -> None:
+    """Train the DFlash drafter from a store; resumes from the newest checkpoint in --out."""
+    from stage2_train.config import TrainConfig
+
+    if help_config:
+        click.echo("\n".join(describe(TrainConfig)))
+        return
+    flags = {"data.store": store, "run.out": out, "run.devices": devices}
+    extra = [f"{k}={v}" for k, v in flags.items() if v is not None]
+    init_logger()
+    try:
+        cfg = build_config(TrainConfig, config_path, "train", [*overrides, *extra])
+        from stage2_train.train import run_train
+
+        run_train(cfg)
+    except ValueError as err:
+        _fail(err)
+
+
+@main.command(name="inspect")
+@click.argument("args", nargs=-1, required=True, metavar="[verify] STORE")
+@click.option("--sample", type=int, default=0, help="decode N sequences with loss spans marked")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def inspect_cmd(args: tuple[str, ...], sample: int, as_json: bool) -> None:
+    """Summarise a store, decode samples, or `verify` every shard (exit 1 on problems)."""
+    from common.inspect_store import run_inspect, run_verify
+
+    try:
+        if args[0] == "verify":
+            if len(args) != 2:
+                raise ValueError("usage: dflash inspect verify STORE")
+            sys.exit(0 if run_verify(args[1], as_json=as_json) else 1)
+        if len(args) != 1:
+            raise ValueError("usage: dflash inspect STORE [--sample N] [--json]")
+        run_inspect(args[0], num_samples=sample, as_json=as_json)
+    except ValueError as err:
+        _fail(err)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""Typed configs: YAML files in `configs/` mapped onto dataclasses, with `key.sub=value` overrides.
+
+A config file holds one section per command (`extract:`, `train:`); each command loads its own
+section into its dataclass. Every field can be overridden from the command line with
+`--set section_field.sub_field=value` (the value is parsed as YAML, so `[1, 2]`, `true`, `null`
+work). Unknown keys are errors, never ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+def doc(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = None) -> Any:
+    """A dataclass field with its help text kept in metadata (shown by `--help-config`)."""
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata={"help": help})
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def _is_dataclass_type(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Convert a YAML value to the annotated type; raise ValueError naming the key on mismatch."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except ValueError as err:
+                errors.append(str(err))
+        raise ValueError(errors[0] if errors else f"{where}: cannot be null")
+    if _is_dataclass_type(tp):
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: expected a mapping, got {value!r}")
+        return from_dict(tp, value, where)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{where}: expected a list, got {value!r}")
+        inner = args[0] if args else Any
+        return [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    if origin is typing.Literal:
+        if value not in args:
+            raise ValueError(f"{where}: must be one of {list(args)}, got {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ValueError(f"{where}: expected a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
+    """Build dataclass `cls` from a plain dict, rejecting unknown keys with their full name."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        prefix = f"{where}." if where else ""
+        raise ValueError(
+            f"unknown config key(s) {[prefix + k for k in unknown]}; known keys under "
+            f"'{where or 'root'}': {sorted(names)}"
+        )
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{where}.{name}" if where else name
+        kwargs[name] = _coerce(value, hints[name], key)
+    return cls(**kwargs)
+
+
+def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    node = tree
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"override {dotted!r}: {part!r} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """Turn ['a.b=1', 'c=[1,2]'] into a nested dict; values are parsed as YAML."""
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like key.sub=value")
+        key, raw = item.split("=", 1)
+        _set_path(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+    return tree
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_section(path: str | Path | None, section: str) -> dict[str, Any]:
+    """Read one section (`extract`, `train`) of a YAML config file; {} when no file is given."""
+    if path is None:
+        return {}
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config file {path} does not exist; pick one from configs/ or pass none")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path}: expected a mapping with sections, got {type(data)}")
+    unknown = sorted(set(data) - {"extract", "train"})
+    if unknown:
+        raise ValueError(f"config file {path}: unknown section(s) {unknown}; use extract/train")
+    return data.get(section) or {}
+
+
+def build_config(
+    cls: type[T], path: str | Path | None, section: str, overrides: list[str] | tuple[str, ...]
+) -> T:
+    """Load `section` of the YAML at `path`, apply overrides, build and validate `cls`."""
+    data = _merge(load_section(path, section), parse_overrides(list(overrides)))
+    cfg = from_dict(cls, data)
+    problems = collect_problems(cfg)
+    if problems:
+        raise ValueError("invalid config:\n  - " + "\n  - ".join(problems))
+    return cfg
+
+
+def collect_problems(cfg: Any, where: str = "") -> list[str]:
+    """Run every nested `problems()` method and gather what they report, prefixed by key."""
+    found: list[str] = []
+    if hasattr(cfg, "problems"):
+        found += [f"{where + ': ' if where else ''}{p}" for p in cfg.problems()]
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            found += collect_problems(value, f"{where}.{f.name}" if where else f.name)
+    return found
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def describe(cls: type, prefix: str = "") -> list[str]:
+    """One line per field, `key (type, default): help`, for `--help-config`."""
+    lines = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        tp = hints[f.name]
+        if _is_dataclass_type(tp):
+            lines.append(f"{key}:  {f.metadata.get('help', '')}")
+            lines += describe(tp, key + ".")
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = "required"
+        type_name = getattr(tp, "__name__", str(tp)).replace("typing.", "")
+        lines.append(f"{key} ({type_name}, default {default!r}): {f.metadata.get('help', '')}")
+    return lines

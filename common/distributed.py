@@ -1,0 +1,128 @@
+"""Start-up for multi-process work on torch.distributed.
+
+`dflash extract` / `dflash train` launch one process per listed device through torchrun's own
+launcher API (`torch.distributed.launcher.elastic_launch`), so the same worker function runs
+unchanged under `torchrun` on many nodes. A worker calls `init_worker()` to join the group and
+pick its device.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def under_torchrun() -> bool:
+    """True when started by torchrun (or our own launch), which sets these variables."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def parse_devices(devices: str | list[int] | list[str]) -> list[str]:
+    """'0,1' / [0, 1] -> ['cuda:0', 'cuda:1']; 'cpu' or 'cpu,cpu' -> CPU processes."""
+    if isinstance(devices, str):
+        items = [d.strip() for d in devices.split(",") if d.strip()]
+    else:
+        items = [str(d) for d in devices]
+    if not items:
+        raise ValueError("--devices is empty; give GPU ids like 0,1 or 'cpu'")
+    out = []
+    for item in items:
+        if item == "cpu":
+            out.append("cpu")
+        elif item.isdigit():
+            out.append(f"cuda:{item}")
+        elif item.startswith("cuda:") and item[5:].isdigit():
+            out.append(item)
+        else:
+            raise ValueError(f"--devices entry {item!r} is not a GPU id (0, 1, ...) or 'cpu'")
+    gpus = [d for d in out if d != "cpu"]
+    if gpus:
+        available = torch.cuda.device_count()
+        missing = [d for d in gpus if int(d.split(":")[1]) >= available]
+        if missing:
+            raise ValueError(
+                f"--devices asks for {missing} but this machine has {available} GPU(s); "
+                "pass existing ids, e.g. --devices 0, or --devices cpu"
+            )
+        if "cpu" in out:
+            raise ValueError("--devices mixes 'cpu' and GPUs; use one or the other")
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(worker: Callable[..., Any], devices: list[str], *args: Any) -> None:
+    """Run `worker(*args)` once per device, as torchrun would; inline when already under torchrun
+    or when there is a single device (no process group needed then)."""
+    if under_torchrun() or len(devices) == 1:
+        worker(*args)
+        return
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    os.environ["DFLASH_DEVICES"] = ",".join(devices)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=len(devices),
+        run_id=f"dflash-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        max_restarts=0,
+        monitor_interval=0.5,
+    )
+    elastic_launch(config, worker)(*args)
+
+
+def init_worker(devices: list[str]) -> WorkerContext:
+    """Join the process group (if any) and choose this process's device.
+
+    Under torchrun with more processes than `devices`, LOCAL_RANK picks cuda:LOCAL_RANK.
+    """
+    if not under_torchrun():
+        return WorkerContext(0, 1, 0, torch.device(devices[0]))
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    local = int(os.environ["LOCAL_RANK"])
+    launched = os.environ.get("DFLASH_DEVICES")
+    listed = launched.split(",") if launched else devices
+    name = listed[local] if local < len(listed) else f"cuda:{local}"
+    device = torch.device(name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
+    return WorkerContext(rank, world, local, device)
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def finish_worker() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,1 @@
+"""Stage 1: run the target once over a dataset and store what the drafter needs (`dflash extract`)."""

@@ -1,0 +1,133 @@
+"""Typed config of `dflash extract`; each component gets its own sub-config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from common.config import doc
+
+
+@dataclass
+class TargetConfig:
+    model: str = doc("", "target causal LM: local folder or hub id")
+    revision: str | None = doc(None, "hub revision (branch, tag or commit); recorded in the store")
+    tokenizer: str | None = doc(None, "tokenizer folder or hub id; default: the model's")
+    dtype: Literal["bfloat16", "float32"] = doc("bfloat16", "weights and activations dtype")
+    attn_implementation: str = doc("sdpa", "transformers attention backend of the target")
+    device_map: bool = doc(
+        False, "split one large target across all --devices (one process) instead of one copy per GPU"
+    )
+    tapped_layers: list[int] | None = doc(
+        None, "decoder layers whose outputs are stored (layer i = output of decoder layer i); "
+        "default: num_tapped layers spread evenly from 1 to N-3"
+    )
+    num_tapped: int = doc(5, "how many layers to tap when tapped_layers is not given")
+    trust_remote_code: bool = doc(False, "allow custom model code from the hub")
+
+    def problems(self) -> list[str]:
+        out = []
+        if not self.model:
+            out.append("model is required: a local folder or hub id (--model)")
+        if self.num_tapped < 1:
+            out.append(f"num_tapped must be >= 1, got {self.num_tapped}")
+        if self.tapped_layers is not None and len(set(self.tapped_layers)) != len(self.tapped_layers):
+            out.append(f"tapped_layers has duplicates: {self.tapped_layers}")
+        return out
+
+
+@dataclass
+class DataConfig:
+    path: str = doc("", "dataset: local .json/.jsonl/.parquet file or folder, or a hub name")
+    split: str = doc("train", "dataset split")
+    name: str | None = doc(None, "hub dataset config name")
+    format: Literal["auto", "messages", "sharegpt", "text"] = doc(
+        "auto", "row shape: messages [{role, content}], sharegpt conversations [{from, value}], "
+        "or plain text; auto picks by column"
+    )
+    text_field: str = doc("text", "column holding plain text documents")
+    messages_field: str | None = doc(None, "column holding the conversation; default by format")
+    max_samples: int | None = doc(None, "use only the first N rows (null: all)")
+    on_invalid: Literal["error", "skip"] = doc(
+        "error", "empty/assistant-less rows: stop with an error, or skip and count them in the store"
+    )
+    text_loss: Literal["all"] = doc("all", "plain text documents: every token is a loss token")
+
+    def problems(self) -> list[str]:
+        out = []
+        if not self.path:
+            out.append("path is required: a local file/folder or hub dataset (--data)")
+        if self.max_samples is not None and self.max_samples < 1:
+            out.append(f"max_samples must be >= 1, got {self.max_samples}")
+        return out
+
+
+@dataclass
+class PackingConfig:
+    seq_len: int = doc(3072, "tokens per packed sequence")
+    overlong: Literal["split", "truncate"] = doc(
+        "split", "documents longer than seq_len: split into seq_len pieces or keep the first piece"
+    )
+
+    def problems(self) -> list[str]:
+        return [] if self.seq_len >= 16 else [f"seq_len must be >= 16, got {self.seq_len}"]
+
+
+@dataclass
+class VerifierConfig:
+    topk: int = doc(32, "top-k verifier logits stored per token (ids and values)")
+    store_full_logits: bool = doc(False, "also store the full-vocabulary logits (bf16; huge)")
+    head_chunk_tokens: int = doc(1024, "tokens per LM-head chunk (bounds the fp32 logits buffer)")
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.topk < 1:
+            out.append(f"topk must be >= 1, got {self.topk}")
+        if self.head_chunk_tokens < 1:
+            out.append(f"head_chunk_tokens must be >= 1, got {self.head_chunk_tokens}")
+        return out
+
+
+@dataclass
+class StoreConfig:
+    out: str = doc("", "output store folder")
+    sequences_per_shard: int = doc(64, "packed sequences per shard (one writer, one commit)")
+    chunk_tokens: int = doc(1024, "tokens per Zarr chunk inside a shard (read granularity)")
+    compression_level: int = doc(1, "zstd level (0 = no compression)")
+    overwrite: bool = doc(False, "delete an existing store at `out` first")
+
+    def problems(self) -> list[str]:
+        out = []
+        if not self.out:
+            out.append("out is required: the store folder to write (--out)")
+        if self.sequences_per_shard < 1:
+            out.append(f"sequences_per_shard must be >= 1, got {self.sequences_per_shard}")
+        if self.chunk_tokens < 1:
+            out.append(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        return out
+
+
+@dataclass
+class ExtractRunConfig:
+    devices: str = doc("0,1", "GPU ids (one process each), or 'cpu'")
+    batch_tokens: int = doc(16384, "token budget of one target forward (padded tokens)")
+    writer_threads: int = doc(2, "background threads writing shards")
+    progress: bool = doc(True, "show a progress bar")
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.batch_tokens < 1:
+            out.append(f"batch_tokens must be >= 1, got {self.batch_tokens}")
+        if self.writer_threads < 1:
+            out.append(f"writer_threads must be >= 1, got {self.writer_threads}")
+        return out
+
+
+@dataclass
+class ExtractConfig:
+    target: TargetConfig = doc(factory=TargetConfig, help="the target model")
+    data: DataConfig = doc(factory=DataConfig, help="the input dataset")
+    packing: PackingConfig = doc(factory=PackingConfig, help="packing into fixed-length sequences")
+    verifier: VerifierConfig = doc(factory=VerifierConfig, help="stored verifier logits")
+    store: StoreConfig = doc(factory=StoreConfig, help="the output store")
+    run: ExtractRunConfig = doc(factory=ExtractRunConfig, help="devices, batching, IO")

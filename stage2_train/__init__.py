@@ -1,0 +1,1 @@
+"""Stage 2: train the DFlash drafter from the extracted shards alone (`dflash train`)."""

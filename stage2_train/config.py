@@ -1,0 +1,143 @@
+"""Typed config of `dflash train`; each component gets its own sub-config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from common.config import doc
+
+
+@dataclass
+class DrafterConfig:
+    num_layers: int = doc(5, "drafter decoder layers")
+    block_size: int = doc(16, "slots per block: slot 0 = anchor token, slots 1.. = mask token")
+    hidden_size: int | None = doc(None, "default: the target's hidden size (from the store)")
+    intermediate_size: int | None = doc(None, "default: the target's")
+    num_attention_heads: int | None = doc(None, "default: the target's")
+    num_key_value_heads: int | None = doc(None, "default: the target's")
+    head_dim: int | None = doc(None, "default: the target's")
+    rope_theta: float | None = doc(None, "default: the target's")
+    rms_norm_eps: float | None = doc(None, "default: the target's")
+    mask_token_id: int | None = doc(
+        None, "token id filling slots 1..B-1; default: the tokenizer's mask token, else the "
+        "first embedding row past the tokenizer's vocabulary, else the pad token"
+    )
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.num_layers < 1:
+            out.append(f"num_layers must be >= 1, got {self.num_layers}")
+        if self.block_size < 2:
+            out.append(f"block_size must be >= 2, got {self.block_size}")
+        return out
+
+
+@dataclass
+class AnchorConfig:
+    num_anchors: int = doc(512, "anchors sampled per packed sequence (among loss-mask positions)")
+    per_document: bool = doc(
+        False, "split the anchor budget across documents by their loss tokens, so short "
+        "conversations are not starved"
+    )
+
+    def problems(self) -> list[str]:
+        return [] if self.num_anchors >= 1 else [f"num_anchors must be >= 1, got {self.num_anchors}"]
+
+
+@dataclass
+class LossConfig:
+    target: Literal["argmax", "data"] = doc(
+        "argmax", "CE labels: the stored target argmax (any data) or the data tokens"
+    )
+    gamma: float | None = doc(None, "slot decay exp(-(k-1)/gamma); default 7 (B=16), 5 (B=10), 4 (B=8)")
+    distill_weight: float = doc(0.0, "weight of the top-k KL distillation term (0 = off)")
+    distill_temperature: float = doc(1.0, "temperature of the distillation term")
+    head_chunk_tokens: int = doc(2048, "query tokens per LM-head + CE chunk")
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.gamma is not None and self.gamma <= 0:
+            out.append(f"gamma must be > 0, got {self.gamma}")
+        if self.distill_weight < 0:
+            out.append(f"distill_weight must be >= 0, got {self.distill_weight}")
+        if self.head_chunk_tokens < 1:
+            out.append(f"head_chunk_tokens must be >= 1, got {self.head_chunk_tokens}")
+        return out
+
+
+@dataclass
+class OptimConfig:
+    lr: float = doc(6e-4, "peak learning rate (AdamW)")
+    weight_decay: float = doc(0.0, "AdamW weight decay")
+    betas: list[float] = doc(factory=lambda: [0.9, 0.95], help="AdamW betas")
+    warmup_ratio: float = doc(0.04, "share of steps with linear warmup")
+    min_lr_ratio: float = doc(0.0, "cosine floor as a share of lr")
+    grad_clip: float = doc(1.0, "max global gradient norm (0 = off)")
+    epochs: int = doc(6, "passes over the training sequences")
+    max_steps: int | None = doc(None, "stop after this many optimizer steps (null: all epochs)")
+    batch_sequences: int = doc(1, "packed sequences per micro-batch per rank")
+    grad_accum: int = doc(1, "micro-batches per optimizer step")
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.lr <= 0:
+            out.append(f"lr must be > 0, got {self.lr}")
+        if not 0 <= self.warmup_ratio < 1:
+            out.append(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if len(self.betas) != 2:
+            out.append(f"betas must have two values, got {self.betas}")
+        if self.epochs < 1:
+            out.append(f"epochs must be >= 1, got {self.epochs}")
+        if self.batch_sequences < 1 or self.grad_accum < 1:
+            out.append("batch_sequences and grad_accum must be >= 1")
+        return out
+
+
+@dataclass
+class TrainDataConfig:
+    store: str = doc("", "store folder written by `dflash extract`")
+    holdout_sequences: int = doc(8, "sequences held out (from the end) for evaluation")
+    num_workers: int = doc(2, "loader worker processes")
+    prefetch: int = doc(4, "batches prefetched per worker")
+    seed: int = doc(0, "seed of shuffling and anchor sampling")
+
+    def problems(self) -> list[str]:
+        out = []
+        if not self.store:
+            out.append("store is required: the folder `dflash extract` wrote (--store)")
+        if self.holdout_sequences < 0 or self.num_workers < 0:
+            out.append("holdout_sequences and num_workers must be >= 0")
+        return out
+
+
+@dataclass
+class TrainRunConfig:
+    out: str = doc("", "run folder: checkpoints, metrics.jsonl, export/")
+    devices: str = doc("2,3", "GPU ids for data parallel (one process each), or 'cpu'")
+    dtype: Literal["bfloat16", "float32"] = doc("bfloat16", "parameter and compute dtype")
+    compile_attention: bool = doc(True, "flex_attention compiled as its own region (GPU: required)")
+    log_every: int = doc(10, "steps between log lines")
+    eval_every: int = doc(500, "steps between held-out evaluations (0 = only at the end)")
+    checkpoint_every: int = doc(1000, "steps between checkpoints (0 = only at the end)")
+    keep_checkpoints: int = doc(2, "newest checkpoints kept")
+    seed: int = doc(0, "seed of model init")
+    progress: bool = doc(True, "show a progress bar")
+
+    def problems(self) -> list[str]:
+        out = []
+        if not self.out:
+            out.append("out is required: the run folder (--out)")
+        if self.keep_checkpoints < 1:
+            out.append(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+        return out
+
+
+@dataclass
+class TrainConfig:
+    drafter: DrafterConfig = doc(factory=DrafterConfig, help="drafter architecture")
+    anchors: AnchorConfig = doc(factory=AnchorConfig, help="anchor sampling")
+    loss: LossConfig = doc(factory=LossConfig, help="training loss")
+    optim: OptimConfig = doc(factory=OptimConfig, help="optimizer and schedule")
+    data: TrainDataConfig = doc(factory=TrainDataConfig, help="the store and loader")
+    run: TrainRunConfig = doc(factory=TrainRunConfig, help="devices, logging, checkpoints")
