@@ -1,9 +1,9 @@
 """The `dflash` command: a thin Click group; each command builds its config and calls one function.
 
-    dflash extract --config configs/debug.yaml --model PATH --data FILE --out STORE
-    dflash train   --config configs/debug.yaml --store STORE --out RUN
-    dflash inspect STORE [--sample N] [--json]
-    dflash inspect verify STORE
+dflash extract --config configs/debug.yaml --model PATH --data FILE --out STORE
+dflash train   --config configs/debug.yaml --store STORE --out RUN
+dflash inspect STORE [--sample N] [--json]
+dflash inspect verify STORE
 """
 
 from __future__ import annotations

@@ -137,11 +137,15 @@ def read_root_attrs(store: str | Path) -> dict[str, Any]:
     if not store.exists():
         raise StoreError(f"store {store} does not exist; run `dflash extract` to create it")
     if not meta.is_file():
-        raise StoreError(f"{store} is not a dflash store (no zarr.json); pass the folder extract wrote")
+        raise StoreError(
+            f"{store} is not a dflash store (no zarr.json); pass the folder extract wrote"
+        )
     doc = json.loads(meta.read_text())
     attrs = doc.get("attributes", {}).get(ROOT_ATTR)
     if doc.get("zarr_format") != 3 or attrs is None:
-        raise StoreError(f"{store} is a Zarr store but not a dflash store (no '{ROOT_ATTR}' attributes)")
+        raise StoreError(
+            f"{store} is a Zarr store but not a dflash store (no '{ROOT_ATTR}' attributes)"
+        )
     return attrs
 
 

@@ -16,11 +16,13 @@ class TargetConfig:
     dtype: Literal["bfloat16", "float32"] = doc("bfloat16", "weights and activations dtype")
     attn_implementation: str = doc("sdpa", "transformers attention backend of the target")
     device_map: bool = doc(
-        False, "split one large target across all --devices (one process) instead of one copy per GPU"
+        False,
+        "split one large target across all --devices (one process) instead of one copy per GPU",
     )
     tapped_layers: list[int] | None = doc(
-        None, "decoder layers whose outputs are stored (layer i = output of decoder layer i); "
-        "default: num_tapped layers spread evenly from 1 to N-3"
+        None,
+        "decoder layers whose outputs are stored (layer i = output of decoder layer i); "
+        "default: num_tapped layers spread evenly from 1 to N-3",
     )
     num_tapped: int = doc(5, "how many layers to tap when tapped_layers is not given")
     trust_remote_code: bool = doc(False, "allow custom model code from the hub")
@@ -31,7 +33,9 @@ class TargetConfig:
             out.append("model is required: a local folder or hub id (--model)")
         if self.num_tapped < 1:
             out.append(f"num_tapped must be >= 1, got {self.num_tapped}")
-        if self.tapped_layers is not None and len(set(self.tapped_layers)) != len(self.tapped_layers):
+        if self.tapped_layers is not None and len(set(self.tapped_layers)) != len(
+            self.tapped_layers
+        ):
             out.append(f"tapped_layers has duplicates: {self.tapped_layers}")
         return out
 
@@ -42,14 +46,16 @@ class DataConfig:
     split: str = doc("train", "dataset split")
     name: str | None = doc(None, "hub dataset config name")
     format: Literal["auto", "messages", "sharegpt", "text"] = doc(
-        "auto", "row shape: messages [{role, content}], sharegpt conversations [{from, value}], "
-        "or plain text; auto picks by column"
+        "auto",
+        "row shape: messages [{role, content}], sharegpt conversations [{from, value}], "
+        "or plain text; auto picks by column",
     )
     text_field: str = doc("text", "column holding plain text documents")
     messages_field: str | None = doc(None, "column holding the conversation; default by format")
     max_samples: int | None = doc(None, "use only the first N rows (null: all)")
     on_invalid: Literal["error", "skip"] = doc(
-        "error", "empty/assistant-less rows: stop with an error, or skip and count them in the store"
+        "error",
+        "empty/assistant-less rows: stop with an error, or skip and count them in the store",
     )
     text_loss: Literal["all"] = doc("all", "plain text documents: every token is a loss token")
 

@@ -20,8 +20,9 @@ class DrafterConfig:
     rope_theta: float | None = doc(None, "default: the target's")
     rms_norm_eps: float | None = doc(None, "default: the target's")
     mask_token_id: int | None = doc(
-        None, "token id filling slots 1..B-1; default: the tokenizer's mask token, else the "
-        "first embedding row past the tokenizer's vocabulary, else the pad token"
+        None,
+        "token id filling slots 1..B-1; default: the tokenizer's mask token, else the "
+        "first embedding row past the tokenizer's vocabulary, else the pad token",
     )
 
     def problems(self) -> list[str]:
@@ -37,12 +38,15 @@ class DrafterConfig:
 class AnchorConfig:
     num_anchors: int = doc(512, "anchors sampled per packed sequence (among loss-mask positions)")
     per_document: bool = doc(
-        False, "split the anchor budget across documents by their loss tokens, so short "
-        "conversations are not starved"
+        False,
+        "split the anchor budget across documents by their loss tokens, so short "
+        "conversations are not starved",
     )
 
     def problems(self) -> list[str]:
-        return [] if self.num_anchors >= 1 else [f"num_anchors must be >= 1, got {self.num_anchors}"]
+        return (
+            [] if self.num_anchors >= 1 else [f"num_anchors must be >= 1, got {self.num_anchors}"]
+        )
 
 
 @dataclass
@@ -50,7 +54,9 @@ class LossConfig:
     target: Literal["argmax", "data"] = doc(
         "argmax", "CE labels: the stored target argmax (any data) or the data tokens"
     )
-    gamma: float | None = doc(None, "slot decay exp(-(k-1)/gamma); default 7 (B=16), 5 (B=10), 4 (B=8)")
+    gamma: float | None = doc(
+        None, "slot decay exp(-(k-1)/gamma); default 7 (B=16), 5 (B=10), 4 (B=8)"
+    )
     distill_weight: float = doc(0.0, "weight of the top-k KL distillation term (0 = off)")
     distill_temperature: float = doc(1.0, "temperature of the distillation term")
     head_chunk_tokens: int = doc(2048, "query tokens per LM-head + CE chunk")

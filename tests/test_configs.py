@@ -1,0 +1,65 @@
+"""Every YAML in configs/ loads into its dataclasses; overrides and validation behave."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from common.config import build_config, describe, parse_overrides
+from stage1_extract.config import ExtractConfig
+from stage2_train.config import TrainConfig
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+REQUIRED = {
+    "extract": ["target.model=m", "data.path=d", "store.out=o"],
+    "train": ["data.store=s", "run.out=o"],
+}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_config_loads(path: Path) -> None:
+    extract = build_config(ExtractConfig, path, "extract", REQUIRED["extract"])
+    train = build_config(TrainConfig, path, "train", REQUIRED["train"])
+    assert extract.packing.seq_len >= 16
+    assert train.drafter.block_size >= 2
+
+
+def test_qwen3_8b_has_the_paper_values() -> None:
+    path = Path(__file__).parent.parent / "configs" / "qwen3-8b.yaml"
+    cfg = build_config(ExtractConfig, path, "extract", REQUIRED["extract"][1:])
+    assert cfg.target.tapped_layers == [1, 9, 17, 25, 33]
+    assert cfg.packing.seq_len == 3072
+
+
+def test_overrides_are_typed_and_nested() -> None:
+    cfg = build_config(
+        ExtractConfig,
+        None,
+        "extract",
+        [*REQUIRED["extract"], "packing.seq_len=4096", "target.tapped_layers=[2, 4]"],
+    )
+    assert cfg.packing.seq_len == 4096
+    assert cfg.target.tapped_layers == [2, 4]
+    assert parse_overrides(["a.b=true"]) == {"a": {"b": True}}
+
+
+def test_unknown_key_and_bad_type_are_named() -> None:
+    with pytest.raises(ValueError, match="packing.seq_lenn"):
+        build_config(ExtractConfig, None, "extract", ["packing.seq_lenn=1"])
+    with pytest.raises(ValueError, match="packing.seq_len: expected an integer"):
+        build_config(ExtractConfig, None, "extract", ["packing.seq_len=abc"])
+
+
+def test_all_problems_reported_at_once() -> None:
+    with pytest.raises(ValueError) as err:
+        build_config(ExtractConfig, None, "extract", ["packing.seq_len=2"])
+    message = str(err.value)
+    for needle in ("target: model is required", "data: path is required", "seq_len must be"):
+        assert needle in message
+
+
+def test_describe_lists_every_leaf_field() -> None:
+    lines = describe(TrainConfig)
+    assert any(line.startswith("optim.lr (float") for line in lines)
+    assert any(line.startswith("drafter.mask_token_id") for line in lines)
