@@ -1,0 +1,201 @@
+"""Chat rows to token ids and assistant loss masks, through the tokenizer's own chat template.
+
+The drafter learns to predict what the target writes as the assistant, so the loss mask marks
+each assistant turn: its content plus the template's end-of-turn token(s) that close it (the
+target must learn to stop), never the role header, and not the whitespace the template puts
+after the end token (e.g. the newline after ChatML's `<|im_end|>`), which belongs to the
+layout between turns.
+
+Most real chat templates have no `{% generation %}` tags, so the mask is found from the text:
+the conversation is rendered once, and for assistant message i the span of its turn runs from
+the end of `render(messages[:i], add_generation_prompt=True)` to the end (trailing whitespace
+removed) of `render(messages[:i+1])`. That holds when both renders are prefixes of the full text.
+Templates that rewrite history (Qwen3 drops earlier turns' `<think>` blocks) break it for some
+turns; those turns are then found by searching the full text, after the previous turn, for
+the generation prompt followed by the content (then the content alone), and the end-of-turn
+text the template put after the content. Character spans become token masks through the fast
+tokenizer's offsets on the full text: a token is a loss token when it overlaps a span.
+Templates with `{% generation %}` tags use transformers' own `return_assistant_tokens_mask`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+# ShareGPT and other datasets name the speakers in many ways; chat templates expect these three
+ROLE_ALIASES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "model": "assistant",
+    "bard": "assistant",
+    "system": "system",
+}
+GENERATION_TAG_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+class InvalidRow(Exception):
+    """A row that cannot become a training document; `reason` is the key counted when skipping."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+def normalize_conversation(raw: Any, fmt: str) -> list[dict[str, Any]]:
+    """A row's `messages` ([{role, content}]) or ShareGPT `conversations` ([{from, value}]) as
+    chat-template messages; raises InvalidRow for rows that cannot train the drafter."""
+    if not raw:
+        raise InvalidRow("empty_conversation", "the conversation has no messages")
+    role_key, content_key = ("from", "value") if fmt == "sharegpt" else ("role", "content")
+    messages = []
+    for j, item in enumerate(raw):
+        if not isinstance(item, dict) or item.get(role_key) is None:
+            raise InvalidRow(
+                "bad_message",
+                f"message {j} has no '{role_key}' (expected {{{role_key}, {content_key}}})",
+            )
+        role = str(item[role_key])
+        if fmt == "sharegpt" and role.lower() not in ROLE_ALIASES:
+            raise InvalidRow(
+                "unknown_role", f"message {j} is from {role!r}; known: {sorted(ROLE_ALIASES)}"
+            )
+        content = item.get(content_key)
+        if content is not None and not isinstance(content, str):
+            raise InvalidRow("bad_message", f"message {j} content is not a string: {content!r:.80}")
+        # keep extra fields (tool_calls, reasoning_content...) for the template, but not the Nones
+        # that Arrow fills in for keys other rows have: templates test `is defined`, not truthiness
+        extra = {} if fmt == "sharegpt" else item
+        message = {k: v for k, v in extra.items() if v is not None and k not in ("role", "content")}
+        message["role"] = ROLE_ALIASES.get(role.lower(), role)
+        message["content"] = content or ""
+        messages.append(message)
+    assistants = [m for m in messages if m["role"] == "assistant"]
+    if not assistants:
+        raise InvalidRow("no_assistant", "the conversation has no assistant message")
+    for j, m in enumerate(messages):
+        if m["role"] == "assistant" and not m["content"].strip():
+            raise InvalidRow("empty_assistant", f"assistant message {j} has empty content")
+    return messages
+
+
+def has_generation_tags(tokenizer: PreTrainedTokenizerBase) -> bool:
+    template = tokenizer.chat_template
+    return isinstance(template, str) and bool(GENERATION_TAG_RE.search(template))
+
+
+def _render(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], gen: bool
+) -> str | None:
+    """The template's text, or None when it refuses this partial conversation (many templates
+    raise on, e.g., a conversation that does not start with a user turn)."""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+    except Exception:
+        return None
+
+
+def _locate_turn(
+    full: str, content: str, gen_prompt: str, turn: str | None, after: int
+) -> tuple[int, int] | None:
+    """Fallback span of an assistant turn by search, for templates that rewrite history."""
+    for text in dict.fromkeys((content, content.strip())):
+        for needle in ([gen_prompt + text] if gen_prompt else []) + [text]:
+            idx = full.find(needle, after)
+            if idx < 0:
+                continue
+            start = idx + len(needle) - len(text)
+            end = start + len(text)
+            if turn is not None and text in turn:
+                closing = turn[turn.rfind(text) + len(text) :].rstrip()
+                if closing and full.startswith(closing, end):
+                    end += len(closing)
+            return start, end
+    return None
+
+
+def assistant_char_spans(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], full: str
+) -> list[tuple[int, int]]:
+    """[start, end) character spans in `full` (the rendered conversation) of each assistant
+    turn: content plus the end-of-turn text, without the header or trailing whitespace."""
+    spans: list[tuple[int, int]] = []
+    after = 0
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        head = _render(tokenizer, messages[:i], gen=True)
+        turn = _render(tokenizer, messages[: i + 1], gen=False)
+        if head is not None and turn is not None:
+            end = len(turn.rstrip())
+            if full.startswith(turn) and turn.startswith(head) and after <= len(head) < end:
+                spans.append((len(head), end))
+                after = end
+                continue
+        no_prompt = _render(tokenizer, messages[:i], gen=False)
+        gen_prompt = ""
+        if head is not None and no_prompt is not None and head.startswith(no_prompt):
+            gen_prompt = head[len(no_prompt) :]
+        span = _locate_turn(full, message["content"], gen_prompt, turn, after)
+        if span is None:
+            raise InvalidRow(
+                "template_mismatch",
+                f"assistant message {i} was not found in the rendered chat template text",
+            )
+        spans.append(span)
+        after = span[1]
+    return spans
+
+
+def spans_to_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    """uint8 [T] mask of the tokens (char offsets [T, 2]) that overlap any span."""
+    mask = np.zeros(len(offsets), dtype=bool)
+    for a, b in spans:
+        mask |= (offsets[:, 0] < b) & (offsets[:, 1] > a)
+    return mask.astype(np.uint8)
+
+
+def tokenize_conversations(
+    tokenizer: PreTrainedTokenizerBase, conversations: list[list[dict[str, Any]]]
+) -> list[tuple[list[int], list[int]] | InvalidRow]:
+    """(input_ids, loss_mask) of each normalised conversation, or the InvalidRow it raised."""
+    results: list[Any] = [None] * len(conversations)
+    if has_generation_tags(tokenizer):
+        for k, messages in enumerate(conversations):
+            try:
+                enc = tokenizer.apply_chat_template(
+                    messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+                )
+            except Exception as err:  # the template's own raise_exception, or a Jinja error
+                results[k] = InvalidRow("template_error", f"the chat template failed: {err}")
+                continue
+            results[k] = (list(enc["input_ids"]), list(enc["assistant_masks"]))
+        return results
+
+    texts: dict[int, str] = {}
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for k, messages in enumerate(conversations):
+        full = _render(tokenizer, messages, gen=False)
+        if full is None:
+            results[k] = InvalidRow("template_error", "the chat template refused this conversation")
+            continue
+        try:
+            spans[k] = assistant_char_spans(tokenizer, messages, full)
+        except InvalidRow as err:
+            results[k] = err
+            continue
+        texts[k] = full
+    if texts:
+        # the template writes any BOS itself, as apply_chat_template(tokenize=True) assumes
+        enc = tokenizer(list(texts.values()), add_special_tokens=False, return_offsets_mapping=True)
+        for k, ids, offsets in zip(texts, enc["input_ids"], enc["offset_mapping"], strict=True):
+            mask = spans_to_mask(np.asarray(offsets, dtype=np.int64).reshape(-1, 2), spans[k])
+            results[k] = (list(ids), mask.tolist())
+    return results

@@ -1,0 +1,253 @@
+"""Read the input dataset and turn every row into one document: token ids plus a loss mask.
+
+Accepted inputs: a local .json/.jsonl/.jsonl.gz/.parquet file or a folder of them, or a hub
+dataset name (needs network). Accepted rows: `messages` [{role, content}], ShareGPT
+`conversations` [{from, value}] (both rendered by the tokenizer's own chat template, loss on
+assistant turns; see `stage1_extract/chat.py`), or plain `text` (the tokenizer's default ids,
+loss on every token). Tokenization is a batched `datasets` map of a module-level function, so
+its result is cached by fingerprint and a rerun of the same data and tokenizer is free.
+
+    from stage1_extract.data import prepare_documents
+    prepared = prepare_documents(cfg.data, tokenizer)   # .dataset: input_ids, loss_mask, source_index
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import datasets
+from transformers import PreTrainedTokenizerBase
+
+from stage1_extract.chat import InvalidRow, normalize_conversation, tokenize_conversations
+from stage1_extract.config import DataConfig
+
+# file suffix -> `datasets` builder; longest suffixes first so ".jsonl.gz" wins over ".gz"
+LOCAL_BUILDERS = {
+    ".jsonl.gz": "json",
+    ".json.gz": "json",
+    ".jsonl": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+}
+DEFAULT_FIELDS = {"messages": "messages", "sharegpt": "conversations"}
+FEATURES = datasets.Features(
+    {
+        "input_ids": datasets.List(datasets.Value("int32")),
+        "loss_mask": datasets.List(datasets.Value("uint8")),
+        "source_index": datasets.Value("int64"),
+        "skip_reason": datasets.Value("string"),  # "" for a valid row
+    }
+)
+
+
+@dataclass
+class PreparedData:
+    dataset: datasets.Dataset  # columns: input_ids, loss_mask (0/1), source_index (raw row)
+    format: str  # "messages" | "sharegpt" | "text": the one detected or asked for
+    num_rows: int  # rows read from the raw dataset (after max_samples)
+    skipped: dict[str, int] = field(default_factory=dict)  # reason -> rows; on_invalid="skip"
+
+
+def _builder_for(path: Path) -> str | None:
+    name = path.name.lower()
+    return next((b for suffix, b in LOCAL_BUILDERS.items() if name.endswith(suffix)), None)
+
+
+def _local_data_files(path: Path) -> tuple[str, list[str]]:
+    """The `datasets` builder and the sorted data files of a local file or folder."""
+    accepted = ", ".join(LOCAL_BUILDERS)
+    if path.is_file():
+        builder = _builder_for(path)
+        if builder is None:
+            raise ValueError(f"data file {path}: unsupported file type; use one of {accepted}")
+        return builder, [str(path)]
+    files = sorted(
+        p
+        for p in path.rglob("*")
+        if p.is_file()
+        and _builder_for(p)
+        and not any(s.startswith(".") for s in p.relative_to(path).parts)
+    )
+    if not files:
+        raise ValueError(f"data folder {path} holds no {accepted} files; point --data at one")
+    builders = {_builder_for(p) for p in files}
+    if len(builders) > 1:
+        raise ValueError(
+            f"data folder {path} mixes JSON and Parquet files; keep one kind per folder"
+        )
+    return builders.pop(), [str(p) for p in files]
+
+
+def _looks_local(path: str) -> bool:
+    """A path that can only mean a local file: hub names are `name` or `org/name`, no suffix."""
+    return (
+        os.path.isabs(path)
+        or path.startswith((".", "~"))
+        or path.count("/") > 1
+        or _builder_for(Path(path)) is not None
+    )
+
+
+def load_raw_dataset(cfg: DataConfig) -> datasets.Dataset:
+    """The raw rows of `cfg.path` (local file/folder or hub dataset), cut to `max_samples`."""
+    path = Path(cfg.path).expanduser()
+    if path.exists():
+        builder, files = _local_data_files(path)
+        try:
+            ds = datasets.load_dataset(builder, data_files={cfg.split: files}, split=cfg.split)
+        except Exception as err:  # malformed JSON/Parquet surfaces as many exception types
+            raise ValueError(f"could not read data {path}: {err}") from err
+    elif _looks_local(cfg.path):
+        raise ValueError(
+            f"data file {cfg.path} does not exist; pass an existing "
+            f"{'/'.join(LOCAL_BUILDERS)} file or folder of them with --data"
+        )
+    else:
+        try:
+            ds = datasets.load_dataset(cfg.path, cfg.name, split=cfg.split)
+        except Exception as err:  # offline, unknown name, wrong split: all end here
+            raise ValueError(
+                f"data {cfg.path!r} is neither a local file/folder nor a reachable hub dataset "
+                f"(name={cfg.name!r}, split={cfg.split!r}): {type(err).__name__}: {err}"
+            ) from err
+    if cfg.max_samples is not None and cfg.max_samples < len(ds):
+        ds = ds.select(range(cfg.max_samples))
+    return ds
+
+
+def detect_format(cfg: DataConfig, columns: list[str]) -> tuple[str, str]:
+    """(format, column) of the rows: `cfg.format` checked against the columns, or picked by
+    column when it is "auto"."""
+    wanted = cfg.format
+    if wanted == "auto":
+        if cfg.messages_field is not None and cfg.messages_field in columns:
+            # messages_field alone does not say the shape; sharegpt is the one named after it
+            wanted = "sharegpt" if cfg.messages_field == "conversations" else "messages"
+        elif "messages" in columns:
+            wanted = "messages"
+        elif "conversations" in columns:
+            wanted = "sharegpt"
+        elif cfg.text_field in columns:
+            wanted = "text"
+    if wanted == "text":
+        column = cfg.text_field
+    elif wanted in DEFAULT_FIELDS:
+        column = cfg.messages_field or DEFAULT_FIELDS[wanted]
+    else:
+        column = ""
+    if column not in columns:
+        raise ValueError(
+            f"data {cfg.path}: columns {columns} match no accepted row shape (format "
+            f"{cfg.format!r}); accepted: 'messages' [{{role, content}}], ShareGPT "
+            f"'conversations' [{{from, value}}], or plain text in {cfg.text_field!r}. Fix with "
+            "--set data.format=messages|sharegpt|text and --set data.messages_field=COLUMN "
+            "or --set data.text_field=COLUMN"
+        )
+    return wanted, column
+
+
+def _tokenize_batch(
+    batch: dict[str, list[Any]],
+    indices: list[int],
+    *,
+    tokenizer: PreTrainedTokenizerBase,
+    fmt: str,
+    column: str,
+    skip_invalid: bool,
+    where: str,
+) -> dict[str, list[Any]]:
+    """One `datasets.map` batch; module-level with plain arguments so its fingerprint is stable."""
+    rows = batch[column]
+    results: list[Any] = [None] * len(rows)
+    if fmt == "text":
+        keep = [k for k, text in enumerate(rows) if isinstance(text, str) and text.strip()]
+        for k in set(range(len(rows))) - set(keep):
+            results[k] = InvalidRow("empty_text", f"{column!r} is empty or not a string")
+        if keep:
+            ids = tokenizer([rows[k] for k in keep])["input_ids"]
+            for k, row_ids in zip(keep, ids, strict=True):
+                results[k] = (list(row_ids), [1] * len(row_ids))
+    else:
+        chats: dict[int, list[dict[str, Any]]] = {}
+        for k, raw in enumerate(rows):
+            try:
+                chats[k] = normalize_conversation(raw, fmt)
+            except InvalidRow as err:
+                results[k] = err
+        for k, out in zip(
+            chats, tokenize_conversations(tokenizer, list(chats.values())), strict=True
+        ):
+            results[k] = out
+
+    out: dict[str, list[Any]] = {
+        "input_ids": [],
+        "loss_mask": [],
+        "source_index": [],
+        "skip_reason": [],
+    }
+    for k, result in enumerate(results):
+        if not isinstance(result, InvalidRow) and not any(result[1]):
+            result = InvalidRow("no_loss_tokens", "the row has no loss tokens after tokenization")
+        if isinstance(result, InvalidRow):
+            if not skip_invalid:
+                raise ValueError(
+                    f"data {where} row {indices[k]}: {result.detail}; fix or remove the row, "
+                    "or pass --set data.on_invalid=skip to skip such rows"
+                )
+            result_ids, result_mask, reason = [], [], result.reason
+        else:
+            (result_ids, result_mask), reason = result, ""
+        out["input_ids"].append(result_ids)
+        out["loss_mask"].append(result_mask)
+        out["source_index"].append(indices[k])
+        out["skip_reason"].append(reason)
+    return out
+
+
+def _is_valid(reasons: list[str]) -> list[bool]:
+    return [not r for r in reasons]
+
+
+def prepare_documents(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> PreparedData:
+    """Load `cfg.path` and tokenize every row (dataset order) into input_ids / loss_mask."""
+    raw = load_raw_dataset(cfg)
+    fmt, column = detect_format(cfg, raw.column_names)
+    name = tokenizer.name_or_path or type(tokenizer).__name__
+    if fmt != "text" and not tokenizer.chat_template:
+        raise ValueError(
+            f"tokenizer {name} has no chat_template, but data {cfg.path} holds conversations "
+            f"({column!r}); use a tokenizer that has one (--set target.tokenizer=...), add a "
+            "chat_template to its tokenizer_config.json, or give plain text (--set data.format=text)"
+        )
+    if fmt != "text" and not tokenizer.is_fast:
+        raise ValueError(
+            f"tokenizer {name} is a slow (Python) tokenizer; the loss mask needs the character "
+            "offsets of a fast tokenizer: save it with a tokenizer.json or pass one that has it"
+        )
+    docs = raw.map(
+        _tokenize_batch,
+        batched=True,
+        batch_size=256,
+        with_indices=True,
+        fn_kwargs={
+            "tokenizer": tokenizer,
+            "fmt": fmt,
+            "column": column,
+            "skip_invalid": cfg.on_invalid == "skip",
+            "where": cfg.path,
+        },
+        remove_columns=raw.column_names,
+        features=FEATURES,
+        desc="tokenizing",
+    )
+    skipped: dict[str, int] = {}
+    if cfg.on_invalid == "skip":
+        skipped = dict(Counter(r for r in docs["skip_reason"] if r))
+        if skipped:
+            docs = docs.filter(_is_valid, input_columns="skip_reason", batched=True)
+    docs = docs.remove_columns("skip_reason")
+    return PreparedData(dataset=docs, format=fmt, num_rows=len(raw), skipped=skipped)
