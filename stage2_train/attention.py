@@ -1,0 +1,117 @@
+"""Attention of the drafter: compiled flex_attention as its own region, or dense SDPA.
+
+`BlockAttention` prepares the anchor-block mask of one packed sequence once (per step, shared
+by every layer) and then runs ``attention(q, k, v)`` for each layer:
+
+- ``flex`` (default on CUDA): ``block_attention``, i.e. flex_attention compiled as its own
+  region (``torch.compile(dynamic=False, fullgraph=True)`` behind ``torch.compiler.disable``,
+  so it is one small graph called from eager code whatever else is compiled). Eager flex
+  materialises the whole score matrix (8.9 GB forward at the yardstick shape), so the region
+  raises instead of ever running unfused: after a graph break, a recompile limit hit,
+  ``TORCHDYNAMO_DISABLE`` or any other fallback to the Python frame.
+- ``sdpa`` (default on CPU, where flex has no backward): F.scaled_dot_product_attention with
+  the same mask materialised densely from the same mask_mod.
+
+Shapes are fixed per run (context S, A anchors padded to the budget), so the region compiles
+once per shape; a new mask each step enters as tensors and does not recompile.
+
+Legend: H query heads, G key/value heads, Q = A*B query tokens, KV = S + Q keys, E head dim.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
+
+from stage2_train.masks import anchor_block_mask, anchor_block_mask_mod, context_intervals
+
+Backend = Literal["auto", "flex", "sdpa"]
+
+_UNFUSED = (
+    "flex_attention is about to run eagerly (unfused: it would materialise the full "
+    "Q x KV score matrix). The compiled region fell back to Python: a graph break, the Dynamo "
+    "recompile limit (shapes changing every step? pad anchors to a fixed budget), "
+    "TORCHDYNAMO_DISABLE, or compile unavailable. Fix the cause, or use backend='sdpa'."
+)
+
+
+def _flex_region(q_1HQE: Tensor, k_1GKE: Tensor, v_1GKE: Tensor, block_mask: BlockMask) -> Tensor:
+    # Constant-folded to False while Dynamo traces; True only if the frame runs in Python.
+    if not torch.compiler.is_compiling():
+        raise RuntimeError(_UNFUSED)
+    return flex_attention(q_1HQE, k_1GKE, v_1GKE, block_mask=block_mask, enable_gqa=True)
+
+
+_compiled_flex_region = torch.compile(_flex_region, dynamic=False, fullgraph=True)
+
+
+@torch.compiler.disable
+def block_attention(
+    q_1HQE: Tensor, k_1GKE: Tensor, v_1GKE: Tensor, block_mask: BlockMask
+) -> Tensor:
+    """Fused flex_attention under ``block_mask`` (GQA: H a multiple of G); scale 1/sqrt(E).
+
+    The disable decorator makes an enclosing torch.compile break the graph here, so this
+    region keeps its own options and graph cache instead of being inlined.
+    """
+    return _compiled_flex_region(q_1HQE, k_1GKE, v_1GKE, block_mask)
+
+
+def dense_sdpa_attention(
+    q_1HQE: Tensor, k_1GKE: Tensor, v_1GKE: Tensor, mask_1QK: Tensor
+) -> Tensor:
+    """SDPA with a dense boolean mask ([1, 1, Q, KV], True = attend); scale 1/sqrt(E)."""
+    return F.scaled_dot_product_attention(
+        q_1HQE, k_1GKE, v_1GKE, attn_mask=mask_1QK, enable_gqa=q_1HQE.size(1) != k_1GKE.size(1)
+    )
+
+
+class BlockAttention:
+    """The anchor-block attention of one packed sequence, mask prepared once.
+
+    Args:
+        anchors_A: anchor positions (int64), sorted, padding (-1) at the end.
+        document_ids_S: document id of every context position (padding: its own id, e.g. -1).
+        block_size: B.
+        backend: "flex", "sdpa", or "auto" (flex on CUDA, sdpa elsewhere).
+    """
+
+    def __init__(
+        self, anchors_A: Tensor, document_ids_S: Tensor, block_size: int, backend: Backend = "auto"
+    ) -> None:
+        if backend == "auto":
+            backend = "flex" if anchors_A.device.type == "cuda" else "sdpa"
+        if backend not in ("flex", "sdpa"):
+            raise ValueError(f"attention backend must be auto, flex or sdpa, got {backend!r}")
+        self.backend = backend
+        self.context_len = document_ids_S.numel()
+        self.block_size = block_size
+        self.num_queries = anchors_A.numel() * block_size
+        self.ctx_lo_A, self.ctx_hi_A = context_intervals(anchors_A, document_ids_S)
+        self.mask_mod = anchor_block_mask_mod(
+            self.ctx_lo_A, self.ctx_hi_A, self.context_len, block_size
+        )
+        self.block_mask: BlockMask | None = None
+        self.mask_1QK: Tensor | None = None
+        if backend == "flex":
+            self.block_mask = anchor_block_mask(
+                self.ctx_lo_A, self.ctx_hi_A, self.context_len, block_size
+            )
+        else:
+            kv_len = self.context_len + self.num_queries
+            self.mask_1QK = create_mask(
+                self.mask_mod, 1, 1, self.num_queries, kv_len, device=anchors_A.device
+            )
+
+    def __call__(self, q_1HQE: Tensor, k_1GKE: Tensor, v_1GKE: Tensor) -> Tensor:
+        """Attention output [1, H, Q, E]."""
+        assert q_1HQE.size(2) == self.num_queries, (q_1HQE.shape, self.num_queries)
+        assert k_1GKE.size(2) == self.context_len + self.num_queries, k_1GKE.shape
+        if self.block_mask is not None:
+            return block_attention(q_1HQE, k_1GKE, v_1GKE, self.block_mask)
+        assert self.mask_1QK is not None
+        return dense_sdpa_attention(q_1HQE, k_1GKE, v_1GKE, self.mask_1QK)
