@@ -1,0 +1,269 @@
+"""What one extraction computes: the job every process derives identically from the config
+(target checks, tokenized documents, packing plan, root attributes with the content key), and
+the filling of one shard's host buffers from target forwards.
+
+Legend: B batch rows, T padded length, M = n * S token slots of a shard, P pieces (stored
+documents) of a shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.compute as pc
+import torch
+import transformers
+import zarr
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from common.config import to_dict
+from common.store import FORMAT_NAME, FORMAT_VERSION
+from stage1_extract.config import ExtractConfig
+from stage1_extract.data import PreparedData, prepare_documents
+from stage1_extract.packing import PackingPlan, num_shards, plan_packing, shard_pieces
+from stage1_extract.store_root import content_key, key_parts
+from stage1_extract.target import (
+    TappedTarget,
+    config_dict,
+    load_target_config,
+    resolve_tapped_layers,
+    target_revision,
+    text_config,
+)
+from stage1_extract.writer import ShardBuffers, ShardJob
+
+
+@dataclass
+class ExtractJob:
+    cfg: ExtractConfig
+    store: Path
+    tapped: list[int]
+    hidden_size: int
+    vocab_size: int  # rows of the LM head
+    pad_id: int
+    prepared: PreparedData
+    lengths: np.ndarray  # int64 tokens of each prepared document
+    plan: PackingPlan
+    num_shards: int
+    attrs: dict[str, Any]  # root attributes (complete: false)
+
+    @property
+    def source_documents(self) -> int:
+        return len(np.unique(self.plan.doc_row))
+
+    @property
+    def shard_bytes(self) -> int:
+        """Uncompressed bytes of a full shard (an upper bound for the disk)."""
+        per_token = len(self.tapped) * self.hidden_size * 2 + self.cfg.verifier.topk * 8 + 21
+        if self.cfg.verifier.store_full_logits:
+            per_token += self.vocab_size * 2
+        return self.cfg.store.sequences_per_shard * self.cfg.packing.seq_len * per_token
+
+    def shard_tokens(self, index: int) -> int:
+        pieces = shard_pieces(self.plan, index, self.cfg.store.sequences_per_shard)
+        return int(self.plan.length[pieces].sum())
+
+
+def _version(package: str) -> str:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def load_tokenizer(cfg: ExtractConfig) -> PreTrainedTokenizerBase:
+    name = cfg.target.tokenizer or cfg.target.model
+    revision = None if cfg.target.tokenizer else cfg.target.revision
+    try:
+        return AutoTokenizer.from_pretrained(
+            name, revision=revision, trust_remote_code=cfg.target.trust_remote_code
+        )
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"cannot load the tokenizer from {name} ({err}); pass a folder or hub id holding "
+            "one with --set target.tokenizer=..."
+        ) from err
+
+
+def document_lengths(prepared: PreparedData) -> np.ndarray:
+    table = prepared.dataset.with_format("arrow")[:]
+    return pc.list_value_length(table["input_ids"]).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def plan_job(cfg: ExtractConfig) -> ExtractJob:
+    """Check the target, tokenize, plan the packing and build the root attributes; the same
+    result in every process (raises ValueError on bad input before anything is written)."""
+    config = load_target_config(cfg.target)
+    text = text_config(config)
+    tapped = resolve_tapped_layers(cfg.target, text.num_hidden_layers)
+    tokenizer = load_tokenizer(cfg)
+    prepared = prepare_documents(cfg.data, tokenizer)
+    lengths = document_lengths(prepared)
+    if len(lengths) == 0:
+        raise ValueError(
+            f"data {cfg.data.path}: no documents to extract ({prepared.num_rows} rows read, "
+            f"skipped: {prepared.skipped}); check the data and data.on_invalid"
+        )
+    plan = plan_packing(lengths, cfg.packing.seq_len, cfg.packing.overlong)
+    shards = num_shards(plan, cfg.store.sequences_per_shard)
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:  # many causal LMs ship without a pad token: pad with EOS
+        pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    chat_template = tokenizer.chat_template
+    attrs: dict[str, Any] = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "complete": False,
+        "created_by": {
+            "dflash_offline": _version("dflash-offline"),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "zarr": zarr.__version__,
+        },
+        "target": {
+            "name_or_path": cfg.target.model,
+            "revision": target_revision(config, cfg.target),
+            "model_type": config.model_type,
+            "num_hidden_layers": text.num_hidden_layers,
+            "config": config_dict(config),
+        },
+        "tokenizer": {
+            "name_or_path": cfg.target.tokenizer or cfg.target.model,
+            "vocab_size": len(tokenizer),
+            "chat_template": chat_template if isinstance(chat_template, str) else None,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": pad_id,
+            "mask_token_id": tokenizer.mask_token_id,
+        },
+        "tapped_layers": tapped,
+        "hidden_size": text.hidden_size,
+        "vocab_size": text.vocab_size,
+        "seq_len": cfg.packing.seq_len,
+        "topk": cfg.verifier.topk,
+        "full_logits": cfg.verifier.store_full_logits,
+        "hidden_dtype": "bfloat16",
+        "sequences_per_shard": cfg.store.sequences_per_shard,
+        "num_shards": shards,
+        "dataset": {
+            "path": cfg.data.path,
+            "split": cfg.data.split,
+            "name": cfg.data.name,
+            "format": prepared.format,
+            "num_rows": prepared.num_rows,
+        },
+        "extract_config": to_dict(cfg),
+    }
+    digest = hashlib.sha256(lengths.tobytes()).hexdigest()
+    attrs["content_key"] = content_key(key_parts(attrs, digest, prepared.skipped))
+    return ExtractJob(
+        cfg,
+        Path(cfg.store.out),
+        tapped,
+        text.hidden_size,
+        text.vocab_size,
+        pad_id,
+        prepared,
+        lengths,
+        plan,
+        shards,
+        attrs,
+    )
+
+
+def _batches(lengths: np.ndarray, budget: int) -> list[list[int]]:
+    """Pieces longest first, grouped while rows * longest <= budget (at least one per batch)."""
+    order = np.argsort(-lengths, kind="stable")
+    batches: list[list[int]] = []
+    for j in order.tolist():
+        if batches and (len(batches[-1]) + 1) * int(lengths[batches[-1][0]]) <= budget:
+            batches[-1].append(j)
+        else:
+            batches.append([j])
+    return batches
+
+
+def fill_shard(
+    job: ExtractJob,
+    target: TappedTarget,
+    index: int,
+    buffers: ShardBuffers,
+    progress: Callable[[int], Any],
+) -> ShardJob:
+    """Run shard `index`'s documents through the target and lay them out in `buffers`."""
+    cfg, plan, S = job.cfg, job.plan, job.cfg.packing.seq_len
+    per_shard = cfg.store.sequences_per_shard
+    pieces = shard_pieces(plan, index, per_shard)
+    n = min(per_shard, plan.num_sequences - index * per_shard)
+    rows, offsets, lengths = plan.doc_row[pieces], plan.src_offset[pieces], plan.length[pieces]
+    sequences = plan.sequence[pieces] - index * per_shard
+    first_slot = sequences * S + plan.start[pieces]
+    unique_rows, which = np.unique(rows, return_inverse=True)
+    data = job.prepared.dataset[unique_rows.tolist()]
+
+    buffers.tokens_M = np.full(n * S, job.pad_id, np.int32)
+    buffers.loss_mask_M = np.zeros(n * S, np.uint8)
+    buffers.position_ids_M = np.zeros(n * S, np.int32)
+    buffers.document_ids_M = np.full(n * S, -1, np.int32)
+    piece_ids = []
+    for j in range(len(pieces)):
+        lo, L, slot = int(offsets[j]), int(lengths[j]), int(first_slot[j])
+        ids = np.asarray(data["input_ids"][which[j]][lo : lo + L], np.int32)
+        piece_ids.append(torch.from_numpy(ids).long())
+        buffers.tokens_M[slot : slot + L] = ids
+        buffers.loss_mask_M[slot : slot + L] = data["loss_mask"][which[j]][lo : lo + L]
+        buffers.position_ids_M[slot : slot + L] = np.arange(L)
+        buffers.document_ids_M[slot : slot + L] = j
+    # buffers are reused shard after shard: padding slots must read as zeros
+    padding = torch.from_numpy(np.flatnonzero(buffers.document_ids_M < 0))
+    for array in buffers.device_arrays():
+        array[padding] = 0
+
+    for batch in _batches(lengths, job.cfg.run.batch_tokens):
+        T = int(lengths[batch[0]])
+        ids_BT = torch.full((len(batch), T), job.pad_id, dtype=torch.long)
+        for r, j in enumerate(batch):
+            ids_BT[r, : lengths[j]] = piece_ids[j]
+        out = target.forward(ids_BT, [int(lengths[j]) for j in batch])
+        outputs = [out.hidden_NKD, out.argmax_N, out.topk_ids_Nk, out.topk_logits_Nk, out.lse_N]
+        outputs += [out.logits_NV] if out.logits_NV is not None else []
+        row = 0
+        for j in batch:
+            L, slot = int(lengths[j]), int(first_slot[j])
+            for dst, src in zip(buffers.device_arrays(), outputs, strict=True):
+                dst[slot : slot + L].copy_(src[row : row + L], non_blocking=True)
+            row += L
+        progress(row)
+
+    ready = None
+    if target.device.type == "cuda":
+        ready = torch.cuda.Event()
+        ready.record()
+    doc_length = job.lengths[rows]
+    over = doc_length > S
+    overlong = cfg.packing.overlong
+    attrs = {
+        "index": index,
+        "num_sequences": n,
+        "num_documents": len(pieces),
+        "num_tokens": int(lengths.sum()),
+        "num_loss_tokens": int(buffers.loss_mask_M.sum()),
+        "split_documents": int((over & (plan.piece[pieces] == 0)).sum())
+        if overlong == "split"
+        else 0,
+        "truncated_documents": int(over.sum()) if overlong == "truncate" else 0,
+        "dropped_tokens": int((doc_length - lengths)[over].sum()) if overlong == "truncate" else 0,
+    }
+    documents = {
+        "doc_source_index": np.asarray(data["source_index"], np.int64)[which],
+        "doc_piece": plan.piece[pieces].astype(np.int32),
+        "doc_sequence": sequences.astype(np.int32),
+        "doc_start": plan.start[pieces].astype(np.int32),
+        "doc_length": lengths.astype(np.int32),
+    }
+    return ShardJob(index, n, buffers, documents, attrs, ready)

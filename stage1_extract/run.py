@@ -1,0 +1,170 @@
+"""`dflash extract`: run the target once over a dataset and write the store of FORMAT.md.
+
+    dflash extract --config configs/qwen3-8b.yaml --data convs.jsonl --out /data/store
+    dflash extract --config configs/debug.yaml --model M --data D --out S --devices cpu
+
+Flow: every process plans identically (tokenize via a cached `datasets` map, pack with the
+deterministic plan); the store root is prepared once (created, or checked for resuming); each
+process loads the target and fills the shards `i % world == rank` that are not committed yet;
+once all exist the root gets its counts and `complete: true`. Rerunning the same command
+resumes. Within a shard the documents are run alone (positions from 0), sorted by length and
+batched to `run.batch_tokens` padded tokens, and their outputs are scattered into the packed
+layout by non-blocking copies into pinned buffers that background threads write to disk.
+
+Legend: B batch rows, T padded length, N valid tokens of a batch, M = n * S token slots of a
+shard, K tapped layers, D hidden size.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from common.distributed import (
+    WorkerContext,
+    barrier,
+    finish_worker,
+    init_worker,
+    launch,
+    parse_devices,
+    under_torchrun,
+)
+from common.logging import get_logger, init_logger
+from common.store import HEAD_FILE, committed_shards
+from stage1_extract.config import ExtractConfig
+from stage1_extract.job import ExtractJob, fill_shard, plan_job
+from stage1_extract.store_root import finalize_store, prepare_store
+from stage1_extract.target import TappedTarget, load_target, save_target_head
+from stage1_extract.writer import ShardBuffers, ShardLayout, ShardWriter
+
+
+def _extract_shards(job: ExtractJob, ctx: WorkerContext, devices: list[str]) -> None:
+    """Fill and write this process's uncommitted shards (and the head file on rank 0)."""
+    log, cfg = get_logger(), job.cfg
+    done = set(committed_shards(job.store))
+    todo = [i for i in range(job.num_shards) if i % ctx.world_size == ctx.rank and i not in done]
+    need_head = ctx.is_main and not (job.store / HEAD_FILE).is_file()
+    if not todo and not need_head:
+        return
+    model = load_target(cfg.target, ctx.device, devices)
+    assert model.get_output_embeddings().out_features == job.vocab_size
+    if need_head:
+        save_target_head(model, job.store / HEAD_FILE)
+    if not todo:
+        return
+    target = TappedTarget(
+        model,
+        job.tapped,
+        cfg.verifier.topk,
+        cfg.verifier.head_chunk_tokens,
+        cfg.verifier.store_full_logits,
+    )
+    pin = target.device.type == "cuda"
+    slots = cfg.store.sequences_per_shard * cfg.packing.seq_len
+    vocab = job.vocab_size if cfg.verifier.store_full_logits else None
+
+    def make_buffers() -> ShardBuffers:
+        K, D, k = len(job.tapped), job.hidden_size, cfg.verifier.topk
+        return ShardBuffers.allocate(slots, K, D, k, vocab, pin)
+
+    writer = ShardWriter(
+        job.store,
+        ShardLayout(cfg.packing.seq_len, cfg.store.chunk_tokens, cfg.store.compression_level),
+        cfg.run.writer_threads,
+        len(todo),
+        job.shard_bytes,
+        make_buffers,
+    )
+    total = sum(job.shard_tokens(i) for i in todo)
+    bar = tqdm(
+        total=total,
+        unit="tok",
+        unit_scale=True,
+        dynamic_ncols=True,
+        desc=f"extract (rank {ctx.rank}/{ctx.world_size}, {len(todo)} shards)",
+        disable=not (cfg.run.progress and ctx.is_main),
+    )
+    start = time.perf_counter()
+    try:
+        for index in todo:
+            writer.submit(fill_shard(job, target, index, writer.acquire(), bar.update))
+    finally:
+        writer.close()
+        bar.close()
+    seconds = time.perf_counter() - start
+    log.info(
+        "rank %d: %d shards, %d tokens in %.1f s (%.0f tokens/s, writes included)",
+        ctx.rank,
+        len(todo),
+        total,
+        seconds,
+        total / max(seconds, 1e-9),
+    )
+
+
+def _worker(cfg: ExtractConfig, devices: list[str], error_dir: str | None, ready: bool) -> None:
+    """One process. `ready`: the launcher already prepared the store and will finalize it."""
+    init_logger()
+    ctx = init_worker(devices)
+    try:
+        if ready:
+            job = plan_job(cfg)
+        elif ctx.is_main:  # rank 0 first: it fills the datasets cache the others then reuse
+            job = plan_job(cfg)
+            prepare_store(job.store, job.attrs, cfg.store.overwrite)
+            barrier()
+        else:
+            barrier()
+            job = plan_job(cfg)
+        _extract_shards(job, ctx, devices)
+        if not ready:
+            barrier()
+            if ctx.is_main:
+                _finalize(job)
+    except ValueError as err:
+        if error_dir is not None:
+            Path(error_dir, f"rank-{ctx.rank}.txt").write_text(str(err))
+        raise
+    finally:
+        finish_worker()
+
+
+def _finalize(job: ExtractJob) -> None:
+    final = finalize_store(job.store, job.attrs, job.source_documents, job.prepared.skipped)
+    counts = final["counts"]
+    get_logger().info(
+        "store %s complete: %d shards, %d sequences, %d documents, %d tokens (%d loss), %d padding",
+        job.store,
+        final["num_shards"],
+        counts["sequences"],
+        counts["documents"],
+        counts["tokens"],
+        counts["loss_tokens"],
+        counts["padding_tokens"],
+    )
+
+
+def run_extract(cfg: ExtractConfig) -> None:
+    """Extract (or resume extracting) the store `cfg.store.out`; ValueError on bad input."""
+    devices = parse_devices(cfg.run.devices)
+    if cfg.target.device_map and devices[0] == "cpu":
+        raise ValueError("target.device_map=true needs GPUs in run.devices, e.g. 0,1")
+    procs = 1 if cfg.target.device_map else len(devices)
+    if procs == 1 or under_torchrun():
+        _worker(cfg, devices, None, ready=False)
+        return
+    # several local processes: validate and prepare here, so user errors stay ValueErrors
+    job = plan_job(cfg)
+    prepare_store(job.store, job.attrs, cfg.store.overwrite)
+    with tempfile.TemporaryDirectory(prefix="dflash-extract-") as error_dir:
+        try:
+            launch(_worker, devices, cfg, devices, error_dir, True)
+        except Exception as err:
+            messages = sorted(Path(error_dir).glob("rank-*.txt"))
+            if messages:
+                raise ValueError("; ".join(p.read_text() for p in messages)) from err
+            raise
+    _finalize(job)

@@ -1,0 +1,184 @@
+"""The store's root during extraction: provenance attributes, the content key, resume checks and
+the final commit of the counts (FORMAT.md, "Root attributes").
+
+`prepare_store` runs once, before any shard is written (in the launching process, or rank 0):
+it creates the root with `complete: false`, or checks that an existing store was written by the
+same format version and the same content key (else refuses, naming `--overwrite`), and removes
+the temporary folders of shards that were interrupted. `finalize_store` runs once after every
+shard is committed: it sums the shards' own counts and sets `complete: true`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import zarr
+
+from common.logging import get_logger
+from common.store import (
+    FORMAT_VERSION,
+    HEAD_FILE,
+    ROOT_ATTR,
+    SHARD_ATTR,
+    TMP_PREFIX,
+    StoreError,
+    committed_shards,
+    open_store,
+    shard_name,
+    shards_dir,
+)
+
+# root attributes compared when the content key differs, to say what changed
+_EXPLAINED = [
+    ("target", lambda a: (a["target"]["name_or_path"], a["target"]["revision"])),
+    ("target config", lambda a: a["target"]["config"]),
+    ("tokenizer", lambda a: a["tokenizer"]),
+    ("tapped_layers", lambda a: a["tapped_layers"]),
+    ("topk", lambda a: a["topk"]),
+    ("full_logits", lambda a: a["full_logits"]),
+    ("seq_len", lambda a: a["seq_len"]),
+    ("sequences_per_shard", lambda a: a["sequences_per_shard"]),
+    ("dataset", lambda a: {k: a["dataset"][k] for k in ("path", "split", "name", "num_rows")}),
+    ("extract_config.packing", lambda a: a["extract_config"]["packing"]),
+    (
+        "extract_config.store",
+        lambda a: {
+            k: a["extract_config"]["store"][k] for k in ("chunk_tokens", "compression_level")
+        },
+    ),
+    ("target dtype", lambda a: a["extract_config"]["target"]["dtype"]),
+]
+
+
+def _canonical_path(name: str) -> str:
+    """Absolute path for an existing local path (so `./m` and `/abs/m` agree), else as given."""
+    path = Path(name).expanduser()
+    return str(path.resolve()) if path.exists() else name
+
+
+def content_key(parts: dict[str, Any]) -> str:
+    """sha256 of everything that decides the stored values, canonical JSON."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def key_parts(
+    attrs: dict[str, Any], lengths_sha256: str, skipped: dict[str, int]
+) -> dict[str, Any]:
+    """What decides the content: the root attributes (without bookkeeping such as `complete`
+    or `created_by`), the skipped rows and a digest of the tokenized documents' lengths."""
+    cfg = attrs["extract_config"]
+    data = dict(cfg["data"], path=_canonical_path(cfg["data"]["path"]))
+    target = dict(attrs["target"], name_or_path=_canonical_path(attrs["target"]["name_or_path"]))
+    tokenizer = dict(
+        attrs["tokenizer"], name_or_path=_canonical_path(attrs["tokenizer"]["name_or_path"])
+    )
+    return {
+        "format_version": FORMAT_VERSION,
+        "target": target,
+        "target_dtype": cfg["target"]["dtype"],
+        "tokenizer": tokenizer,
+        "data": data,
+        "dataset": {k: attrs["dataset"][k] for k in ("format", "num_rows")},
+        "skipped_rows": skipped,
+        "document_lengths_sha256": lengths_sha256,
+        "packing": cfg["packing"],
+        "tapped_layers": attrs["tapped_layers"],
+        "topk": attrs["topk"],
+        "full_logits": attrs["full_logits"],
+        "sequences_per_shard": attrs["sequences_per_shard"],
+        "chunk_tokens": cfg["store"]["chunk_tokens"],
+        "compression_level": cfg["store"]["compression_level"],
+    }
+
+
+def write_root_attrs(store: Path, attrs: dict[str, Any]) -> None:
+    """Replace the "dflash" root attributes atomically (a kill never leaves half a zarr.json)."""
+    meta = store / "zarr.json"
+    doc = json.loads(meta.read_text())
+    doc.setdefault("attributes", {})[ROOT_ATTR] = attrs
+    tmp = store / f"{TMP_PREFIX}zarr.json-{os.getpid()}"
+    tmp.write_text(json.dumps(doc, indent=2))
+    os.replace(tmp, meta)
+
+
+def _explain_mismatch(old: dict[str, Any], new: dict[str, Any]) -> str:
+    changed = []
+    for label, get in _EXPLAINED:
+        try:
+            if get(old) != get(new):
+                changed.append(label)
+        except (KeyError, TypeError):
+            changed.append(label)
+    return ", ".join(changed) if changed else "the dataset contents (document lengths)"
+
+
+def prepare_store(store: Path, attrs: dict[str, Any], overwrite: bool) -> list[int]:
+    """Create the store or check it for resuming; return the shards already committed."""
+    log = get_logger()
+    if overwrite and store.exists():
+        log.info("--overwrite: deleting %s", store)
+        shutil.rmtree(store)
+    if store.exists() and any(store.iterdir()):
+        info = open_store(store)  # format and version checks, with their own messages
+        if info.attrs.get("content_key") != attrs["content_key"]:
+            raise StoreError(
+                f"store {store} was written with other settings or data "
+                f"({_explain_mismatch(info.attrs, attrs)} differ); rerun with --overwrite to "
+                "replace it, or choose another --out"
+            )
+        for entry in shards_dir(store).glob(f"{TMP_PREFIX}*"):
+            log.info("removing interrupted shard %s", entry.name)
+            shutil.rmtree(entry, ignore_errors=True)
+        done = committed_shards(store)
+        log.info("resuming %s: %d/%d shards committed", store, len(done), attrs["num_shards"])
+        return done
+    store.mkdir(parents=True, exist_ok=True)
+    zarr.create_group(store, zarr_format=3, attributes={ROOT_ATTR: attrs}, overwrite=True)
+    shards_dir(store).mkdir(exist_ok=True)
+    return []
+
+
+def _shard_attrs(store: Path, index: int) -> dict[str, Any]:
+    meta = shards_dir(store) / shard_name(index) / "zarr.json"
+    return json.loads(meta.read_text())["attributes"][SHARD_ATTR]
+
+
+def finalize_store(
+    store: Path, attrs: dict[str, Any], source_documents: int, skipped: dict[str, int]
+) -> dict[str, Any]:
+    """Sum the committed shards' counts into the root and mark the store complete."""
+    done = committed_shards(store)
+    missing = sorted(set(range(attrs["num_shards"])) - set(done))
+    if missing or not (store / HEAD_FILE).is_file():
+        raise StoreError(
+            f"store {store}: cannot finalize, shards {missing[:10]} or {HEAD_FILE} are missing; "
+            "rerun the same command to complete it"
+        )
+    shard_attrs = [_shard_attrs(store, i) for i in range(attrs["num_shards"])]
+
+    def total(key: str) -> int:
+        return sum(int(s[key]) for s in shard_attrs)
+
+    sequences, tokens = total("num_sequences"), total("num_tokens")
+    counts = {
+        "sequences": sequences,
+        "documents": total("num_documents"),
+        "source_documents": source_documents,
+        "tokens": tokens,
+        "loss_tokens": total("num_loss_tokens"),
+        "padding_tokens": sequences * attrs["seq_len"] - tokens,
+        "split_documents": total("split_documents"),
+        "truncated_documents": total("truncated_documents"),
+        "dropped_tokens": total("dropped_tokens"),
+    }
+    if skipped:
+        counts["skipped_rows"] = dict(skipped)
+    current = open_store(store).attrs
+    final = dict(current, complete=True, counts=counts)
+    write_root_attrs(store, final)
+    return final

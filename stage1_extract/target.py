@@ -1,0 +1,250 @@
+"""The target model during extraction: loading, tapping decoder layers, and the chunked LM head.
+
+`load_target_config` checks the target before anything heavy happens (a missing folder or an
+unreachable hub id is a ValueError naming the fix); `resolve_tapped_layers` turns the config's
+layer choice into ids; `TappedTarget` runs the base model (no full-vocabulary logits) with
+forward hooks that keep only the tapped layers' outputs, then applies the LM head in chunks
+and keeps per token the argmax, the top-k and the log-sum-exp of the full row.
+
+Legend: B batch rows, T padded length, N valid (non-padding) tokens of a batch, K tapped
+layers, D hidden size, V vocabulary, k top-k, C tokens of one LM-head chunk.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from stage1_extract.config import TargetConfig
+
+
+def _looks_local(name: str) -> bool:
+    """A path rather than a hub id ("org/name" has one slash)."""
+    return os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1
+
+
+def load_target_config(cfg: TargetConfig) -> PretrainedConfig:
+    """The target's transformers config; ValueError naming the model and the fix when absent."""
+    path = Path(cfg.model)
+    if path.exists() and not (path / "config.json").is_file():
+        raise ValueError(
+            f"target.model {cfg.model}: folder has no config.json; pass the folder that "
+            "save_pretrained wrote (config.json + weights) or a hub id"
+        )
+    if not path.exists() and _looks_local(cfg.model):
+        raise ValueError(
+            f"target.model {cfg.model}: no such folder; pass an existing model folder "
+            "(config.json + weights) or a hub id like Qwen/Qwen3-8B"
+        )
+    try:
+        return AutoConfig.from_pretrained(
+            cfg.model, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
+        )
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"target.model {cfg.model}: cannot load its config ({err}); pass an existing model "
+            "folder or a reachable hub id (check the name, target.revision, network/HF_HUB_OFFLINE)"
+        ) from err
+
+
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The decoder's config (multimodal configs nest it)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def target_revision(config: PretrainedConfig, cfg: TargetConfig) -> str | None:
+    """The hub commit when transformers resolved one, else the revision asked for, else None."""
+    return getattr(config, "_commit_hash", None) or cfg.revision
+
+
+def config_dict(config: PretrainedConfig) -> dict[str, Any]:
+    """JSON-safe full config, without the version stamp (it does not decide the content)."""
+    out = json.loads(config.to_json_string(use_diff=False))
+    out.pop("transformers_version", None)
+    return out
+
+
+def resolve_tapped_layers(cfg: TargetConfig, num_layers: int) -> list[int]:
+    """Explicit `tapped_layers`, checked, or `num_tapped` ids spread evenly from 1 to N-3."""
+    if cfg.tapped_layers is not None:
+        bad = [i for i in cfg.tapped_layers if not 0 <= i < num_layers]
+        if bad:
+            raise ValueError(
+                f"target.tapped_layers {bad} out of range: {cfg.model} has {num_layers} decoder "
+                f"layers (ids 0..{num_layers - 1}); fix target.tapped_layers or leave it null "
+                "to spread target.num_tapped layers evenly"
+            )
+        return list(cfg.tapped_layers)
+    # the paper's range is 1..N-3; small targets fall back to 0..N-2 (the last layer's output
+    # is what the final norm and the head already see, so it is never a default)
+    for first, last in ((1, num_layers - 3), (0, num_layers - 2)):
+        if last - first + 1 >= cfg.num_tapped:
+            break
+    else:
+        raise ValueError(
+            f"target.num_tapped={cfg.num_tapped} does not fit {cfg.model}: it has {num_layers} "
+            f"decoder layers, and the last one is never tapped by default; lower "
+            "target.num_tapped or list target.tapped_layers explicitly"
+        )
+    if cfg.num_tapped == 1:
+        return [(first + last) // 2]
+    step = (last - first) / (cfg.num_tapped - 1)
+    return [int(round(first + j * step)) for j in range(cfg.num_tapped)]
+
+
+def load_target(
+    cfg: TargetConfig, device: torch.device, devices: list[str] | None = None
+) -> torch.nn.Module:
+    """The causal LM in eval mode on `device`, or spread over `devices` when cfg.device_map."""
+    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+    kwargs: dict[str, Any] = dict(
+        revision=cfg.revision,
+        dtype=dtype,
+        attn_implementation=cfg.attn_implementation,
+        trust_remote_code=cfg.trust_remote_code,
+    )
+    has_accelerate = importlib.util.find_spec("accelerate") is not None
+    if cfg.device_map and devices and devices[0] != "cpu":
+        if not has_accelerate:
+            raise ValueError(
+                "target.device_map=true needs the `accelerate` package; install it "
+                "(pip install accelerate) or run one copy per GPU with target.device_map=false"
+            )
+        # leave room on each GPU for activations and the LM-head chunk
+        ids = [int(d.split(":")[1]) for d in devices]
+        kwargs["device_map"] = "auto"
+        kwargs["max_memory"] = {i: int(torch.cuda.mem_get_info(i)[0] * 0.85) for i in ids}
+    elif has_accelerate:
+        kwargs["device_map"] = {"": device}  # load straight onto the device
+    model = AutoModelForCausalLM.from_pretrained(cfg.model, **kwargs)
+    if "device_map" not in kwargs:
+        model = model.to(device)
+    return model.eval()
+
+
+def save_target_head(model: torch.nn.Module, path: Path) -> None:
+    """Write embed_tokens / final norm / lm_head (bf16) for stage 2, atomically."""
+    base = model.get_decoder()
+    tensors = {
+        "embed_tokens.weight": model.get_input_embeddings().weight,
+        "norm.weight": base.norm.weight,
+        "lm_head.weight": model.get_output_embeddings().weight,
+    }
+    # clone: tied embeddings share storage, which safetensors refuses to save twice
+    tensors = {k: v.detach().to("cpu", torch.bfloat16).clone() for k, v in tensors.items()}
+    eps = getattr(text_config(model.config), "rms_norm_eps", None)
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+    save_file(tensors, str(tmp), metadata={"rms_norm_eps": str(eps)})
+    os.replace(tmp, path)
+
+
+@dataclass
+class BatchOutput:
+    """Per valid token of a batch, rows in row-major order of the (right-padded) batch."""
+
+    hidden_NKD: torch.Tensor  # bf16
+    argmax_N: torch.Tensor  # int32
+    topk_ids_Nk: torch.Tensor  # int32
+    topk_logits_Nk: torch.Tensor  # float32
+    lse_N: torch.Tensor  # float32
+    logits_NV: torch.Tensor | None  # bf16, only when full logits are stored
+
+
+class TappedTarget:
+    """Runs the base model with hooks on the tapped decoder layers, then the head in chunks."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tapped_layers: list[int],
+        topk: int,
+        head_chunk: int,
+        full_logits: bool,
+    ) -> None:
+        self.model = model
+        self.base = model.get_decoder()
+        self.head = model.get_output_embeddings()
+        self.tapped = tapped_layers
+        self.topk = topk
+        self.head_chunk = head_chunk
+        self.full_logits = full_logits
+        self.device = self.base.get_input_embeddings().weight.device
+        self._valid_idx: torch.Tensor | None = None
+        self._hidden_NKD: torch.Tensor | None = None
+
+    def _hook(self, k: int):
+        def keep(_module: torch.nn.Module, _args: Any, output: Any) -> None:
+            hidden_BTD = output[0] if isinstance(output, tuple) else output
+            idx = self._valid_idx.to(hidden_BTD.device, non_blocking=True)
+            # only the valid rows, in bf16: never hold a full layer in its compute dtype longer
+            # than this hook runs
+            valid_ND = hidden_BTD.flatten(0, 1).index_select(0, idx)
+            self._hidden_NKD[:, k] = valid_ND.to(self.device, torch.bfloat16)
+
+        return keep
+
+    @torch.inference_mode()
+    def forward(self, input_ids_BT: torch.Tensor, lengths_B: list[int]) -> BatchOutput:
+        """Run right-padded rows (each row one document from position 0) and return the stored
+        quantities for their valid tokens."""
+        B, T = input_ids_BT.shape
+        mask_BT = torch.arange(T)[None, :] < torch.tensor(lengths_B)[:, None]
+        valid_idx = mask_BT.flatten().nonzero().squeeze(1)
+        num_valid, D = len(valid_idx), self.base.config.hidden_size
+        pin = self.device.type == "cuda"
+        self._valid_idx = (valid_idx.pin_memory() if pin else valid_idx).to(
+            self.device, non_blocking=True
+        )
+        self._hidden_NKD = torch.empty(
+            num_valid, len(self.tapped), D, dtype=torch.bfloat16, device=self.device
+        )
+        # hooks live only during our forward, so the model stays usable as a plain LM
+        hooks = [
+            self.base.layers[layer_id].register_forward_hook(self._hook(k))
+            for k, layer_id in enumerate(self.tapped)
+        ]
+        try:
+            out = self.base(
+                input_ids=input_ids_BT.to(self.device, non_blocking=True),
+                attention_mask=mask_BT.to(self.device, torch.long, non_blocking=True),
+                use_cache=False,
+            )
+        finally:
+            for hook in hooks:
+                hook.remove()
+        # last_hidden_state is after the final norm: exactly what the LM head consumes
+        final_ND = out.last_hidden_state.flatten(0, 1).index_select(
+            0, self._valid_idx.to(out.last_hidden_state.device)
+        )
+        result = self._head(final_ND, self._hidden_NKD)
+        self._valid_idx = self._hidden_NKD = None
+        return result
+
+    def _head(self, final_ND: torch.Tensor, hidden_NKD: torch.Tensor) -> BatchOutput:
+        N, k, dev = final_ND.shape[0], self.topk, self.device
+        argmax_N = torch.empty(N, dtype=torch.int32, device=dev)
+        ids_Nk = torch.empty(N, k, dtype=torch.int32, device=dev)
+        vals_Nk = torch.empty(N, k, dtype=torch.float32, device=dev)
+        lse_N = torch.empty(N, dtype=torch.float32, device=dev)
+        logits_NV = None
+        if self.full_logits:
+            logits_NV = torch.empty(N, self.head.out_features, dtype=torch.bfloat16, device=dev)
+        for lo in range(0, N, self.head_chunk):
+            hi = min(lo + self.head_chunk, N)
+            raw_CV = self.head(final_ND[lo:hi])
+            logits_CV = raw_CV.float()
+            argmax_N[lo:hi] = logits_CV.argmax(-1).to(dev)
+            vals, ids = logits_CV.topk(k, dim=-1)
+            vals_Nk[lo:hi], ids_Nk[lo:hi] = vals.to(dev), ids.to(dev, torch.int32)
+            lse_N[lo:hi] = torch.logsumexp(logits_CV, dim=-1).to(dev)
+            if logits_NV is not None:
+                logits_NV[lo:hi] = raw_CV.to(dev, torch.bfloat16)
+        return BatchOutput(hidden_NKD, argmax_N, ids_Nk, vals_Nk, lse_N, logits_NV)
