@@ -10,10 +10,12 @@ Most real chat templates have no `{% generation %}` tags, so the mask is found f
 the conversation is rendered once, and for assistant message i the span of its turn runs from
 the end of `render(messages[:i], add_generation_prompt=True)` to the end (trailing whitespace
 removed) of `render(messages[:i+1])`. That holds when both renders are prefixes of the full text.
-Templates that rewrite history (Qwen3 drops earlier turns' `<think>` blocks) break it for some
-turns; those turns are then found by searching the full text, after the previous turn, for
-the generation prompt followed by the content (then the content alone), and the end-of-turn
-text the template put after the content. Character spans become token masks through the fast
+Templates that rewrite history (Qwen3 drops earlier turns' `<think>` blocks and adds an empty
+one to the last turn) break it for some turns; such a turn is found by search instead: after the
+text of the messages before it, past the next generation prompt; it ends after its content plus
+the end-of-turn text (learned by rendering a sentinel as the content), or, when the template
+changed the content, at the next end-of-turn text.
+Character spans become token masks through the fast
 tokenizer's offsets on the full text: a token is a loss token when it overlaps a span.
 Templates with `{% generation %}` tags use transformers' own `return_assistant_tokens_mask`.
 """
@@ -38,6 +40,8 @@ ROLE_ALIASES = {
     "system": "system",
 }
 GENERATION_TAG_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
+# stands for an assistant's content when probing a template for its end-of-turn text
+SENTINEL = "\u2063dflash-sentinel\u2063"
 
 
 class InvalidRow(Exception):
@@ -103,22 +107,25 @@ def _render(
 
 
 def _locate_turn(
-    full: str, content: str, gen_prompt: str, turn: str | None, after: int
+    full: str, content: str, header: str, closing: str, after: int
 ) -> tuple[int, int] | None:
-    """Fallback span of an assistant turn by search, for templates that rewrite history."""
-    for text in dict.fromkeys((content, content.strip())):
-        for needle in ([gen_prompt + text] if gen_prompt else []) + [text]:
-            idx = full.find(needle, after)
-            if idx < 0:
-                continue
-            start = idx + len(needle) - len(text)
+    """Span of an assistant turn found by search from `after`: it starts after the next
+    `header` (the generation prompt) or, without one, at the content; it ends after the content
+    as given plus `closing`, or, when the template rewrote the content, at the next `closing`."""
+    texts = list(dict.fromkeys((content, content.strip())))
+    if header and full.find(header, after) >= 0:
+        start = full.find(header, after) + len(header)
+    else:
+        found = [i for i in (full.find(t, after) for t in texts) if i >= 0]
+        if not found:
+            return None
+        start = min(found)
+    for text in texts:
+        if full.startswith(text, start):
             end = start + len(text)
-            if turn is not None and text in turn:
-                closing = turn[turn.rfind(text) + len(text) :].rstrip()
-                if closing and full.startswith(closing, end):
-                    end += len(closing)
-            return start, end
-    return None
+            return start, end + len(closing) if closing and full.startswith(closing, end) else end
+    stop = full.find(closing, start) if closing else -1
+    return (start, stop + len(closing)) if stop >= 0 else None
 
 
 def assistant_char_spans(
@@ -139,11 +146,19 @@ def assistant_char_spans(
                 spans.append((len(head), end))
                 after = end
                 continue
-        no_prompt = _render(tokenizer, messages[:i], gen=False)
-        gen_prompt = ""
-        if head is not None and no_prompt is not None and head.startswith(no_prompt):
-            gen_prompt = head[len(no_prompt) :]
-        span = _locate_turn(full, message["content"], gen_prompt, turn, after)
+        # fallback: the template renders this turn differently once later turns follow it
+        before = _render(tokenizer, messages[:i], gen=False)
+        if before is not None and full.startswith(before):
+            after = max(after, len(before))
+        header = (
+            head[len(before) :] if head and before is not None and head.startswith(before) else ""
+        )
+        # the end-of-turn text, learned from a turn whose content the template cannot rewrite
+        probe = _render(tokenizer, [*messages[:i], {**message, "content": SENTINEL}], gen=False)
+        closing = ""
+        if probe is not None and SENTINEL in probe:
+            closing = probe[probe.index(SENTINEL) + len(SENTINEL) :].rstrip()
+        span = _locate_turn(full, message["content"], header, closing, after)
         if span is None:
             raise InvalidRow(
                 "template_mismatch",

@@ -1,0 +1,313 @@
+"""Data loading and loss masks; expected masks are built by tokenizing hand-written pieces."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import datasets
+import pytest
+
+from common.tiny import EXAMPLE_DATA, build_tokenizer, example_texts
+from stage1_extract import chat
+from stage1_extract.config import DataConfig
+from stage1_extract.data import prepare_documents
+
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+    "{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+# transformers renders with trim_blocks (a newline right after a block tag is dropped): hence '\\n'
+CHATML_GENERATION_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'assistant' %}"
+    "<|im_start|>assistant\n{% generation %}{{ message['content'] }}<|im_end|>{% endgeneration %}"
+    "{{ '\\n' }}{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# like Qwen3: earlier assistant turns lose their <think> block once a later turn follows, and
+# the last assistant turn gets an empty one when it has none
+THINK_TEMPLATE = (
+    "{% for message in messages %}{% set content = message['content'] %}"
+    "{% if message['role'] == 'assistant' and not loop.last %}"
+    "{% set content = content.split('</think>')[-1].lstrip('\\n') %}"
+    "{% elif message['role'] == 'assistant' and '</think>' not in content %}"
+    "{% set content = '<think>\\n\\n</think>\\n\\n' + content %}{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{{ content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CONVERSATION = [
+    {"role": "system", "content": "You are a concise assistant."},
+    {"role": "user", "content": "What is a prime number?"},
+    {"role": "assistant", "content": "A number whose only divisors are one and itself."},
+    {"role": "user", "content": "Is two prime?"},
+    {"role": "assistant", "content": "Yes, two is the only even prime."},
+]
+
+
+@pytest.fixture(autouse=True)
+def private_datasets_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
+
+
+def chatml_tokenizer():
+    return build_tokenizer(example_texts())
+
+
+def llama3_tokenizer():
+    tok = build_tokenizer(example_texts())
+    tok.add_special_tokens({"bos_token": "<|begin_of_text|>"})
+    tok.add_tokens(["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], special_tokens=True)
+    tok.chat_template = LLAMA3_TEMPLATE
+    return tok
+
+
+def expected_from_pieces(tok, pieces: list[tuple[str, int]]) -> tuple[list[int], list[int]]:
+    """Token ids and mask of text pieces tokenized one by one, each wholly loss or not."""
+    ids: list[int] = []
+    mask: list[int] = []
+    for text, loss in pieces:
+        piece_ids = tok(text, add_special_tokens=False)["input_ids"]
+        ids += piece_ids
+        mask += [loss] * len(piece_ids)
+    return ids, mask
+
+
+def chatml_pieces(messages, assistant_text=lambda i, m: m["content"]) -> list[tuple[str, int]]:
+    pieces = []
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            pieces += [("<|im_start|>assistant\n", 0), (assistant_text(i, m), 1)]
+            pieces += [("<|im_end|>", 1), ("\n", 0)]
+        else:
+            pieces.append((f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n", 0))
+    return pieces
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def prepare(path: Path, tok=None, **kw):
+    return prepare_documents(DataConfig(path=str(path), **kw), tok or chatml_tokenizer())
+
+
+def test_chatml_mask_multi_turn_with_system(tmp_path):
+    tok = chatml_tokenizer()
+    rows = [{"messages": CONVERSATION}, {"messages": CONVERSATION[1:3]}]
+    prepared = prepare(write_jsonl(tmp_path / "d.jsonl", rows), tok)
+    assert prepared.format == "messages" and prepared.num_rows == 2 and prepared.skipped == {}
+    assert prepared.dataset.column_names == ["input_ids", "loss_mask", "source_index"]
+    for row, messages in zip(prepared.dataset, (CONVERSATION, CONVERSATION[1:3]), strict=True):
+        ids, mask = expected_from_pieces(tok, chatml_pieces(messages))
+        assert row["input_ids"] == ids
+        assert row["loss_mask"] == mask
+    assert prepared.dataset["source_index"][:] == [0, 1]
+    # the end-of-turn token is trained, the newline after it is not
+    last = prepared.dataset[0]
+    assert tok.convert_ids_to_tokens(last["input_ids"][-2:]) == ["<|im_end|>", "Ċ"]
+    assert last["loss_mask"][-2:] == [1, 0]
+
+
+def test_llama3_template_mask():
+    tok = llama3_tokenizer()
+    messages = [dict(m) for m in CONVERSATION]
+    messages[2]["content"] = "  A number whose only divisors are one and itself.\n"  # trimmed
+    [(ids, mask)] = chat.tokenize_conversations(tok, [messages])
+    pieces = [("<|begin_of_text|>", 0)]
+    for m in messages:
+        header = f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n"
+        if m["role"] == "assistant":
+            pieces += [(header, 0), (m["content"].strip(), 1), ("<|eot_id|>", 1)]
+        else:
+            pieces.append((header + m["content"] + "<|eot_id|>", 0))
+    assert (ids, mask) == expected_from_pieces(tok, pieces)
+    assert ids[0] == tok.convert_tokens_to_ids("<|begin_of_text|>")
+
+
+def test_generation_tags_path_equals_offsets_path(monkeypatch):
+    tok = chatml_tokenizer()
+    tok.chat_template = CHATML_GENERATION_TEMPLATE
+    assert chat.has_generation_tags(tok)
+    [tagged] = chat.tokenize_conversations(tok, [CONVERSATION])
+    monkeypatch.setattr(chat, "has_generation_tags", lambda tokenizer: False)
+    [offsets] = chat.tokenize_conversations(tok, [CONVERSATION])
+    assert tagged == offsets == expected_from_pieces(tok, chatml_pieces(CONVERSATION))
+
+
+@pytest.mark.parametrize("think", [True, False])
+def test_template_rewriting_history_falls_back_to_search(think):
+    tok = chatml_tokenizer()
+    tok.chat_template = THINK_TEMPLATE
+    first = "<think>\nshort\n</think>\n\nYes?" if think else "Yes?"
+    messages = [
+        {"role": "user", "content": "Yes?"},  # same text as the answer: must not be matched
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": "Again"},
+        {"role": "assistant", "content": "<think>\nagain\n</think>\n\nSure."},
+    ]
+    full = tok.apply_chat_template(messages, tokenize=False)
+    first_turn = tok.apply_chat_template(messages[:2], tokenize=False)
+    assert not full.startswith(first_turn)  # the prefix property fails for turn 1
+    [(ids, mask)] = chat.tokenize_conversations(tok, [messages])
+    # turn 1 as rendered in history (think stripped), the last turn in full
+    rendered = {1: "Yes?", 3: messages[3]["content"]}
+    pieces = chatml_pieces(messages, lambda i, m: rendered[i])
+    assert (ids, mask) == expected_from_pieces(tok, pieces)
+
+    # a last turn without a <think> block: the empty block the template adds is trained too
+    messages[3]["content"] = "Sure."
+    [(ids, mask)] = chat.tokenize_conversations(tok, [messages])
+    rendered[3] = "<think>\n\n</think>\n\nSure."
+    assert (ids, mask) == expected_from_pieces(
+        tok, chatml_pieces(messages, lambda i, m: rendered[i])
+    )
+
+
+def test_sharegpt_roles_are_mapped(tmp_path):
+    tok = chatml_tokenizer()
+    names = {"system": "system", "user": "human", "assistant": "gpt"}
+    sharegpt = [{"from": names[m["role"]], "value": m["content"]} for m in CONVERSATION]
+    sharegpt[-1]["from"] = "chatgpt"
+    prepared = prepare(write_jsonl(tmp_path / "s.jsonl", [{"conversations": sharegpt}]), tok)
+    assert prepared.format == "sharegpt"
+    row = prepared.dataset[0]
+    assert (row["input_ids"], row["loss_mask"]) == expected_from_pieces(
+        tok, chatml_pieces(CONVERSATION)
+    )
+
+
+def test_plain_text_is_all_loss(tmp_path):
+    tok = chatml_tokenizer()
+    texts = ["Rain on the roof.", "A prime number has two divisors."]
+    prepared = prepare(write_jsonl(tmp_path / "t.jsonl", [{"text": t} for t in texts]), tok)
+    assert prepared.format == "text"
+    for row, text in zip(prepared.dataset, texts, strict=True):
+        assert row["input_ids"] == tok(text)["input_ids"]
+        assert row["loss_mask"] == [1] * len(row["input_ids"])
+
+
+def test_explicit_fields(tmp_path):
+    tok = chatml_tokenizer()
+    path = write_jsonl(tmp_path / "f.jsonl", [{"dialog": CONVERSATION, "body": "Hello there."}])
+    as_chat = prepare(path, tok, format="messages", messages_field="dialog")
+    assert (
+        as_chat.dataset[0]["input_ids"] == expected_from_pieces(tok, chatml_pieces(CONVERSATION))[0]
+    )
+    as_text = prepare(path, tok, text_field="body")  # auto: only the text field is known
+    assert as_text.format == "text"
+    assert as_text.dataset[0]["input_ids"] == tok("Hello there.")["input_ids"]
+
+
+def test_unknown_columns_error(tmp_path):
+    path = write_jsonl(tmp_path / "odd.jsonl", [{"prompt": "hi", "answer": "hello"}])
+    with pytest.raises(ValueError) as err:
+        prepare(path)
+    msg = str(err.value)
+    for needle in (str(path), "prompt", "answer", "messages", "conversations", "data.format"):
+        assert needle in msg
+    with pytest.raises(ValueError, match="data.messages_field"):
+        prepare(path, format="sharegpt")
+
+
+def test_missing_file_and_unreachable_hub(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(ValueError, match=f"{missing}.*does not exist"):
+        prepare(missing)
+    with pytest.raises(ValueError, match="no-such-org/no-such-dataset.*neither a local"):
+        prepare(Path("no-such-org/no-such-dataset"))
+
+
+BAD_ROWS = {
+    "empty_conversation": {"messages": []},
+    "no_assistant": {"messages": [{"role": "user", "content": "Hello?"}]},
+    "empty_assistant": {
+        "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " "}]
+    },
+}
+
+
+@pytest.mark.parametrize("reason", sorted(BAD_ROWS))
+def test_invalid_row_error_names_file_and_row(tmp_path, reason):
+    good = {"messages": CONVERSATION[1:3]}
+    path = write_jsonl(tmp_path / "bad.jsonl", [good, BAD_ROWS[reason], good])
+    with pytest.raises(ValueError) as err:
+        prepare(path)
+    assert f"{path} row 1" in str(err.value)
+    assert "data.on_invalid=skip" in str(err.value)
+
+
+def test_invalid_rows_skipped_and_counted(tmp_path):
+    good = {"messages": CONVERSATION[1:3]}
+    rows = [BAD_ROWS["no_assistant"], good, BAD_ROWS["empty_conversation"], good]
+    rows += [BAD_ROWS["no_assistant"], good]
+    prepared = prepare(write_jsonl(tmp_path / "mixed.jsonl", rows), on_invalid="skip")
+    assert prepared.skipped == {"no_assistant": 2, "empty_conversation": 1}
+    assert prepared.num_rows == 6
+    assert prepared.dataset["source_index"][:] == [1, 3, 5]
+
+
+def test_zero_loss_tokens_is_invalid(tmp_path):
+    tok = chatml_tokenizer()
+    # generation tags around nothing: the template trains on no token at all
+    tok.chat_template = CHATML_GENERATION_TEMPLATE.replace(
+        "{% generation %}{{ message['content'] }}<|im_end|>{% endgeneration %}",
+        "{{ message['content'] }}<|im_end|>{% generation %}{% endgeneration %}",
+    )
+    path = write_jsonl(tmp_path / "z.jsonl", [{"messages": CONVERSATION}])
+    with pytest.raises(ValueError, match="row 0: the row has no loss tokens"):
+        prepare(path, tok)
+    assert prepare(path, tok, on_invalid="skip").skipped == {"no_loss_tokens": 1}
+
+
+def test_tokenizer_without_chat_template(tmp_path):
+    tok = chatml_tokenizer()
+    tok.chat_template = None
+    path = write_jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATION}])
+    with pytest.raises(ValueError, match="no chat_template.*target.tokenizer"):
+        prepare(path, tok)
+
+
+def test_folder_of_parquet_and_gzipped_jsonl(tmp_path):
+    rows = [{"messages": CONVERSATION}, {"messages": CONVERSATION[1:3]}, {"messages": CONVERSATION}]
+    reference = prepare(write_jsonl(tmp_path / "all.jsonl", rows)).dataset
+    folder = tmp_path / "parquet"
+    folder.mkdir()
+    datasets.Dataset.from_list(rows[:2]).to_parquet(str(folder / "part-0.parquet"))
+    datasets.Dataset.from_list(rows[2:]).to_parquet(str(folder / "part-1.parquet"))
+    gz = tmp_path / "all.jsonl.gz"
+    with gzip.open(gz, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    for path in (folder, gz):
+        got = prepare(path).dataset
+        assert got["input_ids"][:] == reference["input_ids"][:]
+        assert got["loss_mask"][:] == reference["loss_mask"][:]
+        assert got["source_index"][:] == [0, 1, 2]
+
+
+def test_max_samples(tmp_path):
+    rows = [{"text": f"Row number {i}."} for i in range(5)]
+    prepared = prepare(write_jsonl(tmp_path / "m.jsonl", rows), max_samples=3)
+    assert prepared.num_rows == 3 and len(prepared.dataset) == 3
+
+
+def test_tokenization_is_cached_by_fingerprint(tmp_path):
+    path = write_jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATION}] * 3)
+    first = prepare(path).dataset
+    second = prepare(path).dataset  # a new tokenizer object with the same content
+    assert first._fingerprint == second._fingerprint
+    assert first.cache_files == second.cache_files
+
+
+def test_example_data_is_valid():
+    assert EXAMPLE_DATA.stat().st_size < 40_000
+    rows = [json.loads(line) for line in EXAMPLE_DATA.read_text().splitlines()]
+    assert len(rows) >= 35
+    assert sum(r["messages"][0]["role"] == "system" for r in rows) >= 5
+    assert sum(sum(m["role"] == "assistant" for m in r["messages"]) > 1 for r in rows) >= 5
+    prepared = prepare(EXAMPLE_DATA)
+    assert prepared.num_rows == len(rows) and len(prepared.dataset) == len(rows)
+    assert all(sum(mask) > 0 for mask in prepared.dataset["loss_mask"])
