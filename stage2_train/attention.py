@@ -56,8 +56,11 @@ def block_attention(
     """Fused flex_attention under ``block_mask`` (GQA: H a multiple of G); scale 1/sqrt(E).
 
     The disable decorator makes an enclosing torch.compile break the graph here, so this
-    region keeps its own options and graph cache instead of being inlined.
+    region keeps its own options and graph cache instead of being inlined. Inputs are made
+    contiguous because the static graph guards on strides: a caller passing transposed views
+    one time and contiguous tensors another would otherwise recompile.
     """
+    q_1HQE, k_1GKE, v_1GKE = q_1HQE.contiguous(), k_1GKE.contiguous(), v_1GKE.contiguous()
     return _compiled_flex_region(q_1HQE, k_1GKE, v_1GKE, block_mask)
 
 

@@ -1,0 +1,261 @@
+"""The drafter against an independent per-block reference; compiled flex vs SDPA on CPU.
+
+The reference recomputes every block alone, with only the keys the definition allows (context
+[document start, anchor) and its own slots), plain softmax attention and complex-number RoPE:
+it shares no code with the model, the masks or the attention module.
+
+Legend: S context tokens, K tapped layers, D hidden, A anchors, B slots, Q = A*B, H/G heads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from stage2_train.anchors import block_positions, pad_anchors
+from stage2_train.attention import BlockAttention, block_attention, dense_sdpa_attention
+from stage2_train.config import DrafterConfig
+from stage2_train.model import (
+    DFlashDrafter,
+    build_block_inputs,
+    drafter_config_json,
+    drafter_shape,
+)
+
+TARGET = {
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "num_hidden_layers": 6,
+    "max_position_embeddings": 4096,
+}
+K_TAPPED, VOCAB, MASK_ID, BSZ = 3, 50, 49, 8
+DOCS = [70, 50, 30]  # + 10 padding tokens: S = 160 (two KV tiles of context)
+ANCHORS = [3, 4, 5, 40, 68, 70, 71, 100, 118, 125, 140]  # close, doc start/end, pad after
+
+
+def make_model(seed: int = 0, num_layers: int = 2) -> DFlashDrafter:
+    torch.manual_seed(seed)
+    shape = drafter_shape(
+        DrafterConfig(num_layers=num_layers, block_size=BSZ), TARGET, K_TAPPED, VOCAB, MASK_ID
+    )
+    model = DFlashDrafter(shape)
+    with torch.no_grad():  # non-trivial norm weights so that a skipped norm shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def make_batch(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    docs = [d for d, n in enumerate(DOCS) for _ in range(n)] + [-1] * 10
+    pos = [i for n in DOCS for i in range(n)] + [0] * 10
+    n_ctx = len(docs)
+    return {
+        "features": torch.randn(n_ctx, K_TAPPED, TARGET["hidden_size"], generator=g),
+        "tokens": torch.randint(0, VOCAB - 1, (n_ctx,), generator=g),
+        "docs": torch.tensor(docs),
+        "pos": torch.tensor(pos),
+        "anchors": pad_anchors(torch.tensor(ANCHORS), 12),
+        "embed": torch.randn(VOCAB, TARGET["hidden_size"], generator=g),
+    }
+
+
+def run(model: DFlashDrafter, b: dict, backend: str) -> torch.Tensor:
+    ids_AB = build_block_inputs(b["anchors"], b["tokens"], BSZ, MASK_ID)
+    attention = BlockAttention(b["anchors"], b["docs"], BSZ, backend=backend)
+    return model(
+        b["features"],
+        b["embed"][ids_AB.flatten()],
+        b["pos"],
+        block_positions(b["anchors"], b["pos"], BSZ),
+        attention,
+    )
+
+
+def _rms(x, w, eps=1e-6):
+    return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _rope(x_NHE, pos_N, theta):
+    half = x_NHE.size(-1) // 2
+    freq = theta ** (-torch.arange(half, dtype=torch.float64) * 2 / x_NHE.size(-1))
+    rot = torch.polar(torch.ones(len(pos_N), half, dtype=torch.float64), pos_N[:, None] * freq)
+    z = torch.complex(x_NHE[..., :half], x_NHE[..., half:]) * rot[:, None, :]
+    return torch.cat([z.real, z.imag], dim=-1)
+
+
+def reference_block(model: DFlashDrafter, b: dict, a: int) -> torch.Tensor:
+    """Hidden [B, D] of block a, computed alone from its visible keys only (float64)."""
+    w = {k: v.double() for k, v in model.state_dict().items()}
+    p = int(b["anchors"][a])
+    docs, pos = b["docs"].tolist(), b["pos"].double()
+    visible = [t for t in range(p) if docs[t] == docs[p]]
+    feats = b["features"].double()[visible].flatten(1)
+    ctx = _rms(feats @ w["fc.weight"].T, w["hidden_norm.weight"])
+    ids = [int(b["tokens"][p])] + [MASK_ID] * (BSZ - 1)
+    x = b["embed"].double()[ids]
+    kv_pos = torch.cat([pos[visible], pos[p] + torch.arange(BSZ)])
+    q_pos = pos[p] + torch.arange(BSZ, dtype=torch.float64)
+    h_q, h_kv, e = TARGET["num_attention_heads"], TARGET["num_key_value_heads"], TARGET["head_dim"]
+    for i in range(model.shape.num_layers):
+        L = f"layers.{i}."
+        h = _rms(x, w[L + "input_layernorm.weight"])
+        q = _rms(
+            (h @ w[L + "self_attn.q_proj.weight"].T).view(BSZ, h_q, e),
+            w[L + "self_attn.q_norm.weight"],
+        )
+        src = torch.cat([ctx, h])
+        k = _rms(
+            (src @ w[L + "self_attn.k_proj.weight"].T).view(-1, h_kv, e),
+            w[L + "self_attn.k_norm.weight"],
+        )
+        v = (src @ w[L + "self_attn.v_proj.weight"].T).view(-1, h_kv, e)
+        q, k = _rope(q, q_pos, TARGET["rope_theta"]), _rope(k, kv_pos, TARGET["rope_theta"])
+        out = torch.empty(BSZ, h_q, e, dtype=torch.float64)
+        for head in range(h_q):
+            kv_head = head // (h_q // h_kv)
+            scores = q[:, head] @ k[:, kv_head].T / e**0.5
+            out[:, head] = torch.softmax(scores, -1) @ v[:, kv_head]
+        x = x + out.flatten(1) @ w[L + "self_attn.o_proj.weight"].T
+        h = _rms(x, w[L + "post_attention_layernorm.weight"])
+        gate = torch.nn.functional.silu(h @ w[L + "mlp.gate_proj.weight"].T)
+        x = x + (gate * (h @ w[L + "mlp.up_proj.weight"].T)) @ w[L + "mlp.down_proj.weight"].T
+    return _rms(x, w["norm.weight"])
+
+
+def test_state_dict_keys_are_the_export_keys() -> None:
+    model = make_model(num_layers=2)
+    per_layer = [
+        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+        "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+        "input_layernorm.weight", "post_attention_layernorm.weight",
+    ]  # fmt: skip
+    expected = {f"layers.{i}.{k}" for i in range(2) for k in per_layer}
+    expected |= {"norm.weight", "fc.weight", "hidden_norm.weight"}
+    assert set(model.state_dict()) == expected
+    assert model.fc.weight.shape == (32, K_TAPPED * 32)
+    assert not any(p.shape[0] == VOCAB for p in model.parameters()), "no embedding/head inside"
+
+
+def test_drafter_shape_defaults_and_errors() -> None:
+    s = drafter_shape(DrafterConfig(), TARGET, 5, VOCAB, MASK_ID)
+    assert (s.hidden_size, s.num_attention_heads, s.num_key_value_heads, s.head_dim) == (
+        32,
+        4,
+        2,
+        8,
+    )
+    assert s.block_size == 16 and s.num_layers == 5 and s.rope_theta == 10000.0
+    t5 = {k: v for k, v in TARGET.items() if k not in ("rope_theta", "head_dim")}
+    t5["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6}
+    s = drafter_shape(DrafterConfig(), t5, 5, VOCAB, MASK_ID)
+    assert s.rope_theta == 1e6 and s.head_dim == 8
+    with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
+        drafter_shape(DrafterConfig(num_key_value_heads=3), TARGET, 5, VOCAB, MASK_ID)
+    with pytest.raises(ValueError, match="must equal the target's"):
+        drafter_shape(DrafterConfig(hidden_size=64), TARGET, 5, VOCAB, MASK_ID)
+    with pytest.raises(ValueError, match="mask_token_id"):
+        drafter_shape(DrafterConfig(), TARGET, 5, VOCAB, VOCAB)
+
+
+def test_config_json() -> None:
+    s = drafter_shape(DrafterConfig(num_layers=3, block_size=10), TARGET, 3, VOCAB, MASK_ID)
+    cfg = drafter_config_json(s, [1, 2, 3], TARGET)
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["num_hidden_layers"] == 3
+    assert cfg["block_size"] == 10 and cfg["num_target_layers"] == 6
+    assert cfg["dflash_config"] == {
+        "target_layer_ids": [1, 2, 3],
+        "mask_token_id": MASK_ID,
+        "block_size": 10,
+    }
+
+
+def test_build_block_inputs() -> None:
+    ids = build_block_inputs(torch.tensor([2, 5, -1]), torch.arange(10) + 100, 4, 7)
+    assert ids.tolist() == [[102, 7, 7, 7], [105, 7, 7, 7], [7, 7, 7, 7]]
+
+
+def test_forward_matches_per_block_reference() -> None:
+    model, b = make_model(), make_batch()
+    hidden = run(model, b, "sdpa").view(-1, BSZ, TARGET["hidden_size"])
+    for a in range(len(ANCHORS)):
+        torch.testing.assert_close(
+            hidden[a].double(), reference_block(model, b, a), rtol=1e-4, atol=1e-4
+        )
+
+
+def test_no_leak_from_anchor_future_or_other_documents() -> None:
+    model, b = make_model(), make_batch()
+    base = run(model, b, "sdpa")
+    b2 = dict(b)
+    b2["features"] = b["features"].clone()
+    b2["features"][40:70] += 5.0  # doc 0 at and after anchor 40, incl. the anchor itself
+    b2["features"][70:] += 5.0  # the other documents and padding
+    out = run(model, b2, "sdpa").view(-1, BSZ, TARGET["hidden_size"])
+    torch.testing.assert_close(out[:4], base.view(-1, BSZ, TARGET["hidden_size"])[:4])
+    b2["features"][39] += 5.0  # just before anchor 40: must matter
+    out = run(model, b2, "sdpa").view(-1, BSZ, TARGET["hidden_size"])
+    assert not torch.allclose(out[3], base.view(-1, BSZ, TARGET["hidden_size"])[3])
+
+
+def test_sdpa_backward() -> None:
+    model, b = make_model(), make_batch()
+    run(model, b, "sdpa").square().mean().backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        assert p.grad.abs().sum() > 0, name
+
+
+@pytest.fixture(scope="module")
+def compiled_once():
+    """Compile the flex region once (CPU forward) at the model's attention shapes."""
+    model, b = make_model(), make_batch()
+    before = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        out = run(model, b, "flex")
+    return model, b, out, counters["stats"]["unique_graphs"] - before
+
+
+def test_compiled_flex_matches_sdpa(compiled_once) -> None:
+    model, b, flex_out, n_graphs = compiled_once
+    assert n_graphs == 1, "one compiled graph for every layer"
+    with torch.no_grad():
+        torch.testing.assert_close(flex_out, run(model, b, "sdpa"), rtol=1e-5, atol=1e-5)
+    # Attention level, a different mask of the same shapes: no recompile.
+    g = torch.Generator().manual_seed(3)
+    anchors = pad_anchors(torch.tensor([0, 1, 2, 60, 61, 75, 99, 125, 126]), 12)
+    flex = BlockAttention(anchors, b["docs"], BSZ, backend="flex")
+    dense = BlockAttention(anchors, b["docs"], BSZ, backend="sdpa")
+    q = torch.randn(1, 4, 96, 8, generator=g)
+    k, v = torch.randn(2, 1, 2, 256, 8, generator=g)
+    before = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        torch.testing.assert_close(flex(q, k, v), dense(q, k, v), rtol=1e-5, atol=1e-5)
+        assert flex.block_mask is not None and dense.mask_1QK is not None
+        torch.testing.assert_close(
+            block_attention(q, k, v, flex.block_mask), dense_sdpa_attention(q, k, v, dense.mask_1QK)
+        )
+    assert counters["stats"]["unique_graphs"] == before, "a new mask recompiled the region"
+
+
+def test_flex_refuses_to_run_unfused(compiled_once) -> None:
+    _, b, _, _ = compiled_once
+    attention = BlockAttention(b["anchors"], b["docs"], BSZ, backend="flex")
+    q, k, v = torch.randn(1, 4, 96, 8), torch.randn(1, 2, 256, 8), torch.randn(1, 2, 256, 8)
+    with torch.compiler.set_stance("force_eager"), pytest.raises(RuntimeError, match="unfused"):
+        attention(q, k, v)
+
+
+def test_auto_backend_on_cpu_is_sdpa() -> None:
+    b = make_batch()
+    assert BlockAttention(b["anchors"], b["docs"], BSZ).backend == "sdpa"
+    with pytest.raises(ValueError):
+        BlockAttention(b["anchors"], b["docs"], BSZ, backend="eager")  # type: ignore[arg-type]
