@@ -119,24 +119,33 @@ def load_raw_dataset(cfg: DataConfig) -> datasets.Dataset:
     return ds
 
 
-def detect_format(cfg: DataConfig, columns: list[str]) -> tuple[str, str]:
-    """(format, column) of the rows: `cfg.format` checked against the columns, or picked by
-    column when it is "auto"."""
-    wanted = cfg.format
+def _message_keys(feature: Any) -> set[str]:
+    """Field names of the messages of a list-of-structs column (from the schema, no row read)."""
+    inner = getattr(feature, "feature", None)
+    return set(inner) if isinstance(inner, dict) else set()
+
+
+def detect_format(cfg: DataConfig, features: datasets.Features) -> tuple[str, str]:
+    """(format, column) of the rows: `cfg.format` checked against the columns, or, for "auto",
+    picked by column name and by the message fields ({role, content} or {from, value})."""
+    columns = list(features)
+    wanted, found = cfg.format, None
     if wanted == "auto":
-        if cfg.messages_field is not None and cfg.messages_field in columns:
-            # messages_field alone does not say the shape; sharegpt is the one named after it
-            wanted = "sharegpt" if cfg.messages_field == "conversations" else "messages"
-        elif "messages" in columns:
-            wanted = "messages"
-        elif "conversations" in columns:
-            wanted = "sharegpt"
-        elif cfg.text_field in columns:
+        chat_columns = [cfg.messages_field] if cfg.messages_field else ["messages", "conversations"]
+        found = next((c for c in chat_columns if c in columns), None)
+        if found is not None:
+            # datasets name columns loosely ("conversations" of {role, content} is common)
+            keys = _message_keys(features[found])
+            if keys:
+                wanted = "sharegpt" if "from" in keys and "role" not in keys else "messages"
+            else:
+                wanted = "sharegpt" if found == "conversations" else "messages"
+        elif cfg.messages_field is None and cfg.text_field in columns:
             wanted = "text"
     if wanted == "text":
         column = cfg.text_field
     elif wanted in DEFAULT_FIELDS:
-        column = cfg.messages_field or DEFAULT_FIELDS[wanted]
+        column = found or cfg.messages_field or DEFAULT_FIELDS[wanted]
     else:
         column = ""
     if column not in columns:
@@ -164,9 +173,12 @@ def _tokenize_batch(
     rows = batch[column]
     results: list[Any] = [None] * len(rows)
     if fmt == "text":
-        keep = [k for k, text in enumerate(rows) if isinstance(text, str) and text.strip()]
-        for k in set(range(len(rows))) - set(keep):
-            results[k] = InvalidRow("empty_text", f"{column!r} is empty or not a string")
+        keep = []
+        for k, text in enumerate(rows):
+            if isinstance(text, str) and text.strip():
+                keep.append(k)
+            else:
+                results[k] = InvalidRow("empty_text", f"{column!r} is empty or not a string")
         if keep:
             ids = tokenizer([rows[k] for k in keep])["input_ids"]
             for k, row_ids in zip(keep, ids, strict=True):
@@ -215,7 +227,7 @@ def _is_valid(reasons: list[str]) -> list[bool]:
 def prepare_documents(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> PreparedData:
     """Load `cfg.path` and tokenize every row (dataset order) into input_ids / loss_mask."""
     raw = load_raw_dataset(cfg)
-    fmt, column = detect_format(cfg, raw.column_names)
+    fmt, column = detect_format(cfg, raw.features)
     name = tokenizer.name_or_path or type(tokenizer).__name__
     if fmt != "text" and not tokenizer.chat_template:
         raise ValueError(

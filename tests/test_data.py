@@ -188,18 +188,38 @@ def test_plain_text_is_all_loss(tmp_path):
     for row, text in zip(prepared.dataset, texts, strict=True):
         assert row["input_ids"] == tok(text)["input_ids"]
         assert row["loss_mask"] == [1] * len(row["input_ids"])
+    rows = [{"text": texts[0]}, {"text": ""}, {"text": "  "}, {"text": texts[1]}]
+    prepared = prepare(write_jsonl(tmp_path / "e.jsonl", rows), tok, on_invalid="skip")
+    assert prepared.skipped == {"empty_text": 2}
+    assert prepared.dataset["source_index"][:] == [0, 3]
 
 
 def test_explicit_fields(tmp_path):
     tok = chatml_tokenizer()
     path = write_jsonl(tmp_path / "f.jsonl", [{"dialog": CONVERSATION, "body": "Hello there."}])
+    expected = expected_from_pieces(tok, chatml_pieces(CONVERSATION))[0]
     as_chat = prepare(path, tok, format="messages", messages_field="dialog")
-    assert (
-        as_chat.dataset[0]["input_ids"] == expected_from_pieces(tok, chatml_pieces(CONVERSATION))[0]
-    )
+    assert as_chat.dataset[0]["input_ids"] == expected
+    assert prepare(path, tok, messages_field="dialog").format == "messages"  # auto
     as_text = prepare(path, tok, text_field="body")  # auto: only the text field is known
     assert as_text.format == "text"
     assert as_text.dataset[0]["input_ids"] == tok("Hello there.")["input_ids"]
+    with pytest.raises(ValueError, match="columns"):  # an asked-for field must exist
+        prepare(path, tok, messages_field="chat", text_field="body")
+
+
+def test_auto_format_follows_message_fields(tmp_path):
+    tok = chatml_tokenizer()
+    expected = expected_from_pieces(tok, chatml_pieces(CONVERSATION))[0]
+    # a "conversations" column of {role, content}, as many hub datasets have
+    path = write_jsonl(tmp_path / "rc.jsonl", [{"conversations": CONVERSATION}])
+    prepared = prepare(path, tok)
+    assert prepared.format == "messages" and prepared.dataset[0]["input_ids"] == expected
+    # ShareGPT messages under another column name
+    sharegpt = [{"from": m["role"], "value": m["content"]} for m in CONVERSATION]
+    path = write_jsonl(tmp_path / "sg.jsonl", [{"dialog": sharegpt}])
+    prepared = prepare(path, tok, messages_field="dialog")
+    assert prepared.format == "sharegpt" and prepared.dataset[0]["input_ids"] == expected
 
 
 def test_unknown_columns_error(tmp_path):
