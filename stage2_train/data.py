@@ -1,0 +1,214 @@
+"""The stage-2 loader: packed sequences from the store's shards, with anchors and block labels.
+
+Global sequence `g` lives in shard `g // sequences_per_shard`, row `g % sequences_per_shard`
+(FORMAT.md), so the index is computed from the root attributes alone: no shard is opened before
+a worker first reads from it, and each worker keeps the arrays it opened. Which sequences a rank
+reads, in which order, is stage2_train.plan's business; a key names (sequence, epoch, padding).
+
+Anchors of sequence g in epoch e come from a generator seeded by (seed, e, g), so a resumed run
+samples exactly what the uninterrupted one would have. Padding items (plan.py) are real
+sequences read normally whose loss weights are zeroed.
+
+Legend: S tokens per sequence, T = b*S context tokens of a batch, K tapped layers, D hidden
+size, k top-k, A anchors, B block size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+
+from common.store import StoreError, StoreInfo, bits_to_bf16, shard_name, shards_dir
+from stage2_train.anchors import (
+    block_gather,
+    block_labels,
+    next_token_source,
+    pad_anchors,
+    sample_anchors,
+)
+from stage2_train.plan import ItemKey
+
+SEQUENCE_FIELDS = ("tokens", "loss_mask", "position_ids", "document_ids", "target_argmax", "hidden")
+DISTILL_FIELDS = ("topk_ids", "topk_logits", "logsumexp")
+
+
+def anchor_generator(seed: int, epoch: int, index: int) -> torch.Generator:
+    """A generator that depends only on (seed, epoch, sequence index)."""
+    tag = [seed, 0, epoch, index] if epoch >= 0 else [seed, 1, index]
+    state = np.random.SeedSequence(tag).generate_state(2, np.uint32)
+    return torch.Generator().manual_seed(int(state[0]) << 31 | int(state[1]) >> 1)
+
+
+@dataclass
+class Batch:
+    """b packed sequences laid end to end as one context of T = b*S tokens.
+
+    Documents never cross sequence boundaries, and a sequence's padding belongs to no document,
+    so the concatenation is itself a valid packed context. Anchors index into T.
+    """
+
+    indices: torch.Tensor  # [b] global sequence indices (-1 for padding items)
+    tokens_T: torch.Tensor
+    position_ids_T: torch.Tensor
+    document_ids_T: torch.Tensor  # unique per document across the batch, -1 on padding
+    hidden_TKD: torch.Tensor  # bf16
+    anchors_A: torch.Tensor
+    labels_AB: torch.Tensor
+    weights_AB: torch.Tensor  # 0/1 validity of each slot's label (0 for padding items)
+    topk_ids_ABk: torch.Tensor | None = None
+    topk_logprobs_ABk: torch.Tensor | None = None
+
+    def pin_memory(self) -> Batch:
+        return Batch(**{f.name: _apply(getattr(self, f.name), "pin_memory") for f in fields(self)})
+
+    def to(self, device: torch.device) -> Batch:
+        moved = {
+            f.name: _apply(getattr(self, f.name), "to", device, non_blocking=True)
+            for f in fields(self)
+        }
+        return Batch(**moved)
+
+
+def _apply(value: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+    return getattr(value, method)(*args, **kwargs) if isinstance(value, torch.Tensor) else value
+
+
+class StoreSequences(torch.utils.data.Dataset):
+    """Reads one sequence per key; opens a shard the first time one of its rows is read."""
+
+    def __init__(
+        self,
+        info: StoreInfo,
+        *,
+        num_anchors: int,
+        per_document: bool,
+        block_size: int,
+        label_target: str,
+        distill: bool,
+        seed: int,
+    ) -> None:
+        self.root = Path(info.path)
+        self.per_shard = int(info.attrs["sequences_per_shard"])
+        self.num_anchors, self.per_document = num_anchors, per_document
+        self.block_size, self.label_target = block_size, label_target
+        self.distill, self.seed = distill, seed
+        self._shards: dict[int, dict[str, zarr.Array]] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Workers open their own shard handles; never ship open ones across processes.
+        return {**self.__dict__, "_shards": {}}
+
+    def _shard(self, index: int) -> dict[str, zarr.Array]:
+        """The arrays this dataset reads from shard `index`, opened on first use and kept."""
+        if index not in self._shards:
+            path = shards_dir(self.root) / shard_name(index)
+            if not path.is_dir():
+                raise StoreError(f"{self.root}: shard {path.name} is missing; re-run extract")
+            group = zarr.open_group(path, mode="r", zarr_format=3)
+            names = [*SEQUENCE_FIELDS, *(DISTILL_FIELDS if self.distill else ())]
+            self._shards[index] = {name: group[name] for name in names}
+        return self._shards[index]
+
+    def __getitem__(self, key: ItemKey) -> dict[str, Any]:
+        index, epoch, is_pad = key
+        shard = self._shard(index // self.per_shard)
+        row = index % self.per_shard
+        arrays = {name: np.asarray(a[row]) for name, a in shard.items()}
+        hidden_SKD = bits_to_bf16(arrays.pop("hidden"))
+        arrays = {name: torch.from_numpy(a) for name, a in arrays.items()}
+        tokens_S = arrays["tokens"].long()
+        loss_mask_S = arrays["loss_mask"].bool()
+        document_ids_S = arrays["document_ids"].long()
+        gen = anchor_generator(self.seed, epoch, index)
+        sampled_A = sample_anchors(
+            loss_mask_S, document_ids_S, self.num_anchors, gen, per_document=self.per_document
+        )
+        # A fixed anchor count (padding -1) keeps shapes static: compiled regions never recompile.
+        anchors_A = pad_anchors(sampled_A, self.num_anchors)
+        if self.label_target == "data":
+            source_S = tokens_S
+        else:  # stored argmax[t] predicts token t + 1: shift so index t labels token t
+            source_S = next_token_source(arrays["target_argmax"].long())
+        labels_AB, weights_AB = block_labels(
+            anchors_A, tokens_S, loss_mask_S, document_ids_S, source_S, self.block_size
+        )
+        item = {
+            "index": -1 if is_pad else index,
+            "tokens_S": tokens_S,
+            "position_ids_S": arrays["position_ids"].long(),
+            "document_ids_S": document_ids_S,
+            "hidden_SKD": hidden_SKD,
+            "anchors_A": anchors_A,
+            "labels_AB": labels_AB,
+            "weights_AB": weights_AB.float() * (0.0 if is_pad else 1.0),
+        }
+        if self.distill:
+            logprobs_Sk = arrays["topk_logits"] - arrays["logsumexp"][:, None]
+            ids_Sk = next_token_source(arrays["topk_ids"].long())
+            item["topk_ids_ABk"] = block_gather(anchors_A, ids_Sk, self.block_size)
+            item["topk_logprobs_ABk"] = block_gather(
+                anchors_A, next_token_source(logprobs_Sk), self.block_size
+            )
+        return item
+
+
+def collate(items: list[dict[str, Any]]) -> Batch:
+    """Lay the sequences end to end; shift anchors, make document ids batch-unique, and move
+    every padding anchor (-1) behind the real ones, as the attention mask expects."""
+    S = items[0]["tokens_S"].shape[0]
+    doc_parts, anchor_parts, next_doc = [], [], 0
+    for i, item in enumerate(items):
+        docs_S = item["document_ids_S"]
+        real_S = docs_S >= 0
+        _, dense_S = torch.unique(docs_S[real_S], return_inverse=True)
+        renumbered_S = torch.full_like(docs_S, -1)
+        renumbered_S[real_S] = dense_S + next_doc
+        next_doc += int(dense_S.max()) + 1 if real_S.any() else 0
+        doc_parts.append(renumbered_S)
+        anchors_A = item["anchors_A"]
+        anchor_parts.append(torch.where(anchors_A >= 0, anchors_A + i * S, -1))
+    anchors_A = torch.cat(anchor_parts)
+    order_A = torch.argsort((anchors_A < 0).to(torch.int8), stable=True)
+
+    def blocks(name: str) -> torch.Tensor:
+        return torch.cat([item[name] for item in items])[order_A]
+
+    distill = "topk_ids_ABk" in items[0]
+    return Batch(
+        indices=torch.tensor([item["index"] for item in items]),
+        tokens_T=torch.cat([item["tokens_S"] for item in items]),
+        position_ids_T=torch.cat([item["position_ids_S"] for item in items]),
+        document_ids_T=torch.cat(doc_parts),
+        hidden_TKD=torch.cat([item["hidden_SKD"] for item in items]),
+        anchors_A=anchors_A[order_A],
+        labels_AB=blocks("labels_AB"),
+        weights_AB=blocks("weights_AB"),
+        topk_ids_ABk=blocks("topk_ids_ABk") if distill else None,
+        topk_logprobs_ABk=blocks("topk_logprobs_ABk") if distill else None,
+    )
+
+
+def make_loader(
+    dataset: StoreSequences,
+    sampler: torch.utils.data.Sampler[list[ItemKey]],
+    num_workers: int,
+    prefetch: int,
+    pin_memory: bool,
+) -> torch.utils.data.DataLoader:
+    """A DataLoader over `sampler`'s micro-batches; workers persist across epochs."""
+    extra: dict[str, Any] = {}
+    if num_workers > 0:
+        extra = {"prefetch_factor": prefetch, "persistent_workers": True}
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=collate,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        **extra,
+    )

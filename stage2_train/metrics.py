@@ -1,0 +1,67 @@
+"""Training metrics: `RUN/metrics.jsonl` (one JSON object per optimizer step) and the log line.
+
+On resume the file is cut back to the steps the checkpoint covers, so the file of a resumed run
+reads exactly like the file of an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class MetricsWriter:
+    """Appends one JSON line per step (rank 0 only)."""
+
+    def __init__(self, path: Path, *, enabled: bool, keep_until: int) -> None:
+        self.path, self.enabled = path, enabled
+        if enabled and path.exists():
+            kept = [
+                line
+                for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] <= keep_until
+            ]
+            path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def memory_gb(device: torch.device) -> float:
+    """Peak accelerator memory allocated (GPU), or peak resident set size (CPU), in GB."""
+    if device.type == "cuda":
+        return round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return round(peak / (1e9 if sys.platform == "darwin" else 1e6), 2)
+
+
+def _slots(values: list[float]) -> str:
+    """Per-slot accuracies (slots 1..B-1) summarised: first, middle, last, mean."""
+    if not values:
+        return "-"
+    mid = values[len(values) // 2]
+    mean = sum(values) / len(values)
+    return f"{values[0]:.3f}/{mid:.3f}/{values[-1]:.3f} (mean {mean:.3f})"
+
+
+def format_line(record: dict[str, Any], total_steps: int) -> str:
+    """One dense log line of a step record (and its evaluation, when it has one)."""
+    line = (
+        f"step {record['step']}/{total_steps} ep {record['epoch']} loss {record['loss']:.4f} "
+        f"acc[1/mid/last] {_slots(record['acc'])} lr {record['lr']:.2e} "
+        f"gnorm {record['grad_norm']:.3f} tok/s {record['tokens_per_s']:.0f} "
+        f"mem {record['mem_gb']:.2f}GB"
+    )
+    if "eval_tau" in record:
+        line += (
+            f" | eval loss {record['eval_loss']:.4f} acc {_slots(record['eval_acc'])} "
+            f"tau {record['eval_tau']:.3f} (marginal {record['eval_tau_marginal']:.3f})"
+        )
+    return line

@@ -1,0 +1,127 @@
+"""Which sequences each rank reads, in which order: the split, the epochs, the remainder.
+
+The last `holdout_sequences` sequences of the store are held out for evaluation. Each epoch
+shuffles the training sequences with a generator seeded by (seed, epoch). The order is cut into
+optimizer steps of `world * batch * accum` sequences; within a step, micro-batch m of rank r
+takes the slice [(m * world + r) * batch, ... + batch). Ranks therefore read disjoint sequences.
+
+Remainder: when the training count is not a multiple of `world * batch * accum`, the last step
+is filled with *padding items*, copies of the epoch's first sequences whose loss weights are
+zero. Every sequence is seen exactly once per epoch, every rank runs the same number of steps,
+and padding changes no loss and no gradient because the trainer normalises by the global sum
+of weights (all-reduced), never by item counts. Held-out sequences are spread the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from common.store import StoreError, StoreInfo
+
+# Key of one item: (global sequence index, epoch, is padding).
+ItemKey = tuple[int, int, bool]
+
+EVAL_EPOCH = -1  # anchors of held-out sequences use their own, fixed seed stream
+
+
+@dataclass(frozen=True)
+class SequenceSplit:
+    """How many sequences the store has and which are held out (the last ones)."""
+
+    num_sequences: int
+    num_holdout: int
+
+    @property
+    def num_train(self) -> int:
+        return self.num_sequences - self.num_holdout
+
+    @property
+    def holdout(self) -> range:
+        return range(self.num_train, self.num_sequences)
+
+
+def split_store(info: StoreInfo, holdout_sequences: int) -> SequenceSplit:
+    """Count the sequences from the root attributes and check enough remain for training."""
+    total = int(info.attrs.get("counts", {}).get("sequences", 0))
+    if total == 0:
+        raise StoreError(f"{info.path}: the store holds 0 sequences; extract some data first")
+    if total <= holdout_sequences:
+        raise StoreError(
+            f"{info.path}: {total} sequences cannot spare data.holdout_sequences="
+            f"{holdout_sequences} for evaluation and still train; lower it or extract more data"
+        )
+    return SequenceSplit(total, holdout_sequences)
+
+
+class EpochPlan:
+    """Which sequences rank `rank` reads at each micro-batch of each epoch."""
+
+    def __init__(
+        self, num_train: int, world: int, rank: int, batch: int, accum: int, seed: int
+    ) -> None:
+        self.num_train, self.world, self.rank = num_train, world, rank
+        self.batch, self.accum, self.seed = batch, accum, seed
+        self.per_step = world * batch * accum
+        self.steps_per_epoch = -(-num_train // self.per_step)
+
+    def order(self, epoch: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.num_train, generator=gen)
+
+    def micro_batches(self, epoch: int, start_step: int = 0) -> Iterator[list[ItemKey]]:
+        """This rank's micro-batches of `epoch`, from optimizer step `start_step` on."""
+        order = self.order(epoch).tolist()
+        padded = self.steps_per_epoch * self.per_step
+        for step in range(start_step, self.steps_per_epoch):
+            for m in range(self.accum):
+                base = ((step * self.accum + m) * self.world + self.rank) * self.batch
+                keys = []
+                for pos in range(base, base + self.batch):
+                    is_pad = pos >= self.num_train
+                    keys.append((order[pos % self.num_train], epoch, is_pad))
+                assert base + self.batch <= padded
+                yield keys
+
+
+class PlanSampler(torch.utils.data.Sampler[list[ItemKey]]):
+    """A batch sampler whose epoch and start step are set before each `iter(loader)`."""
+
+    def __init__(self, plan: EpochPlan) -> None:
+        self.plan = plan
+        self.epoch, self.start_step = 0, 0
+
+    def set_position(self, epoch: int, start_step: int) -> None:
+        self.epoch, self.start_step = epoch, start_step
+
+    def __iter__(self) -> Iterator[list[ItemKey]]:
+        return self.plan.micro_batches(self.epoch, self.start_step)
+
+    def __len__(self) -> int:
+        return (self.plan.steps_per_epoch - self.start_step) * self.plan.accum
+
+
+class HoldoutSampler(torch.utils.data.Sampler[list[ItemKey]]):
+    """This rank's share of the held-out sequences, padded like training (zero weights)."""
+
+    def __init__(self, split: SequenceSplit, world: int, rank: int, batch: int) -> None:
+        per_round = world * batch
+        held = list(split.holdout)
+        rounds = -(-len(held) // per_round) if held else 0
+        self.batches = []
+        for r in range(rounds):
+            base = (r * world + rank) * batch
+            self.batches.append(
+                [
+                    (held[p % len(held)], EVAL_EPOCH, p >= len(held))
+                    for p in range(base, base + batch)
+                ]
+            )
+
+    def __iter__(self) -> Iterator[list[ItemKey]]:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)

@@ -1,0 +1,219 @@
+"""`dflash train`: train the DFlash drafter from a store, data parallel over `run.devices`.
+
+    dflash train --config configs/debug.yaml --store STORE --out RUN [--devices 0,1 | cpu]
+
+`run_train` checks the store and the drafter config in the calling process (so mistakes fail
+before any worker starts), then starts one process per device through
+`common.distributed.launch` (torchrun's launcher; under `torchrun` it runs inline). Every worker
+runs `train_worker`: DDP over the drafter, the store loader, AdamW + cosine schedule, held-out
+evaluation, checkpoints in RUN/step-NNNNNN/ and the export in RUN/export/. Rerunning the same
+command resumes from the newest checkpoint; on the CPU the resumed losses equal the
+uninterrupted run's exactly.
+
+Loss normalisation: the loss of an optimizer step is sum(w * CE) / sum(w) over every labelled
+slot of every micro-batch of every rank (the denominator is all-reduced before the backward).
+Padding items (see plan.py) have w = 0, so remainders are neither dropped nor duplicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from common.distributed import WorkerContext, finish_worker, init_worker, launch, parse_devices
+from common.logging import get_logger, init_logger
+from stage2_train.anchors import slot_weights
+from stage2_train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from stage2_train.config import TrainConfig
+from stage2_train.data import StoreSequences, make_loader
+from stage2_train.evaluate import evaluate
+from stage2_train.export import export_drafter
+from stage2_train.inputs import check_inputs, check_same_run
+from stage2_train.metrics import MetricsWriter, format_line, memory_gb
+from stage2_train.model import DFlashDrafter
+from stage2_train.plan import EpochPlan, HoldoutSampler, PlanSampler, split_store
+from stage2_train.step import load_frozen_head
+from stage2_train.trainstep import StepRunner, replica_fingerprint
+
+log = get_logger()
+
+
+def run_train(cfg: TrainConfig) -> None:
+    """Check inputs, then train on every device of `run.devices` (see the module docstring)."""
+    check_inputs(cfg)
+    devices = parse_devices(cfg.run.devices)
+    Path(cfg.run.out).mkdir(parents=True, exist_ok=True)
+    launch(_worker, devices, cfg, devices)
+
+
+def _worker(cfg: TrainConfig, devices: list[str]) -> None:
+    init_logger()
+    ctx = init_worker(devices)
+    try:
+        train_worker(cfg, ctx)
+    finally:
+        finish_worker()
+
+
+def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
+    """The training loop of one rank."""
+    info, shape = check_inputs(cfg)
+    out = Path(cfg.run.out)
+    dtype = getattr(torch, cfg.run.dtype)
+    device = ctx.device
+    split = split_store(info, cfg.data.holdout_sequences)
+    head = load_frozen_head(cfg.data.store, device, dtype)
+    B = cfg.drafter.block_size
+    slot_w_B = slot_weights(B, cfg.loss.gamma).to(device)
+    backend = "flex" if device.type == "cuda" and cfg.run.compile_attention else "sdpa"
+
+    torch.manual_seed(cfg.run.seed)  # identical init on every rank (DDP also broadcasts it)
+    model = DFlashDrafter(shape).to(device=device, dtype=dtype)
+    ddp = model
+    if ctx.world_size > 1:
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device] if device.type == "cuda" else None
+        )
+
+    def dataset(target: str, distill: bool) -> StoreSequences:
+        return StoreSequences(
+            info,
+            num_anchors=cfg.anchors.num_anchors,
+            per_document=cfg.anchors.per_document,
+            block_size=B,
+            label_target=target,
+            distill=distill,
+            seed=cfg.data.seed,
+        )
+
+    distill = cfg.loss.distill_weight > 0
+    pin = device.type == "cuda"
+    plan = EpochPlan(
+        split.num_train,
+        ctx.world_size,
+        ctx.rank,
+        cfg.optim.batch_sequences,
+        cfg.optim.grad_accum,
+        cfg.data.seed,
+    )
+    sampler = PlanSampler(plan)
+    loader = make_loader(
+        dataset(cfg.loss.target, distill), sampler, cfg.data.num_workers, cfg.data.prefetch, pin
+    )
+    holdout = HoldoutSampler(split, ctx.world_size, ctx.rank, cfg.optim.batch_sequences)
+    eval_loader = make_loader(dataset("argmax", False), holdout, 0, cfg.data.prefetch, pin)
+
+    total_steps = plan.steps_per_epoch * cfg.optim.epochs
+    if cfg.optim.max_steps is not None:
+        total_steps = min(total_steps, cfg.optim.max_steps)
+    runner = StepRunner(model, ddp, head, cfg, slot_w_B, backend, device, total_steps)
+    state = TrainState(step=0, epoch=0, step_in_epoch=0)
+    resume = latest_checkpoint(out)
+    config_dict = dataclasses.asdict(cfg)
+    if resume is not None:
+        state, meta = load_checkpoint(
+            resume,
+            model=model,
+            optimizer=runner.optimizer,
+            scheduler=runner.scheduler,
+            rank=ctx.rank,
+            device=device,
+        )
+        check_same_run(meta["config"], config_dict, resume)
+        log.info("resumed from %s (step %d, epoch %d)", resume, state.step, state.epoch)
+    metrics = MetricsWriter(out / "metrics.jsonl", enabled=ctx.is_main, keep_until=state.step)
+
+    def run_eval() -> dict[str, Any]:
+        return evaluate(
+            model,
+            head,
+            eval_loader,
+            block_size=B,
+            mask_token_id=shape.mask_token_id,
+            backend=backend,
+            slot_weights_B=slot_w_B,
+            chunk_tokens=cfg.loss.head_chunk_tokens,
+            device=device,
+        )
+
+    extra_meta = {
+        "store": str(info.path),
+        "shape": dataclasses.asdict(shape),
+        "target": {"tapped_layers": info.tapped_layers, "config": info.attrs["target"]["config"]},
+    }
+
+    def checkpoint() -> None:
+        fingerprints = replica_fingerprint(model, ctx.world_size)
+        if any(f != fingerprints[0] for f in fingerprints[::2]):
+            raise RuntimeError(f"data-parallel replicas diverged: {fingerprints}")
+        extra_meta["replica_fingerprints"] = fingerprints
+        save_checkpoint(
+            out,
+            state,
+            model=model,
+            optimizer=runner.optimizer,
+            scheduler=runner.scheduler,
+            config=config_dict,
+            rank=ctx.rank,
+            keep=cfg.run.keep_checkpoints,
+            extra_meta=extra_meta,
+        )
+
+    log.info(
+        "training %s: %d sequences (%d held out), %d steps/epoch, %d steps, world %d, %s",
+        shape,
+        split.num_train,
+        split.num_holdout,
+        plan.steps_per_epoch,
+        total_steps,
+        ctx.world_size,
+        backend,
+    )
+    bar = tqdm(
+        total=total_steps,
+        initial=state.step,
+        disable=not (ctx.is_main and cfg.run.progress),
+        desc="train",
+        dynamic_ncols=True,
+    )
+    batches = None
+    while state.step < total_steps:
+        if state.step_in_epoch >= plan.steps_per_epoch:
+            state.epoch, state.step_in_epoch = state.epoch + 1, 0
+        if batches is None:
+            sampler.set_position(state.epoch, state.step_in_epoch)
+            batches = iter(loader)
+        started = time.perf_counter()
+        micro = [next(batches) for _ in range(cfg.optim.grad_accum)]
+        record = runner.step(micro)
+        state.step += 1
+        state.step_in_epoch += 1
+        state.tokens_seen += record.pop("labelled_tokens")
+        if state.step_in_epoch >= plan.steps_per_epoch:
+            batches = None  # the epoch's iterator is exhausted
+        record.update(step=state.step, epoch=state.epoch, mem_gb=memory_gb(device))
+        record["step_s"] = round(time.perf_counter() - started, 4)
+        record["tokens_per_s"] = round(record["tokens"] / record["step_s"], 1)
+        last = state.step == total_steps
+        if (cfg.run.eval_every and state.step % cfg.run.eval_every == 0) or last:
+            record.update(run_eval())
+        metrics.write(record)
+        bar.update(1)
+        if ctx.is_main and (state.step % cfg.run.log_every == 0 or last or "eval_tau" in record):
+            bar.write(format_line(record, total_steps))
+        if (cfg.run.checkpoint_every and state.step % cfg.run.checkpoint_every == 0) or last:
+            checkpoint()
+    bar.close()
+    if ctx.is_main:
+        path = export_drafter(
+            model, shape, info.tapped_layers, info.attrs["target"]["config"], out / "export"
+        )
+        log.info("exported the drafter to %s", path)
+    if dist.is_initialized():
+        dist.barrier()

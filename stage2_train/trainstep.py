@@ -1,0 +1,153 @@
+"""One optimizer step: gradient accumulation over micro-batches, DDP, clipping, AdamW.
+
+The step's loss is sum(w * (CE + distill_weight * KL)) / sum(w) over every labelled slot of all
+micro-batches on all ranks. The denominator is all-reduced *before* the backward, from the
+weights the loader already computed, so every micro-batch's gradient is scaled by the same
+global constant: the result does not depend on how sequences are split over ranks and
+micro-batches, and zero-weight padding items change nothing.
+
+Legend: A anchors, B block size, Q = A*B query tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from stage2_train.config import TrainConfig
+from stage2_train.data import Batch
+from stage2_train.loss import chunked_block_loss
+from stage2_train.schedule import build_optimizer, build_scheduler
+from stage2_train.step import FrozenHead, forward_batch
+
+
+def _all_reduce(value: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(value)
+    return value
+
+
+class StepRunner:
+    """Owns the optimizer and schedule; `step(micro_batches)` runs one optimizer step."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        ddp: torch.nn.Module,
+        head: FrozenHead,
+        cfg: TrainConfig,
+        slot_weights_B: torch.Tensor,
+        backend: str,
+        device: torch.device,
+        total_steps: int,
+    ) -> None:
+        self.model, self.ddp, self.head, self.cfg = model, ddp, head, cfg
+        self.slot_weights_B, self.backend, self.device = slot_weights_B, backend, device
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.params, cfg.optim, device)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, total_steps)
+
+    def step(self, micro_batches: list[Batch]) -> dict[str, Any]:
+        """Forward/backward every micro-batch, clip, update; returns the step's metrics."""
+        started = time.perf_counter()
+        B = self.cfg.drafter.block_size
+        batches = [b.to(self.device) for b in micro_batches]
+        weights = [b.weights_AB * self.slot_weights_B[None] for b in batches]
+        local = torch.stack([w.sum() for w in weights]).sum().double()
+        denom = _all_reduce(local.clone()).clamp(min=1e-12)
+        sums = torch.zeros(4, dtype=torch.float64, device=self.device)  # ce, kl, weight, labelled
+        correct_B = torch.zeros(B, dtype=torch.float64, device=self.device)
+        total_B = torch.zeros(B, dtype=torch.float64, device=self.device)
+        for i, (batch, weights_AB) in enumerate(zip(batches, weights, strict=True)):
+            last = i == len(batches) - 1
+            sync = (
+                contextlib.nullcontext() if last or self.ddp is self.model else self.ddp.no_sync()
+            )
+            with sync:
+                hidden_QD = forward_batch(
+                    self.ddp,
+                    self.head,
+                    batch,
+                    block_size=B,
+                    mask_token_id=self.model.shape.mask_token_id,
+                    backend=self.backend,
+                )
+                loss, stats = chunked_block_loss(
+                    hidden_QD,
+                    self.head.lm_head_VD,
+                    batch.labels_AB,
+                    weights_AB,
+                    self.cfg.loss.head_chunk_tokens,
+                    topk_ids_Qk=_flat(batch.topk_ids_ABk),
+                    topk_logprobs_Qk=_flat(batch.topk_logprobs_ABk),
+                    distill_weight=self.cfg.loss.distill_weight,
+                    temperature=self.cfg.loss.distill_temperature,
+                )
+                # loss is normalised by this micro-batch's weights: rescale to the global
+                # denominator; DDP averages over ranks, hence the factor world.
+                scale = stats["weight_sum"].double() * self.world / denom
+                (loss * scale.to(loss.dtype)).backward()
+            sums += torch.stack(
+                [stats["ce_sum"], stats["distill_sum"], stats["weight_sum"], stats["total_B"].sum()]
+            ).double()
+            correct_B += stats["correct_B"].double()
+            total_B += stats["total_B"].double()
+        clip = self.cfg.optim.grad_clip
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.params, clip if clip > 0 else float("inf"), foreach=True
+        )
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+        seqs = _gather_indices(torch.cat([b.indices for b in batches]), self.world)
+        packed = _all_reduce(torch.cat([sums, correct_B, total_B]))
+        ce, kl, weight, labelled = packed[:4].tolist()
+        acc_B = (packed[4 : 4 + B] / packed[4 + B :].clamp(min=1))[1:]
+        distill_weight = self.cfg.loss.distill_weight
+        tokens = sum(b.tokens_T.numel() for b in batches) * self.world
+        return {
+            "loss": (ce + distill_weight * kl) / max(weight, 1e-12),
+            "ce": ce / max(weight, 1e-12),
+            **({"distill": kl / max(weight, 1e-12)} if distill_weight > 0 else {}),
+            "acc": [round(a, 4) for a in acc_B.tolist()],
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "tokens": tokens,
+            "labelled_tokens": int(labelled),
+            "seqs": seqs,
+            "compute_s": round(time.perf_counter() - started, 4),
+        }
+
+
+def _gather_indices(indices: torch.Tensor, world: int) -> list[list[int]]:
+    """Sequence indices read this step, per rank (-1 = zero-weight padding item): an audit
+    trail of the data order in metrics.jsonl, small next to the step's other numbers."""
+    if world == 1:
+        return [indices.tolist()]
+    gathered = [torch.empty_like(indices) for _ in range(world)]
+    dist.all_gather(gathered, indices)
+    return [g.tolist() for g in gathered]
+
+
+def replica_fingerprint(model: torch.nn.Module, world: int) -> list[float]:
+    """sum and sum of squares of every parameter, per rank: DDP replicas must agree exactly."""
+    params = [p.detach().double() for p in model.parameters()]
+    local = torch.stack([sum(p.sum() for p in params), sum((p * p).sum() for p in params)])
+    if world == 1:
+        return local.tolist()
+    local = local.to(params[0].device)
+    gathered = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(gathered, local)
+    return [v for g in gathered for v in g.tolist()]
+
+
+def _flat(value: torch.Tensor | None) -> torch.Tensor | None:
+    """[A, B, k] -> [Q, k] (rows in the same anchor-major order as the hidden states)."""
+    return None if value is None else value.reshape(-1, value.shape[-1])
