@@ -1,0 +1,301 @@
+"""`dflash extract` on tiny targets: stored values against a fresh forward of each document
+alone, the packed layout against the document arrays, the root attributes, and bad inputs
+(clear error, exit code 2, shards already written untouched)."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from click.testing import CliRunner
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from common.cli import main as cli
+from common.config import build_config
+from common.store import HEAD_FILE, StoreError, bits_to_bf16, committed_shards, open_store
+from common.tiny import EXAMPLE_DATA
+from stage1_extract.config import ExtractConfig
+from stage1_extract.run import run_extract
+
+DEBUG = Path(__file__).parents[1] / "configs" / "debug.yaml"
+SMALL = [
+    "packing.seq_len=64",
+    "store.sequences_per_shard=2",
+    "store.chunk_tokens=32",
+    "run.batch_tokens=256",
+    "run.writer_threads=2",
+    "run.progress=false",
+    "verifier.head_chunk_tokens=50",
+]
+
+
+SHORT_ROWS = [
+    {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+    for q, a in [("Hi", "Hello."), ("2+2?", "Four."), ("Name a color.", "Blue.")]
+]
+
+
+def write_data(folder: Path, num_rows: int = 12) -> Path:
+    """The first rows of the shipped example conversations (most are split at seq_len 64),
+    then short ones that share sequences, as a JSONL file."""
+    path = folder / "data.jsonl"
+    rows = EXAMPLE_DATA.read_text().splitlines()[:num_rows]
+    path.write_text("\n".join(rows + [json.dumps(r) for r in SHORT_ROWS]) + "\n")
+    return path
+
+
+def make_config(model: Path, data: Path, out: Path, *extra: str) -> ExtractConfig:
+    flags = [f"target.model={model}", f"data.path={data}", f"store.out={out}"]
+    return build_config(ExtractConfig, DEBUG, "extract", [*SMALL, *flags, *extra])
+
+
+def cli_extract(model: Path, data: Path, out: Path, *extra: str):
+    sets = [arg for item in (*SMALL, *extra) for arg in ("--set", item)]
+    args = ["extract", "--config", str(DEBUG), "--model", str(model), "--data", str(data)]
+    return CliRunner().invoke(cli, [*args, "--out", str(out), *sets])
+
+
+def shard_arrays(store: Path, index: int) -> dict[str, np.ndarray]:
+    group = zarr.open_group(store / "shards" / f"shard-{index:06d}", mode="r")
+    return {name: array[...] for name, array in group.arrays()}
+
+
+def file_digests(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def qwen3_store(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("extract-qwen3")
+    out = folder / "store"
+    # layer 3 is the last one: stored as the decoder layer's output, before the final norm
+    run_extract(make_config(tiny_qwen3, write_data(folder), out, "target.tapped_layers=[0,1,3]"))
+    return out
+
+
+def check_against_fresh_forward(store: Path, model_dir: Path, dtype: torch.dtype, tol: float):
+    """Every stored document equals a forward of that document alone, to bf16 rounding (plus
+    `tol`, relative, for bf16 kernels that differ between a padded batch and a lone row)."""
+    info = open_store(store, require_complete=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    layers, k, num_layers = info.tapped_layers, info.topk, info.attrs["target"]["num_hidden_layers"]
+    rounding = 2.0**-8  # one bf16 ulp, relative: a value near a rounding boundary may flip
+    checked = 0
+    for index in range(info.num_shards):
+        a = shard_arrays(store, index)
+        hidden = bits_to_bf16(a["hidden"]).float()
+        for d in range(len(a["doc_length"])):
+            seq, start, length = a["doc_sequence"][d], a["doc_start"][d], a["doc_length"][d]
+            span = slice(start, start + length)
+            ids = torch.from_numpy(a["tokens"][seq, span].astype(np.int64))[None]
+            with torch.no_grad():
+                ref = model(ids, output_hidden_states=True)
+            for j, layer in enumerate(layers):
+                got = hidden[seq, span, j]
+                if layer < num_layers - 1:
+                    want = ref.hidden_states[layer + 1][0].float()
+                    torch.testing.assert_close(got, want, rtol=rounding + tol, atol=1e-5 + tol)
+                else:  # hidden_states[N] is after the final norm; the store keeps the layer output
+                    normed = model.model.norm(got.to(dtype)).float()  # of the bf16-rounded values
+                    want = ref.hidden_states[num_layers][0].float()
+                    torch.testing.assert_close(normed, want, rtol=2 * rounding, atol=1e-2 + tol)
+            logits = ref.logits[0].float()
+            # ids checked through their logits: bf16 logits tie often, and ties may order freely
+            argmax = torch.from_numpy(a["target_argmax"][seq, span].astype(np.int64))
+            top_ids = torch.from_numpy(a["topk_ids"][seq, span].astype(np.int64))
+            top_values = torch.from_numpy(a["topk_logits"][seq, span])
+            close = dict(rtol=1e-5 + tol, atol=1e-5 + tol)
+            torch.testing.assert_close(
+                logits.gather(1, argmax[:, None])[:, 0], logits.amax(-1), **close
+            )
+            torch.testing.assert_close(logits.gather(1, top_ids), top_values, **close)
+            torch.testing.assert_close(top_values, logits.topk(k, dim=-1).values, **close)
+            assert (top_ids.sort(-1).values.diff(dim=-1) > 0).all(), "top-k ids repeat"
+            if tol == 0.0:
+                assert torch.equal(argmax, logits.argmax(-1))
+                assert torch.equal(top_ids, logits.topk(k, dim=-1).indices)
+            lse = torch.from_numpy(a["logsumexp"][seq, span])
+            torch.testing.assert_close(lse, logits.logsumexp(-1), **close)
+            checked += 1
+    assert checked == info.attrs["counts"]["documents"] > info.num_shards
+
+
+def test_stored_values_equal_a_fresh_forward_of_each_document(qwen3_store: Path, tiny_qwen3):
+    check_against_fresh_forward(qwen3_store, tiny_qwen3, torch.float32, tol=0.0)
+
+
+def test_packed_layout_matches_document_arrays(qwen3_store: Path):
+    info = open_store(qwen3_store, require_complete=True)
+    S, sources = info.seq_len, []
+    for index in range(info.num_shards):
+        a = shard_arrays(qwen3_store, index)
+        expected_ids = np.full(a["tokens"].shape, -1, np.int32)
+        expected_pos = np.zeros(a["tokens"].shape, np.int32)
+        for d, (seq, start, n) in enumerate(
+            zip(a["doc_sequence"], a["doc_start"], a["doc_length"], strict=True)
+        ):
+            assert start + n <= S
+            assert (expected_ids[seq, start : start + n] == -1).all(), "documents overlap"
+            expected_ids[seq, start : start + n] = d
+            expected_pos[seq, start : start + n] = np.arange(n)
+        assert (a["document_ids"] == expected_ids).all()
+        assert (a["position_ids"] == expected_pos).all()
+        padding = expected_ids < 0
+        assert (a["loss_mask"][padding] == 0).all() and (a["hidden"][padding] == 0).all()
+        assert (a["tokens"][padding] == info.attrs["tokenizer"]["pad_token_id"]).all()
+        sources += list(zip(a["doc_source_index"], a["doc_piece"], strict=True))
+    # every source row appears, its pieces in order, nothing twice
+    assert sources == sorted(sources) and len(set(sources)) == len(sources)
+    counts = info.attrs["counts"]
+    assert counts["source_documents"] == len({s for s, _ in sources}) == 12 + len(SHORT_ROWS)
+    assert counts["documents"] > counts["sequences"]  # some sequences hold several documents
+    assert counts["documents"] == len(sources) > counts["source_documents"]  # some were split
+    assert counts["split_documents"] == sum(1 for s, p in sources if p == 1)
+    assert counts["tokens"] + counts["padding_tokens"] == counts["sequences"] * S
+
+
+def test_root_attributes_and_head_file(qwen3_store: Path, tiny_qwen3: Path):
+    info = open_store(qwen3_store, require_complete=True)
+    attrs = info.attrs
+    assert attrs["tapped_layers"] == [0, 1, 3] and attrs["topk"] == 8 and attrs["seq_len"] == 64
+    assert attrs["num_shards"] == len(committed_shards(qwen3_store)) >= 3
+    assert attrs["target"]["model_type"] == "qwen3" and attrs["target"]["num_hidden_layers"] == 4
+    assert attrs["dataset"]["format"] == "messages" and attrs["dataset"]["num_rows"] == 15
+    assert len(attrs["content_key"]) == 64 and attrs["tokenizer"]["mask_token_id"] is not None
+    head = load_file(qwen3_store / HEAD_FILE)
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.bfloat16)
+    assert torch.equal(head["lm_head.weight"], model.lm_head.weight)
+    assert torch.equal(head["embed_tokens.weight"], model.model.embed_tokens.weight)
+    assert torch.equal(head["norm.weight"], model.model.norm.weight)
+    assert not list((qwen3_store / "shards").glob(".tmp-*"))
+
+
+def test_bf16_llama_with_default_layers(tiny_llama: Path, tmp_path: Path):
+    out = tmp_path / "store"
+    run_extract(make_config(tiny_llama, write_data(tmp_path, 4), out, "target.dtype=bfloat16"))
+    info = open_store(out, require_complete=True)
+    assert info.tapped_layers == [0, 1, 2]  # 4 layers: 1..N-3 is too short, 0..N-2 is used
+    # bf16 kernels differ slightly between a padded batch and a lone document
+    check_against_fresh_forward(out, tiny_llama, torch.bfloat16, tol=3e-2)
+
+
+def test_layer_ids_out_of_range_exit_2(tiny_qwen3: Path, tmp_path: Path):
+    result = cli_extract(
+        tiny_qwen3, write_data(tmp_path), tmp_path / "s", "target.tapped_layers=[1,4]"
+    )
+    assert result.exit_code == 2
+    assert "[4] out of range" in result.output and "4 decoder layers" in result.output
+    assert not (tmp_path / "s").exists()
+
+
+def test_missing_model_folder_exit_2(tmp_path: Path):
+    result = cli_extract(tmp_path / "no-model", write_data(tmp_path), tmp_path / "s")
+    assert (
+        result.exit_code == 2 and "no-model" in result.output and "no such folder" in result.output
+    )
+
+
+@pytest.fixture
+def existing_store(qwen3_store: Path, tmp_path: Path) -> Path:
+    """A private copy of the finished store, to try to damage."""
+    return Path(shutil.copytree(qwen3_store, tmp_path / "existing"))
+
+
+BAD_DATA = {
+    "missing-file": None,
+    "no-column": '{"prompt": "hi"}\n',
+    "empty-conversation": '{"messages": []}\n',
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_DATA))
+def test_bad_data_exit_2_and_store_untouched(case, existing_store, tiny_qwen3, tmp_path):
+    data = tmp_path / f"{case}.jsonl"
+    if BAD_DATA[case] is not None:
+        data.write_text(BAD_DATA[case])
+    before = file_digests(existing_store)
+    result = cli_extract(tiny_qwen3, data, existing_store, "target.tapped_layers=[0,1,3]")
+    assert result.exit_code == 2 and "error:" in result.output
+    assert str(data.name) in result.output or str(data) in result.output
+    assert file_digests(existing_store) == before
+
+
+def test_tokenizer_without_chat_template_exit_2(tiny_qwen3: Path, tmp_path: Path):
+    model = Path(shutil.copytree(tiny_qwen3, tmp_path / "model"))
+    (model / "chat_template.jinja").unlink()
+    result = cli_extract(model, write_data(tmp_path), tmp_path / "s")
+    assert result.exit_code == 2 and "chat_template" in result.output
+
+
+def test_store_of_another_target_or_config_is_refused(
+    existing_store, tiny_qwen3, tiny_llama, tmp_path
+):
+    data, before = write_data(tmp_path), file_digests(existing_store)
+    result = cli_extract(tiny_llama, data, existing_store, "target.tapped_layers=[0,1,3]")
+    assert result.exit_code == 2 and "target" in result.output and "--overwrite" in result.output
+    result = cli_extract(tiny_qwen3, data, existing_store, "target.tapped_layers=[0,1,2]")
+    assert result.exit_code == 2 and "tapped_layers" in result.output
+    assert file_digests(existing_store) == before
+    # --overwrite replaces it
+    result = cli_extract(
+        tiny_llama, data, existing_store, "target.tapped_layers=[0,1,3]", "store.overwrite=true"
+    )
+    assert result.exit_code == 0, result.output
+    assert (
+        open_store(existing_store, require_complete=True).attrs["target"]["model_type"] == "llama"
+    )
+
+
+def test_store_of_another_format_version_is_refused(existing_store, tiny_qwen3, tmp_path):
+    meta = existing_store / "zarr.json"
+    doc = json.loads(meta.read_text())
+    doc["attributes"]["dflash"]["format_version"] = 2
+    meta.write_text(json.dumps(doc))
+    before = file_digests(existing_store)
+    result = cli_extract(
+        tiny_qwen3, write_data(tmp_path), existing_store, "target.tapped_layers=[0,1,3]"
+    )
+    assert result.exit_code == 2 and "format version 2" in result.output
+    assert file_digests(existing_store) == before
+
+
+def test_full_disk_is_a_clear_error_and_keeps_committed_shards(
+    tiny_qwen3, tmp_path, monkeypatch, qwen3_store
+):
+    real_create = zarr.Group.create_array
+
+    def create_array(self, name, **kwargs):
+        if name == "hidden" and "shard-000002" in str(self.store_path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_create(self, name, **kwargs)
+
+    monkeypatch.setattr(zarr.Group, "create_array", create_array)
+    out, data = tmp_path / "store", write_data(tmp_path)
+    cfg = make_config(tiny_qwen3, data, out, "target.tapped_layers=[0,1,3]", "run.writer_threads=1")
+    with pytest.raises(StoreError, match="disk full while writing shard 2") as err:
+        run_extract(cfg)
+    assert str(out) in str(err.value) and "GiB free" in str(err.value) and "rerun" in str(err.value)
+    assert not list((out / "shards").glob(".tmp-*"))
+    assert {0, 1} <= set(committed_shards(out)) and 2 not in committed_shards(out)
+    assert not open_store(out).complete
+    kept = {i: shard_arrays(out, i) for i in committed_shards(out)}
+    monkeypatch.undo()  # space is back: the same command finishes the store
+    run_extract(cfg)
+    for index, arrays in kept.items():
+        for name, values in arrays.items():
+            assert np.array_equal(values, shard_arrays(out, index)[name]), (index, name)
+    for index in range(open_store(out, require_complete=True).num_shards):
+        for name, values in shard_arrays(qwen3_store, index).items():
+            assert np.array_equal(values, shard_arrays(out, index)[name]), (index, name)
