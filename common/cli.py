@@ -145,5 +145,35 @@ def inspect_cmd(args: tuple[str, ...], sample: int, as_json: bool) -> None:
         _fail(err)
 
 
+@main.command()
+@click.option("--target", required=True, help="target model folder or hub id")
+@click.option("--data", required=True, help="JSON/JSONL(.gz) of text documents for prompts")
+@click.option("--drafter", default=None, help="exported drafter folder (RUN/export)")
+@click.option("--num-prompts", default=12, show_default=True, type=int)
+@click.option("--prompt-tokens", default=256, show_default=True, type=int)
+@click.option("--new-tokens", default=128, show_default=True, type=int)
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda:N")
+@click.option(
+    "--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"])
+)
+@click.option("--json-out", default=None, help="also write the figures to this JSON file")
+def evaluate(json_out: str | None, **kwargs: Any) -> None:
+    """Online acceptance length (tau) of a drafter vs prompt lookup, greedy verification."""
+    import json
+
+    from stage2_train.evaluate_cli import EvaluateConfig, run_evaluate
+
+    init_logger()
+    try:
+        results = run_evaluate(EvaluateConfig(**kwargs))
+    except ValueError as err:
+        _fail(err)
+    text = json.dumps(results, indent=2)
+    click.echo(text)
+    if json_out:
+        with open(json_out, "w") as f:
+            f.write(text)
+
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,85 @@
+"""`dflash evaluate`: online acceptance length of a trained drafter against prompt lookup.
+
+Loads the target (its embedding and LM head serve the drafter, as at serving time), takes
+the first `prompt_tokens` tokens of the first `num_prompts` documents of a text dataset as
+prompts, and generates `new_tokens` greedily with each drafter; prints tau per method.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from common.logging import get_logger
+from stage2_train.acceptance import (
+    TappedTarget,
+    dflash_draft_fn,
+    measure_acceptance,
+    prompt_lookup_draft,
+)
+
+
+@dataclass
+class EvaluateConfig:
+    target: str
+    data: str
+    drafter: str | None = None
+    num_prompts: int = 12
+    prompt_tokens: int = 256
+    new_tokens: int = 128
+    device: str = "cpu"
+    dtype: str = "float32"
+    text_field: str = "text"
+
+
+def load_prompts(cfg: EvaluateConfig, tokenizer) -> list[list[int]]:
+    import datasets
+
+    path = Path(cfg.data)
+    if not path.exists():
+        raise ValueError(f"--data {path} does not exist; pass a .json/.jsonl(.gz) of documents")
+    rows = datasets.load_dataset("json", data_files=str(path), split="train")
+    if cfg.text_field not in rows.column_names:
+        raise ValueError(f"{path}: no column {cfg.text_field!r} (found {rows.column_names})")
+    texts = rows[cfg.text_field][: cfg.num_prompts]
+    return [tokenizer(text)["input_ids"][: cfg.prompt_tokens] for text in texts]
+
+
+def run_evaluate(cfg: EvaluateConfig) -> dict:
+    """Measure tau for prompt lookup and, when given, the DFlash drafter; return the figures."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stage2_train.export import load_export
+
+    log = get_logger()
+    dtype = getattr(torch, cfg.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.target)
+    model = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=dtype).to(cfg.device).eval()
+    prompts = load_prompts(cfg, tokenizer)
+    results: dict = {"num_prompts": len(prompts), "new_tokens": cfg.new_tokens}
+
+    lookup = measure_acceptance(
+        TappedTarget(model, None),
+        prompts,
+        lambda toks, _: prompt_lookup_draft(toks, 15),
+        cfg.new_tokens,
+    )
+    results["prompt_lookup"] = {"tau": lookup.tau, "tau_per_prompt": lookup.tau_per_prompt}
+    log.info("prompt lookup: tau %.3f", lookup.tau)
+
+    if cfg.drafter:
+        drafter = load_export(cfg.drafter).to(cfg.device, dtype).eval()
+        config = json.loads((Path(cfg.drafter) / "config.json").read_text())
+        tapped = config["dflash_config"]["target_layer_ids"]
+        draft = dflash_draft_fn(
+            drafter,
+            model.get_input_embeddings().weight.detach(),
+            model.get_output_embeddings().weight.detach(),
+        )
+        dflash = measure_acceptance(TappedTarget(model, tapped), prompts, draft, cfg.new_tokens)
+        results["dflash"] = {"tau": dflash.tau, "tau_per_prompt": dflash.tau_per_prompt}
+        log.info("dflash: tau %.3f", dflash.tau)
+    return results

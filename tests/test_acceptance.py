@@ -1,0 +1,83 @@
+"""Online acceptance: speculative decoding must reproduce plain greedy decoding exactly,
+whatever the drafter proposes; prompt lookup and DFlash drafts are checked against references."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from stage2_train.acceptance import (
+    TappedTarget,
+    dflash_draft_fn,
+    measure_acceptance,
+    prompt_lookup_draft,
+    speculative_generate,
+)
+from stage2_train.config import DrafterConfig
+from stage2_train.model import DFlashDrafter, drafter_shape
+
+
+def greedy_reference(model: torch.nn.Module, prompt: list[int], num_new: int) -> list[int]:
+    tokens = list(prompt)
+    with torch.inference_mode():
+        for _ in range(num_new):
+            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt) :]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_qwen3: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
+
+
+def test_prompt_lookup_copies_latest_longest_match() -> None:
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    # suffix [2, 3] (n=2; n>=3 never occurred before): latest earlier match at index 5 -> 7, 8, 5
+    assert prompt_lookup_draft(tokens, 3) == [7, 8, 5]
+    assert prompt_lookup_draft([4, 5, 6], 3) == []
+
+
+@pytest.mark.parametrize("drafter", ["oracle", "wrong", "lookup"])
+def test_speculative_output_equals_greedy(target: torch.nn.Module, drafter: str) -> None:
+    prompt = [5, 17, 42, 8, 5, 17, 42]
+    expected = greedy_reference(target, prompt, 24)
+
+    def draft(tokens: list[int], _feats: torch.Tensor | None) -> list[int]:
+        done = len(tokens) - len(prompt)
+        if drafter == "oracle":
+            return expected[done : done + 7]
+        if drafter == "wrong":
+            return [(t + 1) % 100 for t in expected[done : done + 7]]
+        return prompt_lookup_draft(tokens, 7)
+
+    generated, gains = speculative_generate(TappedTarget(target, None), prompt, draft, 24)
+    assert generated == expected
+    assert sum(gains) == 23  # the prefill forward gives the first token
+    if drafter == "oracle":
+        assert len(gains) <= 3  # 7 accepted + 1 bonus per forward
+    if drafter == "wrong":
+        assert all(g == 1 for g in gains)
+
+
+def test_dflash_drafter_keeps_greedy_output(target: torch.nn.Module) -> None:
+    config = target.config.to_dict()
+    shape = drafter_shape(
+        DrafterConfig(num_layers=1, block_size=4), config, 2, config["vocab_size"], 3
+    )
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(shape).eval()
+    draft = dflash_draft_fn(
+        drafter, target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    )
+    prompt = [5, 17, 42, 8, 5, 17, 42]
+    expected = greedy_reference(target, prompt, 12)
+    tapped = TappedTarget(target, [0, 2])
+    generated, gains = speculative_generate(tapped, prompt, draft, 12)
+    assert generated == expected
+    proposals = draft(prompt + expected[:1], tapped(prompt)[1])
+    assert len(proposals) == shape.block_size - 1
+    result = measure_acceptance(tapped, [prompt], draft, 12)
+    assert result.tau == pytest.approx(11 / len(gains))
