@@ -1,0 +1,300 @@
+"""`dflash inspect STORE`: what a store holds, where it came from, and what its tokens look like.
+
+    dflash inspect STORE              human-readable summary
+    dflash inspect STORE --json       the same as one JSON object
+    dflash inspect STORE --sample 3   also decode 3 sequences, loss spans marked ⟦like this⟧
+    dflash inspect verify STORE       check every shard (common/inspect_verify.py)
+
+The summary reads only metadata (root and shard attributes, array shapes) and walks the folder
+for disk usage, so it is instant on a store of any size. Counts are the sums over committed
+shards, so they are right while an extraction is still running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+
+from common.inspect_verify import run_verify
+from common.store import (
+    SHARD_ATTR,
+    TMP_PREFIX,
+    StoreInfo,
+    committed_shards,
+    open_store,
+    shard_name,
+    shards_dir,
+)
+
+__all__ = ["disk_usage", "render_summary", "run_inspect", "run_verify", "sample_sequences"]
+
+LOSS_OPEN, LOSS_CLOSE = "⟦", "⟧"
+ANSI_LOSS, ANSI_RESET, ANSI_DIM = "\x1b[32m", "\x1b[0m", "\x1b[2m"
+
+
+def disk_usage(path: Path, apparent: bool = False) -> int:
+    """Bytes allocated under `path` as `du -s -B1` counts them (hard links once), or with
+    `apparent` the sum of file sizes, which is what compression achieved without block slack."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for root, _, files in os.walk(path):
+        # Every folder is visited once as its own "."; du counts folders' blocks too.
+        for name in files if apparent else [".", *files]:
+            stat = os.lstat(os.path.join(root, name))
+            if (stat.st_dev, stat.st_ino) in seen:
+                continue
+            seen.add((stat.st_dev, stat.st_ino))
+            # st_blocks is missing on some platforms; apparent size is the best guess there.
+            blocks = getattr(stat, "st_blocks", stat.st_size // 512)
+            total += stat.st_size if apparent else blocks * 512
+    return total
+
+
+def _share(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0
+
+
+def summarize(info: StoreInfo) -> dict[str, Any]:
+    """Counts, sizes and provenance of a store, as a JSON-ready dict."""
+    attrs, seq_len = info.attrs, info.seq_len
+    committed = committed_shards(info.path)
+    tmp = [p.name for p in shards_dir(info.path).glob(TMP_PREFIX + "*")]
+    totals = dict.fromkeys(["sequences", "documents", "tokens", "loss_tokens"], 0)
+    arrays: dict[str, dict[str, Any]] = {}
+    unreadable = []
+    for index in committed:
+        folder = shards_dir(info.path) / shard_name(index)
+        try:
+            group = zarr.open_group(str(folder), mode="r")
+            shard = group.attrs[SHARD_ATTR]
+        except Exception:  # zarr raises many types for damaged metadata; verify says which
+            unreadable.append(shard_name(index))
+            continue
+        totals["sequences"] += shard["num_sequences"]
+        totals["documents"] += shard["num_documents"]
+        totals["tokens"] += shard["num_tokens"]
+        totals["loss_tokens"] += shard["num_loss_tokens"]
+        for name, array in group.arrays():
+            row = arrays.setdefault(
+                name, {"dtype": str(array.dtype), "uncompressed": 0, "stored": 0}
+            )
+            row["uncompressed"] += array.nbytes
+            row["stored"] += disk_usage(folder / name, apparent=True)
+    positions = totals["sequences"] * seq_len
+    uncompressed = sum(a["uncompressed"] for a in arrays.values())
+    stored = sum(a["stored"] for a in arrays.values())
+    store_disk = disk_usage(info.path)
+    target, tokenizer, dataset = attrs["target"], attrs["tokenizer"], attrs["dataset"]
+    return {
+        "store": str(info.path),
+        "format": f"{attrs['format']} v{attrs['format_version']}",
+        "format_version": attrs["format_version"],
+        "complete": info.complete,
+        "shards": {"planned": info.num_shards, "committed": len(committed), "being_written": tmp}
+        | {"unreadable": unreadable},
+        **totals,
+        "loss_share": _share(totals["loss_tokens"], totals["tokens"]),
+        "padding_tokens": positions - totals["tokens"],
+        "padding_share": _share(positions - totals["tokens"], positions),
+        "bytes_on_disk": store_disk,
+        "bytes_per_token": _share(store_disk, totals["tokens"]),
+        "array_bytes_uncompressed": uncompressed,
+        "array_bytes_stored": stored,
+        "compression_ratio": _share(uncompressed, stored),
+        "arrays": arrays,
+        "counts": attrs.get("counts"),
+        "provenance": {
+            "target": {k: target.get(k) for k in ("name_or_path", "revision", "model_type")}
+            | {"num_hidden_layers": target.get("num_hidden_layers")},
+            "tokenizer": tokenizer.get("name_or_path"),
+            "chat_template": tokenizer.get("chat_template") is not None,
+            "tapped_layers": info.tapped_layers,
+            "hidden_size": info.hidden_size,
+            "vocab_size": info.vocab_size,
+            "seq_len": seq_len,
+            "topk": info.topk,
+            "full_logits": bool(attrs.get("full_logits")),
+            "sequences_per_shard": attrs["sequences_per_shard"],
+            "dataset": dataset,
+            "created_by": attrs.get("created_by"),
+            "content_key": attrs.get("content_key"),
+        },
+    }
+
+
+def _bytes(num: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if num < 1024 or unit == "TiB":
+            return f"{num:.0f} {unit}" if unit == "B" else f"{num:.1f} {unit}"
+        num /= 1024
+    raise AssertionError("unreachable")
+
+
+def render_summary(s: dict[str, Any]) -> str:
+    """The summary as an aligned two-column table."""
+    shards, prov = s["shards"], s["provenance"]
+    status = "complete" if s["complete"] else "IN PROGRESS"
+    status += f": {shards['committed']}/{shards['planned']} shards committed"
+    if shards["being_written"]:
+        status += f", {len(shards['being_written'])} being written (ignored)"
+    if shards["unreadable"]:
+        status += f"; UNREADABLE: {', '.join(shards['unreadable'])} (run `dflash inspect verify`)"
+    counts = s["counts"] or {}
+    docs = f"{s['documents']:,}"
+    if counts:
+        docs += (
+            f" ({counts['source_documents']:,} source rows, {counts['split_documents']:,} split,"
+            f" {counts['truncated_documents']:,} truncated, {counts['dropped_tokens']:,} tokens"
+            " dropped)"
+        )
+    target, data = prov["target"], prov["dataset"]
+    rows = [
+        ("store", s["store"]),
+        ("format", s["format"]),
+        ("status", status),
+        ("sequences", f"{s['sequences']:,} x {prov['seq_len']:,} tokens"),
+        ("documents", docs),
+        ("tokens", f"{s['tokens']:,}"),
+        ("loss tokens", f"{s['loss_tokens']:,} ({s['loss_share']:.1%} of tokens)"),
+        ("padding", f"{s['padding_tokens']:,} ({s['padding_share']:.1%} of positions)"),
+        ("on disk", f"{_bytes(s['bytes_on_disk'])} ({s['bytes_per_token']:,.1f} B/token)"),
+        (
+            "compression",
+            f"{s['compression_ratio']:.2f}x ({_bytes(s['array_bytes_uncompressed'])} of arrays"
+            f" stored in {_bytes(s['array_bytes_stored'])} of files)",
+        ),
+    ]
+    for name, a in sorted(s["arrays"].items(), key=lambda kv: -kv[1]["stored"]):
+        ratio = _share(a["uncompressed"], a["stored"])
+        rows.append((f"  {name}", f"{a['dtype']:8} {_bytes(a['stored']):>10}  {ratio:.2f}x"))
+    rows += [
+        ("target", f"{target['name_or_path']} @ {target['revision'] or '?'}"),
+        ("", f"{target['model_type']}, {target['num_hidden_layers']} layers"),
+        (
+            "tokenizer",
+            f"{prov['tokenizer']} (chat template: {'yes' if prov['chat_template'] else 'no'})",
+        ),
+        ("tapped layers", f"{prov['tapped_layers']} (hidden size {prov['hidden_size']})"),
+        (
+            "verifier",
+            f"top-{prov['topk']} of {prov['vocab_size']:,}, full logits: {'yes' if prov['full_logits'] else 'no'}",
+        ),
+        ("dataset", f"{data.get('path')} [{data.get('name') or '-'}:{data.get('split')}]"),
+        ("", f"format {data.get('format')}, {data.get('num_rows')} rows read"),
+    ]
+    if counts.get("skipped_rows"):
+        rows.append(("skipped rows", json.dumps(counts["skipped_rows"])))
+    created = prov["created_by"] or {}
+    rows.append(("created by", ", ".join(f"{k} {v}" for k, v in created.items()) or "?"))
+    width = max(len(k) for k, _ in rows) + 2
+    return "\n".join(f"{k:<{width}}{v}" for k, v in rows)
+
+
+def _load_tokenizer(name: str | None) -> tuple[Any, str | None]:
+    """The store's tokenizer, or None and why it could not be loaded."""
+    if not name:
+        return None, "the store records no tokenizer"
+    from transformers import AutoTokenizer
+
+    # The local cache first: asking the hub first would make an offline machine sit through
+    # its retries, and the machine that extracted the store usually has the files.
+    try:
+        return AutoTokenizer.from_pretrained(name, local_files_only=True), None
+    except Exception:  # transformers raises OSError, ValueError, HTTP errors: all mean "no"
+        pass
+    try:
+        return AutoTokenizer.from_pretrained(name), None
+    except Exception as err:
+        return None, f"tokenizer {name!r} could not be loaded ({type(err).__name__}: {err})"
+
+
+def _documents(
+    tokens: np.ndarray, loss: np.ndarray, doc_ids: np.ndarray, group: zarr.Group, tokenizer: Any
+) -> list[dict[str, Any]]:
+    """One sequence's documents, each split into runs of loss / no-loss tokens."""
+    documents: list[dict[str, Any]] = []
+    real = np.flatnonzero(doc_ids >= 0)
+    cuts = np.flatnonzero(np.diff(doc_ids[real]) | np.diff(loss[real])) + 1
+    for run in np.split(real, cuts) if real.size else []:
+        doc = int(doc_ids[run[0]])
+        if not documents or documents[-1]["document"] != doc:
+            source, piece = group["doc_source_index"][doc], group["doc_piece"][doc]
+            documents.append({"document": doc, "source_index": int(source), "piece": int(piece)})
+            documents[-1] |= {"length": 0, "spans": []}
+        ids = tokens[run].tolist()
+        text = tokenizer.decode(ids) if tokenizer is not None else None
+        documents[-1]["spans"].append({"loss": bool(loss[run[0]]), "token_ids": ids, "text": text})
+        documents[-1]["length"] += len(ids)
+    return documents
+
+
+def sample_sequences(info: StoreInfo, num_samples: int) -> tuple[list[dict[str, Any]], str | None]:
+    """The first `num_samples` sequences split into documents and loss / no-loss spans.
+
+    Returns the samples and a note when token ids are shown because no tokenizer loaded.
+    """
+    tokenizer, note = _load_tokenizer(info.attrs["tokenizer"].get("name_or_path"))
+    samples: list[dict[str, Any]] = []
+    per_shard = int(info.attrs["sequences_per_shard"])
+    for index in committed_shards(info.path):
+        if len(samples) >= num_samples:
+            break
+        group = zarr.open_group(str(shards_dir(info.path) / shard_name(index)), mode="r")
+        take = min(num_samples - len(samples), group["tokens"].shape[0])
+        tokens, loss = group["tokens"][:take], group["loss_mask"][:take]
+        doc_ids = group["document_ids"][:take]
+        for row in range(take):
+            documents = _documents(tokens[row], loss[row], doc_ids[row], group, tokenizer)
+            sequence = index * per_shard + row
+            samples.append({"shard": index, "sequence": sequence, "documents": documents})
+            samples[-1]["padding"] = int((doc_ids[row] < 0).sum())
+    return samples, note
+
+
+def render_samples(samples: list[dict[str, Any]], note: str | None, color: bool) -> str:
+    """Decoded samples; loss spans wrapped in ⟦ ⟧ (or green on a terminal)."""
+    opened, closed = (ANSI_LOSS, ANSI_RESET) if color else (LOSS_OPEN, LOSS_CLOSE)
+    dim = (lambda t: f"{ANSI_DIM}{t}{ANSI_RESET}") if color else (lambda t: t)
+    lines = [f"note: {note}; showing token ids"] if note else []
+    for sample in samples:
+        lines.append(f"=== sequence {sample['sequence']} (shard {sample['shard']}) ===")
+        for doc in sample["documents"]:
+            lines.append(
+                dim(
+                    f"--- document {doc['document']}: source row {doc['source_index']},"
+                    f" piece {doc['piece']}, {doc['length']} tokens ---"
+                )
+            )
+            decoded = doc["spans"][0]["text"] is not None
+            parts = []
+            for span in doc["spans"]:
+                body = span["text"] if decoded else " ".join(map(str, span["token_ids"]))
+                parts.append(f"{opened}{body}{closed}" if span["loss"] else body)
+            # Decoded text carries its own spacing; token ids need a separator.
+            lines.append(("" if decoded else " ").join(parts))
+        if sample["padding"]:
+            lines.append(dim(f"--- padding: {sample['padding']} tokens ---"))
+    return "\n".join(lines)
+
+
+def run_inspect(store: str | Path, num_samples: int = 0, as_json: bool = False) -> None:
+    """Print the summary of `store` (and `num_samples` decoded sequences) to stdout."""
+    if num_samples < 0:
+        raise ValueError(f"--sample must be >= 0, got {num_samples}")
+    info = open_store(store)
+    summary = summarize(info)
+    samples, note = sample_sequences(info, num_samples) if num_samples else ([], None)
+    if as_json:
+        extra = {"samples": samples, "sample_note": note} if num_samples else {}
+        print(json.dumps(summary | extra))
+        return
+    print(render_summary(summary))
+    if num_samples:
+        print()
+        print(render_samples(samples, note, color=sys.stdout.isatty()))
