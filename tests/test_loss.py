@@ -112,3 +112,18 @@ def test_flat_labels_and_empty_weights() -> None:
     assert loss.item() == 0.0 and stats["total_B"].tolist() == [0]
     loss, stats = chunked_block_loss(h, head, labels.flatten(), weights.flatten(), 16)
     assert stats["total_B"].numel() == 1
+
+
+def test_head_gradient_and_no_grad_path() -> None:
+    h, head, labels, weights, tid, tlp = inputs(1)
+    h1, w1 = h.clone().requires_grad_(), head.clone().requires_grad_()
+    h2, w2 = h.clone().requires_grad_(), head.clone().requires_grad_()
+    loss, _ = chunked_block_loss(h1, w1, labels, weights, 10, tid, tlp, 0.3, 1.5)
+    ref, _ = reference(h2, w2, labels, weights, tid, tlp, 0.3, 1.5)
+    (2 * loss).backward()
+    (2 * ref).backward()
+    torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-5, atol=1e-7)
+    with torch.no_grad():
+        again, _ = chunked_block_loss(h, head, labels, weights, 10, tid, tlp, 0.3, 1.5)
+    assert again.item() == pytest.approx(loss.item(), rel=1e-6)
