@@ -1,0 +1,187 @@
+"""Benchmark: `dflash extract` on one GPU with a random-weight target of Qwen3-8B's shape.
+
+Builds the target (bf16, random init) and a synthetic text dataset on local disk, then runs
+(1) a bare forward of the base model over exactly the batches extraction will run (same
+documents, same token-budget batching, no hooks, no LM head, no copies, no writes), and
+(2) the real `run_extract` into a fresh store. Reports tokens/s of both and their ratio, bytes
+per token on disk, the store's compression ratio, and peak GPU memory. JSON lines to stdout
+and $OUT/bench_extract.jsonl.
+
+    python bench/bench_extract.py [--tokens 300000] [--work /tmp/bench-extract]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from common.config import build_config
+from common.logging import init_logger
+from common.tiny import build_tokenizer, example_texts
+from stage1_extract.config import ExtractConfig
+from stage1_extract.job import _batches, plan_job
+from stage1_extract.packing import shard_pieces
+from stage1_extract.run import run_extract
+from stage1_extract.target import load_target
+
+QWEN3_8B = dict(
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
+
+def emit(record: dict) -> None:
+    line = json.dumps(record)
+    print(line, flush=True)
+    if os.environ.get("OUT"):
+        with open(Path(os.environ["OUT"]) / "bench_extract.jsonl", "a") as f:
+            f.write(line + "\n")
+
+
+def build_target(folder: Path) -> None:
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    if (folder / "config.json").is_file():
+        return
+    t0 = time.perf_counter()
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(Qwen3Config(**QWEN3_8B), dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    build_tokenizer(example_texts()).save_pretrained(folder)
+    params = sum(p.numel() for p in model.parameters())
+    del model
+    torch.cuda.empty_cache()
+    emit(
+        {
+            "what": "target_built",
+            "params_B": round(params / 1e9, 2),
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
+    )
+
+
+def build_data(path: Path, num_tokens: int) -> None:
+    rng = random.Random(0)
+    words = " ".join(example_texts()).split()
+    with open(path, "w") as f:
+        total = 0
+        while total < num_tokens:
+            n = rng.randint(200, 4000)  # ~tokens: the tiny BPE makes ~1 token per word piece
+            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(n))}) + "\n")
+            total += n
+
+
+def bare_forward(cfg: ExtractConfig) -> dict:
+    """Base-model forward over the extraction's own batches: the speed of light."""
+    job = plan_job(cfg)
+    model = load_target(cfg.target, torch.device("cuda:0"))
+    base = model.get_decoder()
+    batches = []
+    for index in range(job.num_shards):
+        pieces = shard_pieces(job.plan, index, cfg.store.sequences_per_shard)
+        lengths = job.plan.length[pieces]
+        for batch in _batches(lengths, cfg.run.batch_tokens):
+            T = int(lengths[batch[0]])
+            mask = torch.zeros(len(batch), T, dtype=torch.long)
+            for r, j in enumerate(batch):
+                mask[r, : lengths[j]] = 1
+            batches.append(mask)
+    tokens = sum(int(m.sum()) for m in batches)
+    with torch.inference_mode():
+        for mask in batches[:2]:  # warm-up
+            base(input_ids=torch.ones_like(mask).cuda(), attention_mask=mask.cuda())
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for mask in batches:
+            ids = torch.randint(0, 500, mask.shape).cuda(non_blocking=True)
+            base(input_ids=ids, attention_mask=mask.cuda(non_blocking=True))
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    del model, base
+    torch.cuda.empty_cache()
+    return {
+        "tokens": tokens,
+        "batches": len(batches),
+        "seconds": round(seconds, 2),
+        "tokens_per_s": round(tokens / seconds),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=300_000)
+    parser.add_argument("--work", default="/tmp/bench-extract")
+    parser.add_argument("--writer-threads", type=int, default=4)
+    args = parser.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    build_target(work / "target")
+    build_data(work / "data.jsonl", args.tokens)
+    store = work / "store"
+    cfg = build_config(
+        ExtractConfig,
+        Path("configs/qwen3-8b.yaml"),
+        "extract",
+        [
+            f"target.model={work / 'target'}",
+            f"data.path={work / 'data.jsonl'}",
+            f"store.out={store}",
+            "run.devices=0",
+            "store.sequences_per_shard=16",
+            f"run.writer_threads={args.writer_threads}",
+            "run.progress=false",
+            "store.overwrite=true",
+        ],
+    )
+    bare = bare_forward(cfg)
+    emit({"what": "bare_forward", **bare})
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    init_logger().addHandler(handler)
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    run_extract(cfg)
+    seconds = time.perf_counter() - t0
+    attrs = json.loads((store / "zarr.json").read_text())["attributes"]["dflash"]
+    tokens = attrs["counts"]["tokens"]
+    on_disk = int(subprocess.check_output(["du", "-sb", str(store)]).split()[0])
+    raw_per_token = len(attrs["tapped_layers"]) * attrs["hidden_size"] * 2 + attrs["topk"] * 8 + 21
+    emit(
+        {
+            "what": "extract",
+            "tokens": tokens,
+            "seconds_total": round(seconds, 1),
+            "tokens_per_s_total": round(tokens / seconds),
+            "bytes_per_token": round(on_disk / tokens),
+            "raw_bytes_per_token": raw_per_token,
+            "compression_ratio": round(raw_per_token * tokens / on_disk, 3),
+            "peak_gpu_GB": round(torch.cuda.max_memory_allocated() / 1e9, 1),
+            "store_GB": round(on_disk / 1e9, 2),
+            "writer_threads": args.writer_threads,
+        }
+    )
+    shutil.rmtree(store, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
