@@ -1,0 +1,123 @@
+"""Checkpoints (atomic, pruned, full restore), the lr schedule, and the export round trip."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from stage2_train.attention import BlockAttention
+from stage2_train.checkpoint import (
+    TrainState,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
+from stage2_train.config import DrafterConfig, OptimConfig
+from stage2_train.export import expected_keys, export_drafter, load_export
+from stage2_train.model import DFlashDrafter, drafter_shape
+from stage2_train.schedule import build_optimizer, build_scheduler, lr_factor
+
+
+def _training_objects(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    optimizer = build_optimizer(list(model.parameters()), OptimConfig(lr=0.1), torch.device("cpu"))
+    scheduler = build_scheduler(optimizer, OptimConfig(lr=0.1, warmup_ratio=0.2), total_steps=20)
+    return model, optimizer, scheduler
+
+
+def _train(model, optimizer, scheduler, steps: int) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(16, 4)  # from the global RNG: its state must be restored too
+        loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_checkpoint_restores_training_exactly_and_prunes(tmp_path: Path) -> None:
+    model, opt, sched = _training_objects(0)
+    _train(model, opt, sched, 3)
+    for step in (3, 4, 5):
+        if step > 3:
+            _train(model, opt, sched, 1)
+        save_checkpoint(
+            tmp_path,
+            TrainState(step, 0, step),
+            model=model,
+            optimizer=opt,
+            scheduler=sched,
+            config={"x": 1},
+            rank=0,
+            keep=2,
+        )
+    (tmp_path / ".tmp-step-000009").mkdir()  # an interrupted save is never a checkpoint
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000004", "step-000005"]
+    expected = _train(model, opt, sched, 4)
+
+    model2, opt2, sched2 = _training_objects(1)  # different init: everything must come back
+    state, meta = load_checkpoint(
+        latest_checkpoint(tmp_path),
+        model=model2,
+        optimizer=opt2,
+        scheduler=sched2,
+        rank=0,
+        device=torch.device("cpu"),
+    )
+    assert (state.step, state.step_in_epoch, meta["config"]) == (5, 5, {"x": 1})
+    assert _train(model2, opt2, sched2, 4) == expected
+
+
+def test_lr_schedule_warms_up_then_decays_to_floor() -> None:
+    lrs = [lr_factor(s, 100, 0.1, 0.1) for s in range(100)]
+    assert lrs[0] == 0.1 and lrs[9] == 1.0  # 10 warmup steps, linear
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:], strict=False))
+    assert math.isclose(lr_factor(100, 100, 0.1, 0.1), 0.1)
+    assert math.isclose(lrs[55], 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 45 / 90)))
+
+
+def test_export_round_trip(tmp_path: Path) -> None:
+    target = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "num_hidden_layers": 6,
+    }
+    shape = drafter_shape(DrafterConfig(num_layers=2, block_size=4), target, 3, 50, 7)
+    torch.manual_seed(0)
+    model = DFlashDrafter(shape)
+    for p in model.parameters():  # norms start at 1: perturb so a swapped tensor shows
+        p.data += 0.01 * torch.randn_like(p)
+    folder = export_drafter(model, shape, [1, 2, 3], target, tmp_path / "export")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["block_size"] == config["dflash_config"]["block_size"] == 4
+    assert config["dflash_config"]["target_layer_ids"] == [1, 2, 3]
+    assert config["dflash_config"]["mask_token_id"] == 7
+    assert config["num_target_layers"] == 6 and config["torch_dtype"] == "float32"
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        assert set(f.keys()) == expected_keys(2)
+
+    reloaded = load_export(folder)
+    S, A, B = 24, 3, 4
+    features_TKD = torch.randn(S, 3, 32)
+    document_ids_S = torch.tensor([0] * 10 + [1] * 14)
+    anchors_A = torch.tensor([4, 12, 18])
+    inputs_QD = torch.randn(A * B, 32)
+    positions_T = torch.cat([torch.arange(10), torch.arange(14)])
+    block_pos_Q = (positions_T[anchors_A][:, None] + torch.arange(B)).flatten()
+    attention = BlockAttention(anchors_A, document_ids_S, B, backend="sdpa")
+    args = (features_TKD, inputs_QD, positions_T, block_pos_Q, attention)
+    assert torch.equal(model(*args), reloaded(*args))

@@ -1,0 +1,155 @@
+"""`dflash train` end to end on the CPU: it learns, resumes exactly, runs data parallel over two
+gloo processes, and trains from a store written by the real `dflash extract`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from store_factory import FactorySpec, build_store
+
+from common.cli import main as cli
+from common.config import build_config
+from common.store import open_store
+from stage2_train.config import TrainConfig
+from stage2_train.export import load_export
+from stage2_train.model import DFlashDrafter, DrafterShape
+from stage2_train.train import run_train
+
+DEBUG = Path(__file__).parents[1] / "configs" / "debug.yaml"
+TIMING = {"compute_s", "step_s", "tokens_per_s", "mem_gb"}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_store(tmp_path_factory.mktemp("e2e") / "store", FactorySpec(num_sequences=13))
+
+
+def train(store: Path, out: Path, *sets: str) -> list[dict]:
+    base = [f"data.store={store}", f"run.out={out}", "run.progress=false"]
+    run_train(build_config(TrainConfig, DEBUG, "train", [*base, *sets]))
+    return read_metrics(out)
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_training_learns_and_exports(store: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    rows = train(store, out, "optim.epochs=4", "run.eval_every=11", "data.holdout_sequences=2")
+    assert [r["step"] for r in rows] == list(range(1, 45))  # 11 sequences x 4 epochs
+    first = sum(r["loss"] for r in rows[:8]) / 8
+    last = sum(r["loss"] for r in rows[-8:]) / 8
+    assert last < 0.5 * first, (first, last)
+    evals = [r for r in rows if "eval_tau" in r]
+    assert [r["step"] for r in evals] == [11, 22, 33, 44]
+    assert sum(evals[-1]["eval_acc"]) > sum(evals[0]["eval_acc"]) + 1.0
+    assert evals[-1]["eval_tau"] > 1.5 and len(evals[-1]["eval_acc"]) == 7
+    assert sum(rows[-1]["acc"]) > sum(rows[0]["acc"]) + 1.0
+    for key in ("lr", "grad_norm", "tokens_per_s", "seqs"):
+        assert key in rows[-1]
+    # The export holds the final weights: reload it and compare with the last checkpoint.
+    meta = json.loads((out / "step-000044" / "meta.json").read_text())
+    model = DFlashDrafter(DrafterShape(**meta["shape"]))
+    model.load_state_dict(torch.load(out / "step-000044" / "model.pt", weights_only=True))
+    exported = load_export(out / "export")
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, exported.state_dict()[name]), name
+
+
+def test_resume_equals_uninterrupted(store: Path, tmp_path: Path) -> None:
+    sets = [
+        "optim.max_steps=8",
+        "run.checkpoint_every=4",
+        "run.keep_checkpoints=5",
+        "run.eval_every=4",
+        "optim.grad_accum=2",
+        "optim.batch_sequences=2",
+    ]
+    out = tmp_path / "run"
+    full = train(store, out, *sets)
+    assert len(full) == 8 and full[-1]["epoch"] == 2  # 11 sequences / 4 per step: epochs roll
+    # "Kill" after step 6: drop what a run stopped there would not have written.
+    shutil.rmtree(out / "step-000008")
+    shutil.rmtree(out / "export")
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in full[:6]))
+    resumed = train(store, out, *sets)  # resumes from step-000004
+
+    def strip(rows: list[dict]) -> list[dict]:
+        return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+    assert strip(resumed) == strip(full)
+    assert (out / "export" / "model.safetensors").is_file()
+    again = train(store, out, *sets)  # finished run: nothing is retrained
+    assert strip(again) == strip(full)
+
+
+def test_two_gloo_processes_disjoint_data_identical_weights(store: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    args = [
+        "train",
+        "--config",
+        str(DEBUG),
+        "--store",
+        str(store),
+        "--out",
+        str(out),
+        "--devices",
+        "cpu,cpu",
+        "--set",
+        "optim.epochs=1",
+        "--set",
+        "run.progress=false",
+        "--set",
+        "data.holdout_sequences=2",
+    ]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    rows = read_metrics(out)
+    assert len(rows) == 6  # 11 training sequences over 2 ranks: 6 steps, one padding item
+    seen = [r["seqs"] for r in rows]
+    rank0 = [i for step in seen for i in step[0]]
+    rank1 = [i for step in seen for i in step[1]]
+    assert not set(rank0) & set(rank1)
+    assert sorted(rank0 + rank1) == [-1, *range(11)]
+    meta = json.loads((out / "step-000006" / "meta.json").read_text())
+    sums = meta["replica_fingerprints"]
+    assert len(sums) == 4 and sums[0:2] == sums[2:4]
+    assert "eval_tau" in rows[-1] and (out / "export" / "config.json").is_file()
+
+
+def test_train_from_a_real_extracted_store(tiny_qwen3: Path, tmp_path: Path) -> None:
+    from common.tiny import EXAMPLE_DATA
+    from stage1_extract.config import ExtractConfig
+    from stage1_extract.run import run_extract
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(EXAMPLE_DATA.read_text().splitlines()[:24]) + "\n")
+    extract = build_config(
+        ExtractConfig,
+        DEBUG,
+        "extract",
+        [
+            f"target.model={tiny_qwen3}",
+            f"data.path={data}",
+            f"store.out={tmp_path / 'store'}",
+            "packing.seq_len=64",
+            "store.sequences_per_shard=4",
+            "store.chunk_tokens=32",
+            "run.progress=false",
+        ],
+    )
+    run_extract(extract)
+    rows = train(tmp_path / "store", tmp_path / "run", "optim.max_steps=12", "run.eval_every=6")
+    assert len(rows) == 12 and all(r["loss"] == r["loss"] for r in rows)  # finite, no NaN
+    assert sum(r["loss"] for r in rows[-3:]) < sum(r["loss"] for r in rows[:3])
+    assert rows[-1]["eval_tau"] >= 1.0
+    config = json.loads((tmp_path / "run" / "export" / "config.json").read_text())
+    tapped = open_store(tmp_path / "store").tapped_layers
+    assert config["dflash_config"]["target_layer_ids"] == tapped and len(tapped) == 3
+    assert config["num_target_layers"] == 4
