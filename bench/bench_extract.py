@@ -130,6 +130,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=300_000)
     parser.add_argument("--work", default="/tmp/bench-extract")
     parser.add_argument("--writer-threads", type=int, default=4)
+    parser.add_argument("--keep", action="store_true", help="keep the store (for bench_train)")
     args = parser.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -180,7 +181,8 @@ def main() -> None:
             "writer_threads": args.writer_threads,
         }
     )
-    shutil.rmtree(store, ignore_errors=True)
+    if not args.keep:
+        shutil.rmtree(store, ignore_errors=True)
 
 
 if __name__ == "__main__":
