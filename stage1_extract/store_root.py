@@ -29,6 +29,7 @@ from common.store import (
     StoreError,
     committed_shards,
     open_store,
+    read_root_attrs,
     shard_name,
     shards_dir,
 )
@@ -120,7 +121,8 @@ def _explain_mismatch(old: dict[str, Any], new: dict[str, Any]) -> str:
 def prepare_store(store: Path, attrs: dict[str, Any], overwrite: bool) -> list[int]:
     """Create the store or check it for resuming; return the shards already committed."""
     log = get_logger()
-    if overwrite and store.exists():
+    if overwrite and store.exists() and any(store.iterdir()):
+        read_root_attrs(store)  # never delete a folder that is not a dflash store
         log.info("--overwrite: deleting %s", store)
         shutil.rmtree(store)
     if store.exists() and any(store.iterdir()):

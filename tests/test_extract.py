@@ -302,3 +302,12 @@ def test_full_disk_is_a_clear_error_and_keeps_committed_shards(
     for index in done:
         for name, values in shard_arrays(qwen3_store, index).items():
             assert np.array_equal(values, shard_arrays(out, index)[name]), (index, name)
+
+
+def test_overwrite_never_deletes_a_folder_that_is_not_a_store(tiny_qwen3: Path, tmp_path: Path):
+    folder = tmp_path / "precious"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("keep me")
+    result = cli_extract(tiny_qwen3, write_data(tmp_path), folder, "store.overwrite=true")
+    assert result.exit_code == 2 and "not a dflash store" in result.output
+    assert (folder / "notes.txt").read_text() == "keep me"
