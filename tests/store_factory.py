@@ -130,11 +130,14 @@ def build_store(path: str | Path, spec: FactorySpec | None = None) -> Path:
     successor[order] = np.roll(order, -1)  # one cycle through every non-special id
     feature_table_VKD = torch.randn(V, K, D, generator=gen)
 
-    embed_VD = (torch.randn(V, D, generator=gen) * 0.5).to(torch.bfloat16)
+    # Head rows of norm ~4: logits of a unit-RMS hidden state are O(4) whatever D, so CE
+    # starts near log(V) as with a real LM head (not at tens of nats).
+    scale = 4.0 / D**0.5
+    embed_VD = (torch.randn(V, D, generator=gen) * scale).to(torch.bfloat16)
     head = {
         "embed_tokens.weight": embed_VD,
         "norm.weight": torch.ones(D, dtype=torch.bfloat16),
-        "lm_head.weight": (torch.randn(V, D, generator=gen) * 0.5).to(torch.bfloat16),
+        "lm_head.weight": (torch.randn(V, D, generator=gen) * scale).to(torch.bfloat16),
     }
     path.mkdir(parents=True, exist_ok=True)
     save_file(head, str(path / HEAD_FILE), metadata={"rms_norm_eps": "1e-06"})
