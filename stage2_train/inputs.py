@@ -84,24 +84,32 @@ def check_inputs(cfg: TrainConfig) -> tuple[StoreInfo, DrafterShape]:
     return info, shape
 
 
-def check_same_run(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
-    """Refuse to resume a checkpoint of another drafter or data: the run would be a hybrid."""
+def check_same_run(meta: dict[str, Any], current: dict[str, Any], world: int, path: Path) -> None:
+    """Refuse to resume a checkpoint of another drafter or data (the run would be a hybrid), or
+    one whose data position means other sequences (another world * batch * accum)."""
+    saved = meta["config"]
     changed = [
         key
         for key in (
             "drafter",
             "anchors",
-            "loss",
+            "loss.target",
+            "loss.gamma",
+            "loss.distill_weight",
             "data.store",
             "data.seed",
             "data.holdout_sequences",
+            "optim.batch_sequences",
+            "optim.grad_accum",
         )
         if _get(saved, key) != _get(current, key)
     ]
+    if meta.get("world_size", world) != world:
+        changed.append(f"world size ({meta['world_size']} processes, now {world})")
     if changed:
         raise ValueError(
             f"{path} was trained with other settings of {changed}; resume with the same config "
-            "or pass a new --out"
+            "and devices, or pass a new --out"
         )
 
 

@@ -125,7 +125,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
             rank=ctx.rank,
             device=device,
         )
-        check_same_run(meta["config"], config_dict, resume)
+        check_same_run(meta, config_dict, ctx.world_size, resume)
         log.info("resumed from %s (step %d, epoch %d)", resume, state.step, state.epoch)
     metrics = MetricsWriter(out / "metrics.jsonl", enabled=ctx.is_main, keep_until=state.step)
 
@@ -143,6 +143,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         )
 
     extra_meta = {
+        "world_size": ctx.world_size,
         "store": str(info.path),
         "shape": dataclasses.asdict(shape),
         "target": {"tapped_layers": info.tapped_layers, "config": info.attrs["target"]["config"]},
@@ -201,12 +202,17 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         record["step_s"] = round(time.perf_counter() - started, 4)
         record["tokens_per_s"] = round(record["tokens"] / record["step_s"], 1)
         last = state.step == total_steps
-        if (cfg.run.eval_every and state.step % cfg.run.eval_every == 0) or last:
+        due = (cfg.run.eval_every and state.step % cfg.run.eval_every == 0) or last
+        if due and split.num_holdout > 0:
             record.update(run_eval())
         metrics.write(record)
         bar.update(1)
         if ctx.is_main and (state.step % cfg.run.log_every == 0 or last or "eval_tau" in record):
-            bar.write(format_line(record, total_steps))
+            line = format_line(record, total_steps)
+            if bar.disable:
+                log.info(line)
+            else:
+                bar.write(line)
         if (cfg.run.checkpoint_every and state.step % cfg.run.checkpoint_every == 0) or last:
             checkpoint()
     bar.close()

@@ -87,6 +87,9 @@ def test_resume_equals_uninterrupted(store: Path, tmp_path: Path) -> None:
     assert (out / "export" / "model.safetensors").is_file()
     again = train(store, out, *sets)  # finished run: nothing is retrained
     assert strip(again) == strip(full)
+    # another batch layout would give the saved data position another meaning
+    with pytest.raises(ValueError, match="optim.batch_sequences"):
+        train(store, out, *sets, "optim.batch_sequences=1")
 
 
 def test_two_gloo_processes_disjoint_data_identical_weights(store: Path, tmp_path: Path) -> None:
