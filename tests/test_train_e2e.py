@@ -16,7 +16,7 @@ from common.cli import main as cli
 from common.config import build_config
 from common.store import open_store
 from stage2_train.config import TrainConfig
-from stage2_train.export import load_export
+from stage2_train.export import export_checkpoint, load_export
 from stage2_train.model import DFlashDrafter, DrafterShape
 from stage2_train.train import run_train
 
@@ -58,8 +58,10 @@ def test_training_learns_and_exports(store: Path, tmp_path: Path) -> None:
     model = DFlashDrafter(DrafterShape(**meta["shape"]))
     model.load_state_dict(torch.load(out / "step-000044" / "model.pt", weights_only=True))
     exported = load_export(out / "export")
+    on_demand = load_export(export_checkpoint(out, step=44, out=tmp_path / "again"))
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, exported.state_dict()[name]), name
+        assert torch.equal(tensor, on_demand.state_dict()[name]), name
 
 
 def test_resume_equals_uninterrupted(store: Path, tmp_path: Path) -> None:
