@@ -18,6 +18,7 @@ Padding items (see plan.py) have w = 0, so remainders are neither dropped nor du
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -117,7 +118,9 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
     resume = latest_checkpoint(out)
     config_dict = dataclasses.asdict(cfg)
     if resume is not None:
-        state, meta = load_checkpoint(
+        saved = json.loads((resume / "meta.json").read_text())
+        check_same_run(saved, config_dict, ctx.world_size, resume)  # before loading tensors
+        state, _ = load_checkpoint(
             resume,
             model=model,
             optimizer=runner.optimizer,
@@ -125,7 +128,6 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
             rank=ctx.rank,
             device=device,
         )
-        check_same_run(meta, config_dict, ctx.world_size, resume)
         log.info("resumed from %s (step %d, epoch %d)", resume, state.step, state.epoch)
     metrics = MetricsWriter(out / "metrics.jsonl", enabled=ctx.is_main, keep_until=state.step)
 
