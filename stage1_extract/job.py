@@ -224,12 +224,16 @@ def fill_shard(
     for array in buffers.device_arrays():
         array[padding] = 0
 
+    finite_ok = torch.ones((), dtype=torch.bool, device=target.device)
     for batch in _batches(lengths, job.cfg.run.batch_tokens):
         T = int(lengths[batch[0]])
         ids_BT = torch.full((len(batch), T), job.pad_id, dtype=torch.long)
         for r, j in enumerate(batch):
             ids_BT[r, : lengths[j]] = piece_ids[j]
         out = target.forward(ids_BT, [int(lengths[j]) for j in batch])
+        # checked on the device: a host scan of every shard's bytes would compete with the
+        # writers for CPU time
+        finite_ok &= torch.isfinite(out.hidden_NKD).all() & torch.isfinite(out.lse_N).all()
         outputs = [out.hidden_NKD, out.argmax_N, out.topk_ids_Nk, out.topk_logits_Nk, out.lse_N]
         outputs += [out.logits_NV] if out.logits_NV is not None else []
         row = 0
@@ -240,6 +244,8 @@ def fill_shard(
             row += L
         progress(row)
 
+    finite = torch.empty((), dtype=torch.bool, pin_memory=target.device.type == "cuda")
+    finite.copy_(finite_ok, non_blocking=True)
     ready = None
     if target.device.type == "cuda":
         ready = torch.cuda.Event()
@@ -266,4 +272,4 @@ def fill_shard(
         "doc_start": plan.start[pieces].astype(np.int32),
         "doc_length": lengths.astype(np.int32),
     }
-    return ShardJob(index, n, buffers, documents, attrs, ready)
+    return ShardJob(index, n, buffers, documents, attrs, ready, finite)
