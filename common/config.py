@@ -74,6 +74,12 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise ValueError(f"{where}: expected an integer, got {value!r}")
         return value
     if tp is float:
+        # YAML 1.1 reads `2e-3` (no dot) as a string: accept any text float() parses.
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{where}: expected a number, got {value!r}")
         return float(value)

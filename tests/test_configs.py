@@ -42,6 +42,8 @@ def test_overrides_are_typed_and_nested() -> None:
     assert cfg.packing.seq_len == 4096
     assert cfg.target.tapped_layers == [2, 4]
     assert parse_overrides(["a.b=true"]) == {"a": {"b": True}}
+    train = build_config(TrainConfig, None, "train", [*REQUIRED["train"], "optim.lr=2e-3"])
+    assert train.optim.lr == 0.002
 
 
 def test_unknown_key_and_bad_type_are_named() -> None:
