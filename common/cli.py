@@ -146,6 +146,20 @@ def inspect_cmd(args: tuple[str, ...], sample: int, as_json: bool) -> None:
 
 
 @main.command()
+@click.argument("run", type=click.Path(file_okay=False))
+@click.option("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+@click.option("--out", default=None, help="export folder (default: RUN/export)")
+def export(run: str, step: int | None, out: str | None) -> None:
+    """Export a checkpoint of a training run as a transformers-style drafter folder."""
+    from stage2_train.export import export_checkpoint
+
+    try:
+        click.echo(f"exported to {export_checkpoint(run, step, out)}")
+    except ValueError as err:
+        _fail(err)
+
+
+@main.command()
 @click.option("--target", required=True, help="target model folder or hub id")
 @click.option("--data", required=True, help="JSON/JSONL(.gz) of text documents for prompts")
 @click.option("--drafter", default=None, help="exported drafter folder (RUN/export)")
