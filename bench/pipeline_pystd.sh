@@ -22,13 +22,16 @@ dflash extract --model .carry/pystd-28m --data .carry/train.jsonl.gz --out "$WOR
 kill $MON
 t1=$(date +%s)
 dflash inspect "$WORK/store" --json > "$OUT/inspect.json"
-dflash inspect verify "$WORK/store" | tail -3
+[ "${VERIFY:-1}" = 1 ] && dflash inspect verify "$WORK/store" | tail -3
 ( while sleep 2; do echo "$(date +%s) $(gpu_mem)"; done ) > "$OUT/gpu_mem_train.log" &
 MON=$!
-dflash train --store "$WORK/store" --out "$WORK/train" --devices "$DEVICES" \
-  --set data.holdout_sequences=64 --set run.progress=false --set run.log_every=100 \
-  --set run.eval_every=0 --set run.checkpoint_every=0 --set optim.epochs=3 "$@" 2>&1 | tee "$OUT/train.log"
+# bounded in time: if the limit hits, the newest checkpoint is exported and evaluated
+timeout "${TRAIN_LIMIT_S:-240}" dflash train --store "$WORK/store" --out "$WORK/train" \
+  --devices "$DEVICES" --set data.holdout_sequences=64 --set run.progress=false \
+  --set run.log_every=100 --set run.eval_every=500 --set run.checkpoint_every=250 \
+  --set optim.epochs=3 "$@" 2>&1 | tee "$OUT/train.log" || echo "train stopped at the time limit"
 kill $MON
+[ -f "$WORK/train/export/model.safetensors" ] || dflash export "$WORK/train"
 t2=$(date +%s)
 cp "$WORK/train/metrics.jsonl" "$OUT/metrics.jsonl"
 dflash evaluate --target .carry/pystd-28m --drafter "$WORK/train/export" --data .carry/dev.jsonl.gz \
