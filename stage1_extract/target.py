@@ -212,10 +212,11 @@ class TappedTarget:
             for k, layer_id in enumerate(self.tapped)
         ]
         try:
+            # No attention mask: rows are right-padded and attention is causal, so a valid
+            # token only ever sees earlier valid tokens of its own row. Without a padding
+            # mask SDPA takes its fused causal kernel instead of the slower masked path.
             out = self.base(
-                input_ids=input_ids_BT.to(self.device, non_blocking=True),
-                attention_mask=mask_BT.to(self.device, torch.long, non_blocking=True),
-                use_cache=False,
+                input_ids=input_ids_BT.to(self.device, non_blocking=True), use_cache=False
             )
         finally:
             for hook in hooks:
