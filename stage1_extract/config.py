@@ -53,6 +53,9 @@ class DataConfig:
     text_field: str = doc("text", "column holding plain text documents")
     messages_field: str | None = doc(None, "column holding the conversation; default by format")
     max_samples: int | None = doc(None, "use only the first N rows (null: all)")
+    num_proc: int = doc(
+        1, "processes tokenizing the dataset (datasets.map); the result is the same for any value"
+    )
     on_invalid: Literal["error", "skip"] = doc(
         "error",
         "empty/assistant-less rows: stop with an error, or skip and count them in the store",
@@ -63,6 +66,8 @@ class DataConfig:
         out = []
         if not self.path:
             out.append("path is required: a local file/folder or hub dataset (--data)")
+        if self.num_proc < 1:
+            out.append(f"num_proc must be >= 1, got {self.num_proc}")
         if self.max_samples is not None and self.max_samples < 1:
             out.append(f"max_samples must be >= 1, got {self.max_samples}")
         return out

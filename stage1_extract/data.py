@@ -254,6 +254,7 @@ def prepare_documents(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Pr
         },
         remove_columns=raw.column_names,
         features=FEATURES,
+        num_proc=cfg.num_proc if cfg.num_proc > 1 and len(raw) > 1 else None,
         desc="tokenizing",
     )
     skipped: dict[str, int] = {}

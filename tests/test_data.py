@@ -331,3 +331,14 @@ def test_example_data_is_valid():
     prepared = prepare(EXAMPLE_DATA)
     assert prepared.num_rows == len(rows) and len(prepared.dataset) == len(rows)
     assert all(sum(mask) > 0 for mask in prepared.dataset["loss_mask"])
+
+
+def test_parallel_tokenization_equals_serial_and_keeps_errors(tmp_path):
+    good = [{"messages": CONVERSATION[1:3]}, {"messages": CONVERSATION}]
+    path = write_jsonl(tmp_path / "many.jsonl", good * 20)
+    serial = prepare(path).dataset
+    parallel = prepare(path, num_proc=2).dataset
+    assert parallel[:] == serial[:]
+    bad = write_jsonl(tmp_path / "bad.jsonl", [*good * 5, BAD_ROWS["no_assistant"]])
+    with pytest.raises(ValueError, match=f"{bad} row 10"):
+        prepare(bad, num_proc=2)
