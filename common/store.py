@@ -34,7 +34,7 @@ SEQUENCE_ARRAYS: dict[str, tuple[str, tuple[str, ...]]] = {
     "loss_mask": ("uint8", ()),
     "position_ids": ("int32", ()),
     "document_ids": ("int32", ()),
-    "hidden": ("uint16", ("num_tapped", "hidden_size")),  # bf16 bits
+    "hidden": ("uint16", ("num_tapped", "hidden_size")),  # bf16 bits (uint8 fp8 bits: below)
     "target_argmax": ("int32", ()),
     "topk_ids": ("int32", ("topk",)),
     "topk_logits": ("float32", ("topk",)),
@@ -43,6 +43,13 @@ SEQUENCE_ARRAYS: dict[str, tuple[str, tuple[str, ...]]] = {
 OPTIONAL_SEQUENCE_ARRAYS: dict[str, tuple[str, tuple[str, ...]]] = {
     "logits": ("uint16", ("vocab_size",)),  # bf16 bits, only with store_full_logits
 }
+# What `hidden` holds, by the root attribute `hidden_dtype`: name -> (zarr dtype of `hidden`,
+# whether a per-token, per-layer fp32 `hidden_scale` [n, S, K] comes with it)
+HIDDEN_DTYPES: dict[str, tuple[str, bool]] = {
+    "bfloat16": ("uint16", False),
+    "float8_e4m3fn": ("uint8", True),
+}
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # Per-document arrays of a shard, [num_documents]
 DOCUMENT_ARRAYS: dict[str, str] = {
     "doc_source_index": "int64",  # row of the input dataset
@@ -89,6 +96,39 @@ def bits_to_bf16(bits: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16)
 
 
+def quantize_fp8(hidden_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., D] -> (uint8 bits of float8_e4m3fn [..., D], fp32 scale [...]), one scale per row
+    (= per token and tapped layer): scale = amax(|row|) / 448, so the row's largest value maps
+    to the largest finite fp8. Runs on the tensor's device, in fp32."""
+    x = hidden_ND.float()
+    scale = x.abs().amax(-1) / FP8_MAX
+    # A zero row (or one whose amax / 448 underflows) gets scale 1 and decodes to zeros; NaN
+    # stays NaN, so a finiteness check of the scales still sees a NaN/Inf row.
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    # clamp: x / scale may land a rounding step above 448, which some casts turn into NaN
+    q = (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(torch.uint8), scale
+
+
+def dequantize_fp8(
+    bits: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The FORMAT.md decode: float(bits viewed as float8_e4m3fn) * scale, in fp32, then `dtype`."""
+    return (bits.view(torch.float8_e4m3fn).float() * scale[..., None].float()).to(dtype)
+
+
+def sequence_array_specs(
+    hidden_dtype: str, full_logits: bool
+) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """The per-token arrays a shard of a store with these root attributes holds."""
+    bits, scaled = HIDDEN_DTYPES[hidden_dtype]
+    specs = dict(SEQUENCE_ARRAYS)
+    specs["hidden"] = (bits, specs["hidden"][1])
+    if scaled:
+        specs["hidden_scale"] = ("float32", ("num_tapped",))
+    return specs | (OPTIONAL_SEQUENCE_ARRAYS if full_logits else {})
+
+
 @dataclass(frozen=True)
 class StoreInfo:
     """The root attributes of a store, checked against what this code understands."""
@@ -119,6 +159,10 @@ class StoreInfo:
     @property
     def topk(self) -> int:
         return int(self.attrs["topk"])
+
+    @property
+    def hidden_dtype(self) -> str:
+        return str(self.attrs["hidden_dtype"])
 
     @property
     def num_shards(self) -> int:
@@ -152,7 +196,8 @@ def read_root_attrs(store: str | Path) -> dict[str, Any]:
 def open_store(store: str | Path, *, require_complete: bool = False) -> StoreInfo:
     """Validate a store's format and version and return its attributes.
 
-    Rejects other formats and versions with a message that says what to do.
+    Rejects other formats and versions, and a `hidden_dtype` this code cannot decode, with a
+    message that says what to do.
     """
     attrs = read_root_attrs(store)
     if attrs.get("format") != FORMAT_NAME:
@@ -163,6 +208,14 @@ def open_store(store: str | Path, *, require_complete: bool = False) -> StoreInf
             f"{store}: store format version {version} is not supported by this dflash-offline "
             f"(reads version {FORMAT_VERSION}); re-extract it with this version or use the "
             "dflash-offline release that wrote it"
+        )
+    hidden_dtype = attrs.get("hidden_dtype")
+    if hidden_dtype not in HIDDEN_DTYPES:
+        raise StoreError(
+            f"{store}: hidden_dtype {hidden_dtype!r} is not one this dflash-offline reads "
+            f"({', '.join(HIDDEN_DTYPES)}); re-extract the store with --set "
+            "store.hidden_dtype=... set to one of them, or use the dflash-offline release that "
+            "wrote it"
         )
     info = StoreInfo(Path(store), attrs)
     if require_complete and not info.complete:
