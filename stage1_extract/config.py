@@ -105,6 +105,11 @@ class StoreConfig:
     sequences_per_shard: int = doc(64, "packed sequences per shard (one writer, one commit)")
     chunk_tokens: int = doc(1024, "tokens per Zarr chunk inside a shard (read granularity)")
     compression_level: int = doc(1, "zstd level (0 = no compression)")
+    hidden_dtype: Literal["bfloat16", "float8_e4m3fn"] = doc(
+        "bfloat16",
+        "dtype of the stored hidden states: bfloat16, or float8_e4m3fn with one fp32 scale per "
+        "token and tapped layer (half the bytes of the store's largest array)",
+    )
     overwrite: bool = doc(False, "delete an existing store at `out` first")
 
     def problems(self) -> list[str]:

@@ -60,7 +60,9 @@ class ExtractJob:
     @property
     def shard_bytes(self) -> int:
         """Uncompressed bytes of a full shard (an upper bound for the disk)."""
-        per_token = len(self.tapped) * self.hidden_size * 2 + self.cfg.verifier.topk * 8 + 21
+        K, D = len(self.tapped), self.hidden_size
+        hidden = K * D + K * 4 if self.cfg.store.hidden_dtype == "float8_e4m3fn" else K * D * 2
+        per_token = hidden + self.cfg.verifier.topk * 8 + 21
         if self.cfg.verifier.store_full_logits:
             per_token += self.vocab_size * 2
         return self.cfg.store.sequences_per_shard * self.cfg.packing.seq_len * per_token
@@ -147,7 +149,7 @@ def plan_job(cfg: ExtractConfig) -> ExtractJob:
         "seq_len": cfg.packing.seq_len,
         "topk": cfg.verifier.topk,
         "full_logits": cfg.verifier.store_full_logits,
-        "hidden_dtype": "bfloat16",
+        "hidden_dtype": cfg.store.hidden_dtype,
         "sequences_per_shard": cfg.store.sequences_per_shard,
         "num_shards": shards,
         "dataset": {
@@ -223,6 +225,8 @@ def fill_shard(
     padding = torch.from_numpy(np.flatnonzero(buffers.document_ids_M < 0))
     for array in buffers.device_arrays():
         array[padding] = 0
+    if buffers.hidden_scale_MK is not None:  # padding is a zero row: scale 1, as quantize_fp8
+        buffers.hidden_scale_MK[padding] = 1.0
 
     finite_ok = torch.ones((), dtype=torch.bool, device=target.device)
     for batch in _batches(lengths, job.cfg.run.batch_tokens):
@@ -233,8 +237,12 @@ def fill_shard(
         out = target.forward(ids_BT, [int(lengths[j]) for j in batch])
         # checked on the device: a host scan of every shard's bytes would compete with the
         # writers for CPU time
-        finite_ok &= torch.isfinite(out.hidden_NKD).all() & torch.isfinite(out.lse_N).all()
-        outputs = [out.hidden_NKD, out.argmax_N, out.topk_ids_Nk, out.topk_logits_Nk, out.lse_N]
+        # fp8: the bits have no Inf, and a NaN/Inf row has a NaN/Inf scale (amax / 448)
+        hidden = out.hidden_NKD if out.hidden_scale_NK is None else out.hidden_scale_NK
+        finite_ok &= torch.isfinite(hidden).all() & torch.isfinite(out.lse_N).all()
+        outputs = [out.hidden_NKD]
+        outputs += [out.hidden_scale_NK] if out.hidden_scale_NK is not None else []
+        outputs += [out.argmax_N, out.topk_ids_Nk, out.topk_logits_Nk, out.lse_N]
         outputs += [out.logits_NV] if out.logits_NV is not None else []
         row = 0
         for j in batch:

@@ -61,6 +61,7 @@ def _extract_shards(job: ExtractJob, ctx: WorkerContext, devices: list[str]) -> 
         cfg.verifier.topk,
         cfg.verifier.head_chunk_tokens,
         cfg.verifier.store_full_logits,
+        cfg.store.hidden_dtype,
     )
     pin = target.device.type == "cuda"
     slots = cfg.store.sequences_per_shard * cfg.packing.seq_len
@@ -68,7 +69,8 @@ def _extract_shards(job: ExtractJob, ctx: WorkerContext, devices: list[str]) -> 
 
     def make_buffers() -> ShardBuffers:
         K, D, k = len(job.tapped), job.hidden_size, cfg.verifier.topk
-        return ShardBuffers.allocate(slots, K, D, k, vocab, pin)
+        fp8 = cfg.store.hidden_dtype == "float8_e4m3fn"
+        return ShardBuffers.allocate(slots, K, D, k, vocab, pin, fp8=fp8)
 
     writer = ShardWriter(
         job.store,

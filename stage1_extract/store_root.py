@@ -53,6 +53,7 @@ _EXPLAINED = [
         },
     ),
     ("target dtype", lambda a: a["extract_config"]["target"]["dtype"]),
+    ("hidden_dtype", lambda a: a["hidden_dtype"]),
 ]
 
 
@@ -78,7 +79,7 @@ def key_parts(
     tokenizer = dict(
         attrs["tokenizer"], name_or_path=_canonical_path(attrs["tokenizer"]["name_or_path"])
     )
-    return {
+    parts = {
         "format_version": FORMAT_VERSION,
         "target": target,
         "target_dtype": cfg["target"]["dtype"],
@@ -95,6 +96,11 @@ def key_parts(
         "chunk_tokens": cfg["store"]["chunk_tokens"],
         "compression_level": cfg["store"]["compression_level"],
     }
+    # Only when not bf16: bf16 stores written before the option existed keep their key, so
+    # rerunning their command still resumes them.
+    if attrs["hidden_dtype"] != "bfloat16":
+        parts["hidden_dtype"] = attrs["hidden_dtype"]
+    return parts
 
 
 def write_root_attrs(store: Path, attrs: dict[str, Any]) -> None:

@@ -3,8 +3,9 @@
 `load_target_config` checks the target before anything heavy happens (a missing folder or an
 unreachable hub id is a ValueError naming the fix); `resolve_tapped_layers` turns the config's
 layer choice into ids; `TappedTarget` runs the base model (no full-vocabulary logits) with
-forward hooks that keep only the tapped layers' outputs, then applies the LM head in chunks
-and keeps per token the argmax, the top-k and the log-sum-exp of the full row.
+forward hooks that keep only the tapped layers' outputs (bf16, or fp8 with a scale per token and
+layer), then applies the LM head in chunks and keeps per token the argmax, the top-k and the
+log-sum-exp of the full row.
 
 Legend: B batch rows, T padded length, N valid (non-padding) tokens of a batch, K tapped
 layers, D hidden size, V vocabulary, k top-k, C tokens of one LM-head chunk.
@@ -23,6 +24,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from common.store import quantize_fp8
 from stage1_extract.config import TargetConfig
 
 
@@ -150,7 +152,8 @@ def save_target_head(model: torch.nn.Module, path: Path) -> None:
 class BatchOutput:
     """Per valid token of a batch, rows in row-major order of the (right-padded) batch."""
 
-    hidden_NKD: torch.Tensor  # bf16
+    hidden_NKD: torch.Tensor  # bf16, or uint8 float8_e4m3fn bits
+    hidden_scale_NK: torch.Tensor | None  # float32, only with fp8 hidden states
     argmax_N: torch.Tensor  # int32
     topk_ids_Nk: torch.Tensor  # int32
     topk_logits_Nk: torch.Tensor  # float32
@@ -168,6 +171,7 @@ class TappedTarget:
         topk: int,
         head_chunk: int,
         full_logits: bool,
+        hidden_dtype: str,
     ) -> None:
         self.model = model
         self.base = model.get_decoder()
@@ -176,18 +180,26 @@ class TappedTarget:
         self.topk = topk
         self.head_chunk = head_chunk
         self.full_logits = full_logits
+        self.fp8 = hidden_dtype == "float8_e4m3fn"
         self.device = self.base.get_input_embeddings().weight.device
         self._valid_idx: torch.Tensor | None = None
         self._hidden_NKD: torch.Tensor | None = None
+        self._scale_NK: torch.Tensor | None = None
 
     def _hook(self, k: int):
         def keep(_module: torch.nn.Module, _args: Any, output: Any) -> None:
             hidden_BTD = output[0] if isinstance(output, tuple) else output
             idx = self._valid_idx.to(hidden_BTD.device, non_blocking=True)
-            # only the valid rows, in bf16: never hold a full layer in its compute dtype longer
-            # than this hook runs
+            # only the valid rows, in bf16 or fp8: never hold a full layer in its compute dtype
+            # longer than this hook runs
             valid_ND = hidden_BTD.flatten(0, 1).index_select(0, idx)
-            self._hidden_NKD[:, k] = valid_ND.to(self.device, torch.bfloat16)
+            if not self.fp8:
+                self._hidden_NKD[:, k] = valid_ND.to(self.device, torch.bfloat16)
+                return
+            # quantized here, on the layer's device: the device-to-host copy moves half the bytes
+            bits_ND, scale_N = quantize_fp8(valid_ND)
+            self._hidden_NKD[:, k] = bits_ND.to(self.device)
+            self._scale_NK[:, k] = scale_N.to(self.device)
 
         return keep
 
@@ -203,9 +215,10 @@ class TappedTarget:
         self._valid_idx = (valid_idx.pin_memory() if pin else valid_idx).to(
             self.device, non_blocking=True
         )
-        self._hidden_NKD = torch.empty(
-            num_valid, len(self.tapped), D, dtype=torch.bfloat16, device=self.device
-        )
+        K, stored = len(self.tapped), torch.uint8 if self.fp8 else torch.bfloat16
+        self._hidden_NKD = torch.empty(num_valid, K, D, dtype=stored, device=self.device)
+        if self.fp8:
+            self._scale_NK = torch.empty(num_valid, K, dtype=torch.float32, device=self.device)
         # hooks live only during our forward, so the model stays usable as a plain LM
         hooks = [
             self.base.layers[layer_id].register_forward_hook(self._hook(k))
@@ -225,11 +238,13 @@ class TappedTarget:
         final_ND = out.last_hidden_state.flatten(0, 1).index_select(
             0, self._valid_idx.to(out.last_hidden_state.device)
         )
-        result = self._head(final_ND, self._hidden_NKD)
-        self._valid_idx = self._hidden_NKD = None
+        result = self._head(final_ND, self._hidden_NKD, self._scale_NK)
+        self._valid_idx = self._hidden_NKD = self._scale_NK = None
         return result
 
-    def _head(self, final_ND: torch.Tensor, hidden_NKD: torch.Tensor) -> BatchOutput:
+    def _head(
+        self, final_ND: torch.Tensor, hidden_NKD: torch.Tensor, scale_NK: torch.Tensor | None
+    ) -> BatchOutput:
         N, k, dev = final_ND.shape[0], self.topk, self.device
         argmax_N = torch.empty(N, dtype=torch.int32, device=dev)
         ids_Nk = torch.empty(N, k, dtype=torch.int32, device=dev)
@@ -248,4 +263,4 @@ class TappedTarget:
             lse_N[lo:hi] = torch.logsumexp(logits_CV, dim=-1).to(dev)
             if logits_NV is not None:
                 logits_NV[lo:hi] = raw_CV.to(dev, torch.bfloat16)
-        return BatchOutput(hidden_NKD, argmax_N, ids_Nk, vals_Nk, lse_N, logits_NV)
+        return BatchOutput(hidden_NKD, scale_NK, argmax_N, ids_Nk, vals_Nk, lse_N, logits_NV)

@@ -38,7 +38,8 @@ KILL_ENV = "DFLASH_TEST_KILL_AFTER_COMMITS"  # test hook: SIGKILL self after thi
 class ShardBuffers:
     """Host arrays of one shard, flat over token slots; reused shard after shard."""
 
-    hidden_MKD: torch.Tensor  # bf16
+    hidden_MKD: torch.Tensor  # bf16, or uint8 float8_e4m3fn bits
+    hidden_scale_MK: torch.Tensor | None  # float32, only with fp8 hidden states
     argmax_M: torch.Tensor  # int32
     topk_ids_Mk: torch.Tensor  # int32
     topk_logits_Mk: torch.Tensor  # float32
@@ -50,12 +51,15 @@ class ShardBuffers:
     document_ids_M: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
 
     @staticmethod
-    def allocate(slots: int, K: int, D: int, k: int, V: int | None, pin: bool) -> ShardBuffers:
+    def allocate(
+        slots: int, K: int, D: int, k: int, V: int | None, pin: bool, *, fp8: bool
+    ) -> ShardBuffers:
         def host(*shape: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, pin_memory=pin)
 
         return ShardBuffers(
-            hidden_MKD=host(slots, K, D, dtype=torch.bfloat16),
+            hidden_MKD=host(slots, K, D, dtype=torch.uint8 if fp8 else torch.bfloat16),
+            hidden_scale_MK=host(slots, K, dtype=torch.float32) if fp8 else None,
             argmax_M=host(slots, dtype=torch.int32),
             topk_ids_Mk=host(slots, k, dtype=torch.int32),
             topk_logits_Mk=host(slots, k, dtype=torch.float32),
@@ -64,8 +68,11 @@ class ShardBuffers:
         )
 
     def device_arrays(self) -> list[torch.Tensor]:
-        """The arrays filled from the target's outputs (zeroed on padding by the producer)."""
-        out = [self.hidden_MKD, self.argmax_M, self.topk_ids_Mk, self.topk_logits_Mk, self.lse_M]
+        """The arrays filled from the target's outputs (zeroed on padding by the producer), in
+        the order of the target's outputs (fill_shard)."""
+        out = [self.hidden_MKD]
+        out += [self.hidden_scale_MK] if self.hidden_scale_MK is not None else []
+        out += [self.argmax_M, self.topk_ids_Mk, self.topk_logits_Mk, self.lse_M]
         return out + ([self.logits_MV] if self.logits_MV is not None else [])
 
     def sequence_arrays(self, num_sequences: int, seq_len: int) -> dict[str, np.ndarray]:
@@ -80,12 +87,18 @@ class ShardBuffers:
             "loss_mask": shaped(self.loss_mask_M),
             "position_ids": shaped(self.position_ids_M),
             "document_ids": shaped(self.document_ids_M),
-            "hidden": shaped(bf16_to_bits(self.hidden_MKD[:m])),
+            "hidden": shaped(
+                self.hidden_MKD.numpy()
+                if self.hidden_MKD.dtype == torch.uint8
+                else bf16_to_bits(self.hidden_MKD[:m])
+            ),
             "target_argmax": shaped(self.argmax_M.numpy()),
             "topk_ids": shaped(self.topk_ids_Mk.numpy()),
             "topk_logits": shaped(self.topk_logits_Mk.numpy()),
             "logsumexp": shaped(self.lse_M.numpy()),
         }
+        if self.hidden_scale_MK is not None:
+            out["hidden_scale"] = shaped(self.hidden_scale_MK.numpy())
         if self.logits_MV is not None:
             out["logits"] = shaped(bf16_to_bits(self.logits_MV[:m]))
         return out
