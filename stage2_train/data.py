@@ -5,6 +5,9 @@ Global sequence `g` lives in shard `g // sequences_per_shard`, row `g % sequence
 a worker first reads from it, and each worker keeps the arrays it opened. Which sequences a rank
 reads, in which order, is stage2_train.plan's business; a key names (sequence, epoch, padding).
 
+fp8 stores (FORMAT.md) travel as their uint8 bits plus the fp32 scales, and are decoded on the
+training device (stage2_train/step.py): half the host-to-device bytes, no host CPU spent on it.
+
 Anchors of sequence g in epoch e come from a generator seeded by (seed, e, g), so a resumed run
 samples exactly what the uninterrupted one would have. Padding items (plan.py) are real
 sequences read normally whose loss weights are zeroed.
@@ -23,7 +26,14 @@ import numpy as np
 import torch
 import zarr
 
-from common.store import StoreError, StoreInfo, bits_to_bf16, shard_name, shards_dir
+from common.store import (
+    HIDDEN_DTYPES,
+    StoreError,
+    StoreInfo,
+    bits_to_bf16,
+    shard_name,
+    shards_dir,
+)
 from stage2_train.anchors import (
     block_gather,
     block_labels,
@@ -56,12 +66,13 @@ class Batch:
     tokens_T: torch.Tensor
     position_ids_T: torch.Tensor
     document_ids_T: torch.Tensor  # unique per document across the batch, -1 on padding
-    hidden_TKD: torch.Tensor  # bf16
+    hidden_TKD: torch.Tensor  # bf16, or uint8 float8_e4m3fn bits when hidden_scale_TK is set
     anchors_A: torch.Tensor
     labels_AB: torch.Tensor
     weights_AB: torch.Tensor  # 0/1 validity of each slot's label (0 for padding items)
     topk_ids_ABk: torch.Tensor | None = None
     topk_logprobs_ABk: torch.Tensor | None = None
+    hidden_scale_TK: torch.Tensor | None = None  # float32, fp8 stores only
 
     def pin_memory(self) -> Batch:
         return Batch(**{f.name: _apply(getattr(self, f.name), "pin_memory") for f in fields(self)})
@@ -97,6 +108,7 @@ class StoreSequences(torch.utils.data.Dataset):
         self.num_anchors, self.per_document = num_anchors, per_document
         self.block_size, self.label_target = block_size, label_target
         self.distill, self.seed = distill, seed
+        self.scaled = HIDDEN_DTYPES[info.hidden_dtype][1]
         self._shards: dict[int, dict[str, zarr.Array]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
@@ -111,6 +123,7 @@ class StoreSequences(torch.utils.data.Dataset):
                 raise StoreError(f"{self.root}: shard {path.name} is missing; re-run extract")
             group = zarr.open_group(path, mode="r", zarr_format=3)
             names = [*SEQUENCE_FIELDS, *(DISTILL_FIELDS if self.distill else ())]
+            names += ["hidden_scale"] if self.scaled else []
             self._shards[index] = {name: group[name] for name in names}
         return self._shards[index]
 
@@ -119,7 +132,8 @@ class StoreSequences(torch.utils.data.Dataset):
         shard = self._shard(index // self.per_shard)
         row = index % self.per_shard
         arrays = {name: np.asarray(a[row]) for name, a in shard.items()}
-        hidden_SKD = bits_to_bf16(arrays.pop("hidden"))
+        hidden = arrays.pop("hidden")
+        hidden_SKD = torch.from_numpy(hidden) if self.scaled else bits_to_bf16(hidden)
         arrays = {name: torch.from_numpy(a) for name, a in arrays.items()}
         tokens_S = arrays["tokens"].long()
         loss_mask_S = arrays["loss_mask"].bool()
@@ -147,6 +161,8 @@ class StoreSequences(torch.utils.data.Dataset):
             "labels_AB": labels_AB,
             "weights_AB": weights_AB.float() * (0.0 if is_pad else 1.0),
         }
+        if self.scaled:
+            item["hidden_scale_SK"] = arrays["hidden_scale"]
         if self.distill:
             logprobs_Sk = arrays["topk_logits"] - arrays["logsumexp"][:, None]
             ids_Sk = next_token_source(arrays["topk_ids"].long())
@@ -179,6 +195,7 @@ def collate(items: list[dict[str, Any]]) -> Batch:
         return torch.cat([item[name] for item in items])[order_A]
 
     distill = "topk_ids_ABk" in items[0]
+    scaled = "hidden_scale_SK" in items[0]
     return Batch(
         indices=torch.tensor([item["index"] for item in items]),
         tokens_T=torch.cat([item["tokens_S"] for item in items]),
@@ -190,6 +207,7 @@ def collate(items: list[dict[str, Any]]) -> Batch:
         weights_AB=blocks("weights_AB"),
         topk_ids_ABk=blocks("topk_ids_ABk") if distill else None,
         topk_logprobs_ABk=blocks("topk_logprobs_ABk") if distill else None,
+        hidden_scale_TK=torch.cat([item["hidden_scale_SK"] for item in items]) if scaled else None,
     )
 
 

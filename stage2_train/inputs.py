@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from common.store import (
     HEAD_FILE,
+    HIDDEN_DTYPES,
     StoreInfo,
     committed_shards,
     open_store,
@@ -48,7 +49,14 @@ def check_inputs(cfg: TrainConfig) -> tuple[StoreInfo, DrafterShape]:
     D = info.hidden_size
     shards = committed_shards(info.path)
     hidden_meta = shards_dir(info.path) / shard_name(shards[0]) / "hidden" / "zarr.json"
-    stored_KD = tuple(json.loads(hidden_meta.read_text())["shape"][2:])
+    hidden_zarr = json.loads(hidden_meta.read_text())
+    stored_KD = tuple(hidden_zarr["shape"][2:])
+    bits = HIDDEN_DTYPES[info.hidden_dtype][0]
+    if hidden_zarr["data_type"] != bits:
+        problems.append(
+            f"shard hidden arrays are {hidden_zarr['data_type']}, but the store's hidden_dtype "
+            f"{info.hidden_dtype} is stored as {bits}; the store is inconsistent: re-extract it"
+        )
     if stored_KD != (len(info.tapped_layers), D):
         problems.append(
             f"shard hidden arrays hold {stored_KD} = (K, D) per token, but the store lists "

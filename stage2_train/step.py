@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from common.store import HEAD_FILE, StoreError
+from common.store import HEAD_FILE, StoreError, dequantize_fp8
 from stage2_train.anchors import block_positions
 from stage2_train.attention import BlockAttention
 from stage2_train.data import Batch
@@ -57,7 +57,11 @@ def forward_batch(
     block_ids_AB = build_block_inputs(batch.anchors_A, batch.tokens_T, block_size, mask_token_id)
     block_inputs_QD = F.embedding(block_ids_AB.flatten(), head.embed_VD)
     attention = BlockAttention(batch.anchors_A, batch.document_ids_T, block_size, backend)
-    features_TKD = batch.hidden_TKD.to(head.embed_VD.dtype)
+    dtype = head.embed_VD.dtype
+    if batch.hidden_scale_TK is None:
+        features_TKD = batch.hidden_TKD.to(dtype)
+    else:  # fp8 store: decoded here, on the device, from the bits the loader moved
+        features_TKD = dequantize_fp8(batch.hidden_TKD, batch.hidden_scale_TK, dtype)
     return model(
         features_TKD,
         block_inputs_QD,
