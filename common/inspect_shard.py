@@ -1,9 +1,9 @@
 """Checks of one committed shard for `dflash inspect verify` (common/inspect_verify.py).
 
-A shard is read in blocks of sequences of at most `chunk_bytes` (and bf16-bits arrays too big
-for one sequence, such as full logits, in blocks of tokens), so memory stays constant whatever
-the shard size. Bad values are counted across blocks and reported once per kind, with the
-first place they occur.
+A shard is read in blocks of sequences of at most `chunk_bytes` (and bf16/fp8-bits arrays too
+big for one sequence, such as full logits, in blocks of tokens), so memory stays constant
+whatever the shard size. Bad values are counted across blocks and reported once per kind, with
+the first place they occur.
 """
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 import zarr
 from tqdm import tqdm
 
 from common.store import (
     DOCUMENT_ARRAYS,
-    OPTIONAL_SEQUENCE_ARRAYS,
-    SEQUENCE_ARRAYS,
     SHARD_ATTR,
     StoreInfo,
+    sequence_array_specs,
     shard_name,
     shards_dir,
 )
@@ -29,6 +29,7 @@ from common.store import (
 CHUNK_BYTES = 64 << 20  # bytes read at once per block; bounds memory on stores of any size
 SHARD_KEYS = ("index", "num_sequences", "num_documents", "num_tokens", "num_loss_tokens")
 BF16_EXPONENT = 0x7F80  # a bf16 is NaN or Inf exactly when all 8 exponent bits are set
+BITS_ARRAYS = ("hidden", "logits")  # big arrays of float bits, streamed in slabs
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ def _open_arrays(
     group: zarr.Group, info: StoreInfo, n: int, num_docs: int, tally: _Tally
 ) -> dict[str, zarr.Array]:
     """The arrays present with the FORMAT.md dtype and shape; reports the others."""
-    specs = dict(SEQUENCE_ARRAYS) | (OPTIONAL_SEQUENCE_ARRAYS if info.attrs["full_logits"] else {})
+    specs = sequence_array_specs(info.hidden_dtype, info.attrs["full_logits"])
     expected = {k: (d, (n, info.seq_len, *map(info.dim, dims))) for k, (d, dims) in specs.items()}
     expected |= {k: (d, (num_docs,)) for k, d in DOCUMENT_ARRAYS.items()}
     found: dict[str, zarr.Array] = {}
@@ -149,6 +150,10 @@ def _check_block(b: dict[str, np.ndarray], info: StoreInfo, tally: _Tally, r0: i
     for name in ("topk_logits", "logsumexp"):
         if name in b:
             tally.add(name, "NaN/Inf values", ~np.isfinite(b[name]), r0)
+    if "hidden_scale" in b:  # [n, S, K]: every token's scales, padding included (1.0 there)
+        scale = b["hidden_scale"]
+        tally.add("hidden_scale", "NaN/Inf values", (~np.isfinite(scale)).any(-1), r0)
+        tally.add("hidden_scale", "zero or negative scales", (scale <= 0).any(-1), r0)
     if real is None:
         return
     ids, logits = b.get("topk_ids"), b.get("topk_logits")
@@ -181,16 +186,21 @@ def _check_bits(
     r1: int,
     tally: _Tally,
     chunk_bytes: int,
+    fp8: bool = False,
 ) -> None:
-    """NaN/Inf in a bf16-bits array over sequences [r0, r1), read in slabs of <= chunk_bytes."""
+    """NaN/Inf in a bf16-bits (or, with `fp8`, float8_e4m3fn-bits) array over sequences
+    [r0, r1), read in slabs of <= chunk_bytes (counted decoded, for fp8)."""
     seq_len = array.shape[1]
-    per_token = math.prod(array.shape[2:]) * array.dtype.itemsize
+    per_token = math.prod(array.shape[2:]) * (4 if fp8 else array.dtype.itemsize)
     rows = max(1, chunk_bytes // (seq_len * per_token))
     toks = seq_len if rows > 1 else max(1, min(seq_len, chunk_bytes // per_token))
     for a in range(r0, r1, rows):
         for t in range(0, seq_len, toks):
             bits = array[a : min(a + rows, r1), t : t + toks]
-            bad = (bits & BF16_EXPONENT) == BF16_EXPONENT
+            if fp8:  # decoded without the scale: a bad scale is hidden_scale's own problem
+                bad = torch.from_numpy(bits).view(torch.float8_e4m3fn).float().isnan().numpy()
+            else:
+                bad = (bits & BF16_EXPONENT) == BF16_EXPONENT
             tally.add(name, "NaN/Inf values", bad.reshape(*bad.shape[:2], -1).any(-1), a, t)
             if name == "hidden" and real is not None:
                 pad = ~real[a - r0 : a - r0 + bits.shape[0], t : t + toks]
@@ -225,10 +235,11 @@ def check_shard(
     arrays = _open_arrays(group, info, n, num_docs, tally)
     docs = {k: arrays[k][:] for k in DOCUMENT_ARRAYS if k in arrays}
     layout = len(docs) == len(DOCUMENT_ARRAYS) and _check_documents(docs, n, info.seq_len, tally)
-    small = [k for k in SEQUENCE_ARRAYS if k in arrays and k != "hidden"]
+    small = [k for k in arrays if k not in DOCUMENT_ARRAYS and k not in BITS_ARRAYS]
     per_seq = sum(arrays[k].nbytes // max(n, 1) for k in small) or 1
     step = max(1, chunk_bytes // per_seq)
     counted = {"tokens": 0, "loss_tokens": 0}
+    fp8 = info.hidden_dtype == "float8_e4m3fn"
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
         block = {k: arrays[k][r0:r1] for k in small}
@@ -243,9 +254,10 @@ def check_shard(
         real = block["document_ids"] >= 0 if "document_ids" in block else None
         counted["tokens"] += int(real.sum()) if real is not None else 0
         counted["loss_tokens"] += int(block["loss_mask"].sum()) if "loss_mask" in block else 0
-        for big in ("hidden", "logits"):
+        for big in BITS_ARRAYS:
             if big in arrays:
-                _check_bits(big, arrays[big], real, r0, r1, tally, chunk_bytes)
+                scaled = fp8 and big == "hidden"
+                _check_bits(big, arrays[big], real, r0, r1, tally, chunk_bytes, scaled)
         bar.update((r1 - r0) / n)
     problems = tally.problems()
     measured = {

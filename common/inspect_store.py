@@ -116,6 +116,7 @@ def summarize(info: StoreInfo) -> dict[str, Any]:
             "chat_template": tokenizer.get("chat_template") is not None,
             "tapped_layers": info.tapped_layers,
             "hidden_size": info.hidden_size,
+            "hidden_dtype": info.hidden_dtype,
             "vocab_size": info.vocab_size,
             "seq_len": seq_len,
             "topk": info.topk,
@@ -180,7 +181,11 @@ def render_summary(s: dict[str, Any]) -> str:
             "tokenizer",
             f"{prov['tokenizer']} (chat template: {'yes' if prov['chat_template'] else 'no'})",
         ),
-        ("tapped layers", f"{prov['tapped_layers']} (hidden size {prov['hidden_size']})"),
+        (
+            "tapped layers",
+            f"{prov['tapped_layers']} (hidden size {prov['hidden_size']}, stored as "
+            f"{prov['hidden_dtype']})",
+        ),
         (
             "verifier",
             f"top-{prov['topk']} of {prov['vocab_size']:,}, full logits: {'yes' if prov['full_logits'] else 'no'}",
