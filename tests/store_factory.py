@@ -23,7 +23,14 @@ import zarr
 from safetensors.torch import save_file
 from zarr.codecs import ZstdCodec
 
-from common.store import FORMAT_NAME, FORMAT_VERSION, HEAD_FILE, bf16_to_bits, shard_name
+from common.store import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    HEAD_FILE,
+    bf16_to_bits,
+    quantize_fp8,
+    shard_name,
+)
 
 
 @dataclass
@@ -45,6 +52,7 @@ class FactorySpec:
     chunk_tokens: int = 32
     mask_token_id: int | None = 3
     pad_token_id: int = 0
+    hidden_dtype: str = "bfloat16"  # or "float8_e4m3fn": uint8 bits + hidden_scale
     format_version: int = FORMAT_VERSION
     complete: bool = True
     seed: int = 0
@@ -161,7 +169,8 @@ def build_store(path: str | Path, spec: FactorySpec | None = None) -> Path:
         argmax_NS = np.where(real_NS, successor[tokens_NS], 0).astype(np.int32)
         hidden = feature_table_VKD[torch.from_numpy(tokens_NS).long()]
         hidden = hidden + 0.05 * torch.randn(hidden.shape, generator=gen)
-        hidden = hidden * torch.from_numpy(real_NS)[..., None, None]
+        # where, not a product: padding must be +0 bits (a product leaves -0.0 on negatives)
+        hidden = torch.where(torch.from_numpy(real_NS)[..., None, None], hidden, 0.0)
         topk_ids = rng.integers(0, V, (n, S, k)).astype(np.int32)
         topk_ids[..., 0] = argmax_NS
         topk_logits = np.sort(rng.normal(size=(n, S, k)), axis=-1)[..., ::-1].astype(np.float32)
@@ -173,7 +182,12 @@ def build_store(path: str | Path, spec: FactorySpec | None = None) -> Path:
         _array(group, "loss_mask", loss_NS, spec.chunk_tokens)
         _array(group, "position_ids", pos_NS, spec.chunk_tokens)
         _array(group, "document_ids", doc_NS, spec.chunk_tokens)
-        _array(group, "hidden", bf16_to_bits(hidden.to(torch.bfloat16)), spec.chunk_tokens)
+        if spec.hidden_dtype == "float8_e4m3fn":
+            bits, scale = quantize_fp8(hidden)
+            _array(group, "hidden", bits.numpy(), spec.chunk_tokens)
+            _array(group, "hidden_scale", scale.numpy(), spec.chunk_tokens)
+        else:
+            _array(group, "hidden", bf16_to_bits(hidden.to(torch.bfloat16)), spec.chunk_tokens)
         _array(group, "target_argmax", argmax_NS, spec.chunk_tokens)
         _array(group, "topk_ids", topk_ids, spec.chunk_tokens)
         _array(group, "topk_logits", np.ascontiguousarray(topk_logits), spec.chunk_tokens)
@@ -230,7 +244,7 @@ def build_store(path: str | Path, spec: FactorySpec | None = None) -> Path:
         "seq_len": S,
         "topk": k,
         "full_logits": False,
-        "hidden_dtype": "bfloat16",
+        "hidden_dtype": spec.hidden_dtype,
         "sequences_per_shard": spec.sequences_per_shard,
         "num_shards": num_shards,
         "dataset": {
