@@ -131,6 +131,7 @@ def main() -> None:
     parser.add_argument("--work", default="/tmp/bench-extract")
     parser.add_argument("--writer-threads", type=int, default=4)
     parser.add_argument("--keep", action="store_true", help="keep the store (for bench_train)")
+    parser.add_argument("--hidden-dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn"])
     args = parser.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -150,6 +151,7 @@ def main() -> None:
             f"run.writer_threads={args.writer_threads}",
             "run.progress=false",
             "store.overwrite=true",
+            f"store.hidden_dtype={args.hidden_dtype}",
         ],
     )
     bare = bare_forward(cfg)
@@ -166,7 +168,12 @@ def main() -> None:
     attrs = json.loads((store / "zarr.json").read_text())["attributes"]["dflash"]
     tokens = attrs["counts"]["tokens"]
     on_disk = int(subprocess.check_output(["du", "-sb", str(store)]).split()[0])
-    raw_per_token = len(attrs["tapped_layers"]) * attrs["hidden_size"] * 2 + attrs["topk"] * 8 + 21
+    num_tapped, fp8 = len(attrs["tapped_layers"]), attrs["hidden_dtype"] == "float8_e4m3fn"
+    # fp8: one byte per feature plus one fp32 scale per tapped layer; bf16: two bytes
+    hidden_bytes = num_tapped * attrs["hidden_size"] * (1 if fp8 else 2) + (
+        4 * num_tapped if fp8 else 0
+    )
+    raw_per_token = hidden_bytes + attrs["topk"] * 8 + 21
     emit(
         {
             "what": "extract",
@@ -179,6 +186,7 @@ def main() -> None:
             "peak_gpu_GB": round(torch.cuda.max_memory_allocated() / 1e9, 1),
             "store_GB": round(on_disk / 1e9, 2),
             "writer_threads": args.writer_threads,
+            "hidden_dtype": args.hidden_dtype,
         }
     )
     if not args.keep:
