@@ -81,3 +81,61 @@ def test_dflash_drafter_keeps_greedy_output(target: torch.nn.Module) -> None:
     assert len(proposals) == shape.block_size - 1
     result = measure_acceptance(tapped, [prompt], draft, 12)
     assert result.tau == pytest.approx(11 / len(gains))
+
+
+def test_evaluate_command_reports_both_methods(tiny_qwen3: Path, tmp_path: Path) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from common.cli import main
+    from stage2_train.export import export_drafter
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_qwen3)
+    config = target.config.to_dict()
+    shape = drafter_shape(
+        DrafterConfig(num_layers=1, block_size=4), config, 2, config["vocab_size"], 3
+    )
+    export = export_drafter(DFlashDrafter(shape), shape, [0, 2], config, tmp_path / "export")
+    data = tmp_path / "dev.jsonl"
+    data.write_text(
+        "".join(json.dumps({"text": f"def f{i}(x):\n    return x\n"}) + "\n" for i in range(3))
+    )
+    out = tmp_path / "acc.json"
+    result = CliRunner().invoke(
+        main,
+        [
+            "evaluate",
+            "--target",
+            str(tiny_qwen3),
+            "--drafter",
+            str(export),
+            "--data",
+            str(data),
+            "--num-prompts",
+            "2",
+            "--prompt-tokens",
+            "8",
+            "--new-tokens",
+            "6",
+            "--json-out",
+            str(out),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    figures = json.loads(out.read_text())
+    assert figures["num_prompts"] == 2
+    for method in ("prompt_lookup", "dflash"):
+        assert len(figures[method]["tau_per_prompt"]) == 2
+        assert 1.0 <= figures[method]["tau"] <= 6.0
+    missing = CliRunner().invoke(
+        main,
+        [
+            "evaluate",
+            "--target",
+            str(tiny_qwen3),
+            "--data",
+            str(tmp_path / "nope.jsonl"),
+        ],
+    )
+    assert missing.exit_code == 2 and "does not exist" in missing.output
