@@ -13,6 +13,7 @@ import socket
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -96,13 +97,19 @@ def launch(worker: Callable[..., Any], devices: list[str], *args: Any) -> None:
     elastic_launch(config, worker)(*args)
 
 
-def init_worker(devices: list[str]) -> WorkerContext:
+def init_worker(devices: list[str], timeout: timedelta | None = None) -> WorkerContext:
     """Join the process group (if any) and choose this process's device.
 
     Under torchrun with more processes than `devices`, LOCAL_RANK picks cuda:LOCAL_RANK.
+    `timeout` bounds every collective (torch's default is 10 minutes); extraction passes a
+    long one because its barriers wait for whole tokenization or extraction passes.
     """
     if not under_torchrun():
-        return WorkerContext(0, 1, 0, torch.device(devices[0]))
+        device = torch.device(devices[0])
+        if device.type == "cuda":
+            # streams, events and allocations without an explicit device go here too
+            torch.cuda.set_device(device)
+        return WorkerContext(0, 1, 0, device)
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     local = int(os.environ["LOCAL_RANK"])
@@ -114,7 +121,10 @@ def init_worker(devices: list[str]) -> WorkerContext:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
+        extra = {"timeout": timeout} if timeout is not None else {}
+        dist.init_process_group(
+            backend=backend, device_id=device if backend == "nccl" else None, **extra
+        )
     return WorkerContext(rank, world, local, device)
 
 

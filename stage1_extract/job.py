@@ -257,7 +257,8 @@ def fill_shard(
     ready = None
     if target.device.type == "cuda":
         ready = torch.cuda.Event()
-        ready.record()
+        # on the stream that ran the copies: the current device need not be target.device
+        ready.record(torch.cuda.current_stream(target.device))
     doc_length = job.lengths[rows]
     over = doc_length > S
     overlong = cfg.packing.overlong

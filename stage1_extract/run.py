@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
 
 from tqdm import tqdm
@@ -107,10 +108,15 @@ def _extract_shards(job: ExtractJob, ctx: WorkerContext, devices: list[str]) -> 
     )
 
 
+# Ranks wait at barriers while rank 0 tokenizes (minutes) and while the slowest rank
+# extracts its last shards (hours on a resume where others have nothing left to do).
+BARRIER_TIMEOUT = timedelta(hours=48)
+
+
 def _worker(cfg: ExtractConfig, devices: list[str], error_dir: str | None, ready: bool) -> None:
     """One process. `ready`: the launcher already prepared the store and will finalize it."""
     init_logger()
-    ctx = init_worker(devices)
+    ctx = init_worker(devices, timeout=BARRIER_TIMEOUT)
     try:
         if ready:
             job = plan_job(cfg)

@@ -74,7 +74,9 @@ def key_parts(
     """What decides the content: the root attributes (without bookkeeping such as `complete`
     or `created_by`), the skipped rows and a digest of the tokenized documents' lengths."""
     cfg = attrs["extract_config"]
-    data = dict(cfg["data"], path=_canonical_path(cfg["data"]["path"]))
+    # num_proc changes how fast rows are tokenized, never what is stored
+    data = {k: v for k, v in cfg["data"].items() if k != "num_proc"}
+    data["path"] = _canonical_path(data["path"])
     target = dict(attrs["target"], name_or_path=_canonical_path(attrs["target"]["name_or_path"]))
     tokenizer = dict(
         attrs["tokenizer"], name_or_path=_canonical_path(attrs["tokenizer"]["name_or_path"])

@@ -203,6 +203,22 @@ class TappedTarget:
 
         return keep
 
+    def _tap_module(self, layer_id: int) -> torch.nn.Module:
+        """The module whose output is layer `layer_id` = transformers' hidden_states[id + 1].
+
+        For the last layer that is the output of the final norm (transformers replaces the last
+        entry of hidden_states by the normed one), which is also what serving code reads.
+        """
+        if layer_id < len(self.base.layers) - 1:
+            return self.base.layers[layer_id]
+        final_norm = getattr(self.base, "norm", None)
+        if final_norm is None:
+            raise ValueError(
+                f"tapped layer {layer_id} is the last layer, whose hidden state is taken after "
+                "the final norm, but this model has no `norm` module; tap layers below it"
+            )
+        return final_norm
+
     @torch.inference_mode()
     def forward(self, input_ids_BT: torch.Tensor, lengths_B: list[int]) -> BatchOutput:
         """Run right-padded rows (each row one document from position 0) and return the stored
@@ -221,7 +237,7 @@ class TappedTarget:
             self._scale_NK = torch.empty(num_valid, K, dtype=torch.float32, device=self.device)
         # hooks live only during our forward, so the model stays usable as a plain LM
         hooks = [
-            self.base.layers[layer_id].register_forward_hook(self._hook(k))
+            self._tap_module(layer_id).register_forward_hook(self._hook(k))
             for k, layer_id in enumerate(self.tapped)
         ]
         try:
