@@ -307,3 +307,13 @@ def test_overwrite_never_deletes_a_folder_that_is_not_a_store(tiny_qwen3: Path, 
     result = cli_extract(tiny_qwen3, write_data(tmp_path), folder, "store.overwrite=true")
     assert result.exit_code == 2 and "not a dflash store" in result.output
     assert (folder / "notes.txt").read_text() == "keep me"
+
+
+def test_rerun_with_other_num_proc_resumes(qwen3_store: Path, tiny_qwen3: Path, tmp_path: Path):
+    """data.num_proc changes only the speed of tokenizing: the same store, no refusal."""
+    store = Path(shutil.copytree(qwen3_store, tmp_path / "copy"))
+    before = file_digests(store)
+    data = qwen3_store.parent / "data.jsonl"
+    result = cli_extract(tiny_qwen3, data, store, "target.tapped_layers=[0,1,3]", "data.num_proc=2")
+    assert result.exit_code == 0, result.output
+    assert file_digests(store) == before
