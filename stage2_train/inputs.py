@@ -92,9 +92,15 @@ def check_inputs(cfg: TrainConfig) -> tuple[StoreInfo, DrafterShape]:
     return info, shape
 
 
-def check_same_run(meta: dict[str, Any], current: dict[str, Any], world: int, path: Path) -> None:
+def check_same_run(
+    meta: dict[str, Any], current: dict[str, Any], world: int, path: Path, store_key: str
+) -> None:
     """Refuse to resume a checkpoint of another drafter or data (the run would be a hybrid), or
-    one whose data position means other sequences (another world * batch * accum)."""
+    one whose data position means other sequences (another world * batch * accum).
+
+    The store is compared by its content key, not its path: a store re-extracted in place with
+    other data is another store, and `./store` vs `/abs/store` is the same one.
+    """
     saved = meta["config"]
     changed = [
         key
@@ -104,7 +110,6 @@ def check_same_run(meta: dict[str, Any], current: dict[str, Any], world: int, pa
             "loss.target",
             "loss.gamma",
             "loss.distill_weight",
-            "data.store",
             "data.seed",
             "data.holdout_sequences",
             "optim.batch_sequences",
@@ -112,6 +117,8 @@ def check_same_run(meta: dict[str, Any], current: dict[str, Any], world: int, pa
         )
         if _get(saved, key) != _get(current, key)
     ]
+    if meta.get("store_content_key") != store_key:
+        changed.append("data.store (its content key differs: another extraction)")
     if meta.get("world_size", world) != world:
         changed.append(f"world size ({meta['world_size']} processes, now {world})")
     if changed:

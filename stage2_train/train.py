@@ -119,7 +119,9 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
     config_dict = dataclasses.asdict(cfg)
     if resume is not None:
         saved = json.loads((resume / "meta.json").read_text())
-        check_same_run(saved, config_dict, ctx.world_size, resume)  # before loading tensors
+        check_same_run(
+            saved, config_dict, ctx.world_size, resume, info.attrs["content_key"]
+        )  # before loading tensors
         state, _ = load_checkpoint(
             resume,
             model=model,
@@ -147,6 +149,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
     extra_meta = {
         "world_size": ctx.world_size,
         "store": str(info.path),
+        "store_content_key": info.attrs["content_key"],
         "shape": dataclasses.asdict(shape),
         "target": {"tapped_layers": info.tapped_layers, "config": info.attrs["target"]["config"]},
     }

@@ -92,6 +92,13 @@ def test_resume_equals_uninterrupted(store: Path, tmp_path: Path) -> None:
     # another batch layout would give the saved data position another meaning
     with pytest.raises(ValueError, match="optim.batch_sequences"):
         train(store, out, *sets, "optim.batch_sequences=1")
+    # the store is known by its content: the same store at another path resumes (a finished
+    # run re-exports), another extraction at any path is refused
+    moved = Path(shutil.copytree(store, tmp_path / "moved-store"))
+    assert strip(train(moved, out, *sets)) == strip(full)
+    other = build_store(tmp_path / "other-store", FactorySpec(num_sequences=13, seed=7))
+    with pytest.raises(ValueError, match="content key"):
+        train(other, out, *sets)
 
 
 def test_two_gloo_processes_disjoint_data_identical_weights(store: Path, tmp_path: Path) -> None:
