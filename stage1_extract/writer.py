@@ -29,6 +29,7 @@ import torch
 import zarr
 from zarr.codecs import ZstdCodec
 
+from common.durable import commit_folder
 from common.store import SHARD_ATTR, StoreError, bf16_to_bits, shard_name, shards_dir
 
 KILL_ENV = "DFLASH_TEST_KILL_AFTER_COMMITS"  # test hook: SIGKILL self after this many commits
@@ -162,7 +163,7 @@ def write_shard(store: Path, job: ShardJob, layout: ShardLayout) -> Path:
         for name, data in job.documents.items():
             group.create_array(name, data=data, chunks=data.shape, compressors=compressors)
         _verify(tmp, arrays, job)
-        os.rename(tmp, final)
+        commit_folder(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

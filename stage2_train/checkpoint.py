@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from common.distributed import barrier
+from common.durable import commit_folder
 
 STEP_RE = re.compile(r"^step-(\d{6,})$")
 TMP_PREFIX = ".tmp-"
@@ -111,7 +112,7 @@ def save_checkpoint(
     if rank == 0:
         if final.exists():  # a step saved again after a resume: replace it whole
             shutil.rmtree(final)
-        tmp.rename(final)
+        commit_folder(tmp, final)
         for old in list_checkpoints(out)[:-keep]:
             shutil.rmtree(old)
     barrier()

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from common.durable import commit_folder
 from stage2_train.checkpoint import latest_checkpoint, step_dir
 from stage2_train.model import DFlashDrafter, DrafterShape, drafter_config_json
 
@@ -65,7 +66,7 @@ def export_drafter(
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.rename(out_dir)
+    commit_folder(tmp, out_dir)
     return out_dir
 
 
