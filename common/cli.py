@@ -161,7 +161,11 @@ def export(run: str, step: int | None, out: str | None) -> None:
 
 @main.command()
 @click.option("--target", required=True, help="target model folder or hub id")
-@click.option("--data", required=True, help="JSON/JSONL(.gz) of text documents for prompts")
+@click.option(
+    "--data",
+    required=True,
+    help="JSON/JSONL(.gz) of `text` documents (first tokens) or `messages` conversations (up to the last assistant turn)",
+)
 @click.option("--drafter", default=None, help="exported drafter folder (RUN/export)")
 @click.option("--num-prompts", default=12, show_default=True, type=int)
 @click.option("--prompt-tokens", default=256, show_default=True, type=int)

@@ -35,17 +35,38 @@ class EvaluateConfig:
     text_field: str = "text"
 
 
+def _chat_prompt(tokenizer, messages: list[dict], limit: int) -> list[int]:
+    """The conversation up to its last assistant turn, through the chat template with the
+    generation prompt: what a server sees before the model answers. Truncated from the left so
+    the generation prompt stays."""
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
+    history = messages[:last] if last is not None else messages
+    rendered = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    return ids[-limit:]
+
+
 def load_prompts(cfg: EvaluateConfig, tokenizer) -> list[list[int]]:
+    """Prompts from text rows (their first tokens) or chat rows (`messages`, up to the last
+    assistant turn, rendered by the target's chat template)."""
     import datasets
 
     path = Path(cfg.data)
     if not path.exists():
         raise ValueError(f"--data {path} does not exist; pass a .json/.jsonl(.gz) of documents")
     rows = datasets.load_dataset("json", data_files=str(path), split="train")
+    rows = rows.select(range(min(cfg.num_prompts, len(rows))))
+    if "messages" in rows.column_names:
+        if not tokenizer.chat_template:
+            raise ValueError(
+                f"{path} holds conversations but the target's tokenizer has no chat template"
+            )
+        return [_chat_prompt(tokenizer, m, cfg.prompt_tokens) for m in rows["messages"]]
     if cfg.text_field not in rows.column_names:
-        raise ValueError(f"{path}: no column {cfg.text_field!r} (found {rows.column_names})")
-    texts = rows[cfg.text_field][: cfg.num_prompts]
-    return [tokenizer(text)["input_ids"][: cfg.prompt_tokens] for text in texts]
+        raise ValueError(
+            f"{path}: no column {cfg.text_field!r} or 'messages' (found {rows.column_names})"
+        )
+    return [tokenizer(text)["input_ids"][: cfg.prompt_tokens] for text in rows[cfg.text_field]]
 
 
 def run_evaluate(cfg: EvaluateConfig) -> dict:

@@ -128,6 +128,24 @@ def test_evaluate_command_reports_both_methods(tiny_qwen3: Path, tmp_path: Path)
     for method in ("prompt_lookup", "dflash"):
         assert len(figures[method]["tau_per_prompt"]) == 2
         assert 1.0 <= figures[method]["tau"] <= 6.0
+    chat = tmp_path / "chat.jsonl"
+    conversation = [
+        {"role": "user", "content": "Name a color."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another one?"},
+        {"role": "assistant", "content": "Green."},
+    ]
+    chat.write_text(json.dumps({"messages": conversation}) + "\n")
+    from transformers import AutoTokenizer
+
+    from stage2_train.evaluate_cli import EvaluateConfig, load_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    (prompt,) = load_prompts(EvaluateConfig(str(tiny_qwen3), str(chat)), tokenizer)
+    expected = tokenizer.apply_chat_template(
+        conversation[:3], add_generation_prompt=True, tokenize=False
+    )
+    assert tokenizer.decode(prompt) == expected  # history up to the last answer, then its header
     missing = CliRunner().invoke(
         main,
         [
