@@ -107,12 +107,13 @@ def bare_forward(cfg: ExtractConfig) -> dict:
     tokens = sum(int(m.sum()) for m in batches)
     with torch.inference_mode():
         for mask in batches[:2]:  # warm-up
-            base(input_ids=torch.ones_like(mask).cuda(), attention_mask=mask.cuda())
+            base(input_ids=torch.ones_like(mask).cuda())
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for mask in batches:
             ids = torch.randint(0, 500, mask.shape).cuda(non_blocking=True)
-            base(input_ids=ids, attention_mask=mask.cuda(non_blocking=True))
+            # like the extractor: right-padded causal rows need no padding mask
+            base(input_ids=ids)
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     del model, base
