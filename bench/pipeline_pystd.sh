@@ -18,7 +18,7 @@ t0=$(date +%s)
 MON=$!
 dflash extract --model .carry/pystd-28m --data .carry/train.jsonl.gz --out "$WORK/store" \
   --devices "$DEVICES" --set target.tapped_layers='[1,3,5,7,8]' --set run.progress=false \
-  --set store.sequences_per_shard=32 --set data.num_proc=8 2>  --set store.sequences_per_shard=32 2>&1 | tee "$OUT/extract.log"1 | tee "$OUT/extract.log"
+  --set store.sequences_per_shard=32 --set data.num_proc=8 2>&1 | tee "$OUT/extract.log"
 kill $MON
 t1=$(date +%s)
 dflash inspect "$WORK/store" --json > "$OUT/inspect.json"
