@@ -165,3 +165,33 @@ def test_train_from_a_real_extracted_store(tiny_qwen3: Path, tmp_path: Path) -> 
     tapped = open_store(tmp_path / "store").tapped_layers
     assert config["dflash_config"]["target_layer_ids"] == tapped and len(tapped) == 3
     assert config["num_target_layers"] == 4
+
+
+def test_learns_what_only_the_anchor_token_carries(tmp_path: Path) -> None:
+    """Labels are a fixed permutation of the anchor token and the features are noise: only the
+    anchor slot of the block can give the answer. A mask that hid the block's own slots, or
+    labels shifted by one, would leave slot-1 accuracy at chance (~1/44)."""
+    import zarr
+
+    from common.store import bf16_to_bits
+
+    store = build_store(tmp_path / "store", FactorySpec(num_sequences=40, sequences_per_shard=10))
+    noise = torch.Generator().manual_seed(1)
+    for shard in sorted((store / "shards").iterdir()):
+        hidden = zarr.open_group(shard, mode="r+")["hidden"]
+        hidden[...] = bf16_to_bits(torch.randn(hidden.shape, generator=noise).bfloat16())
+    rows = train(
+        store,
+        tmp_path / "run",
+        "data.holdout_sequences=4",
+        "optim.max_steps=400",
+        "optim.epochs=40",
+        "optim.lr=3e-3",
+        "anchors.num_anchors=16",
+        "drafter.num_layers=2",
+        "run.eval_every=0",
+        "run.checkpoint_every=0",
+    )
+    final = rows[-1]
+    assert final["eval_acc"][0] > 0.3, final["eval_acc"]  # chance: 1/44
+    assert final["eval_tau"] > 1.8, final["eval_tau"]
