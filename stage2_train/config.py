@@ -121,7 +121,11 @@ class TrainDataConfig:
 class TrainRunConfig:
     out: str = doc("", "run folder: checkpoints, metrics.jsonl, export/")
     devices: str = doc("2,3", "GPU ids for data parallel (one process each), or 'cpu'")
-    dtype: Literal["bfloat16", "float32"] = doc("bfloat16", "parameter and compute dtype")
+    dtype: Literal["bfloat16", "float32", "mixed"] = doc(
+        "bfloat16",
+        "bfloat16: bf16 parameters, AdamW states and compute; float32: all fp32; mixed: fp32 "
+        "parameters and AdamW states (master weights), bf16 compute under autocast",
+    )
     compile_attention: bool = doc(True, "flex_attention compiled as its own region (GPU: required)")
     log_every: int = doc(10, "steps between log lines")
     eval_every: int = doc(500, "steps between held-out evaluations (0 = only at the end)")

@@ -201,7 +201,9 @@ class DFlashAttention(nn.Module):
         v_NGE = self.v_proj(kv_in_ND).view(-1, self.num_kv_heads, self.head_dim)
         q_1HQE = apply_rope(q_QHE.transpose(0, 1)[None], cos_NE[-n_q:], sin_NE[-n_q:])
         k_1GNE = apply_rope(k_NGE.transpose(0, 1)[None], cos_NE, sin_NE)
-        o_1HQE = attention(q_1HQE, k_1GNE, v_NGE.transpose(0, 1)[None])
+        v_1GNE = v_NGE.transpose(0, 1)[None]
+        # under autocast RoPE's fp32 tables promote q and k: attention takes one dtype
+        o_1HQE = attention(q_1HQE.to(v_1GNE.dtype), k_1GNE.to(v_1GNE.dtype), v_1GNE)
         return self.o_proj(o_1HQE[0].transpose(0, 1).reshape(n_q, -1))
 
 

@@ -4,8 +4,10 @@ Numerics: parameters live in `run.dtype` (bfloat16 by default, like the yardstic
 moment buffers take the parameters' dtype. The fused CUDA kernel does each element's update
 in fp32 registers and rounds once when storing, so the only bf16 loss is that rounding: updates
 smaller than half a bf16 ulp of a weight (~0.4% of its magnitude) vanish. At the paper's
-lr 6e-4 that only bites in the last few percent of the cosine tail. `run.dtype=float32` keeps
-everything in fp32 (the CPU tests use it, for exact resume comparisons).
+lr 6e-4 that only bites in the last few percent of the cosine tail. `run.dtype=mixed` keeps
+fp32 master weights and fp32 AdamW states with bf16 matmuls under autocast (+8 bytes per
+parameter: ~8 GB more for a Qwen3-8B-size drafter); `run.dtype=float32` keeps everything in
+fp32 (the CPU tests use it, for exact resume comparisons).
 """
 
 from __future__ import annotations

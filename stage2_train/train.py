@@ -40,7 +40,7 @@ from stage2_train.metrics import MetricsWriter, format_line, memory_gb
 from stage2_train.model import DFlashDrafter
 from stage2_train.plan import EpochPlan, HoldoutSampler, PlanSampler, split_store
 from stage2_train.step import load_frozen_head
-from stage2_train.trainstep import StepRunner, replica_fingerprint
+from stage2_train.trainstep import StepRunner, compute_context, replica_fingerprint, run_dtypes
 
 log = get_logger()
 
@@ -66,16 +66,16 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
     """The training loop of one rank."""
     info, shape = check_inputs(cfg)
     out = Path(cfg.run.out)
-    dtype = getattr(torch, cfg.run.dtype)
+    param_dtype, compute_dtype = run_dtypes(cfg.run.dtype)
     device = ctx.device
     split = split_store(info, cfg.data.holdout_sequences)
-    head = load_frozen_head(cfg.data.store, device, dtype)
+    head = load_frozen_head(cfg.data.store, device, compute_dtype)
     B = cfg.drafter.block_size
     slot_w_B = slot_weights(B, cfg.loss.gamma).to(device)
     backend = "flex" if device.type == "cuda" and cfg.run.compile_attention else "sdpa"
 
     torch.manual_seed(cfg.run.seed)  # identical init on every rank (DDP also broadcasts it)
-    model = DFlashDrafter(shape).to(device=device, dtype=dtype)
+    model = DFlashDrafter(shape).to(device=device, dtype=param_dtype)
     ddp = model
     if ctx.world_size > 1:
         ddp = torch.nn.parallel.DistributedDataParallel(
@@ -134,6 +134,10 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
     metrics = MetricsWriter(out / "metrics.jsonl", enabled=ctx.is_main, keep_until=state.step)
 
     def run_eval() -> dict[str, Any]:
+        with compute_context(cfg.run.dtype, device):
+            return _evaluate()
+
+    def _evaluate() -> dict[str, Any]:
         return evaluate(
             model,
             head,

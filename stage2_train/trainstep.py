@@ -31,6 +31,21 @@ def _all_reduce(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def run_dtypes(name: str) -> tuple[torch.dtype, torch.dtype]:
+    """(parameter dtype, compute dtype) of run.dtype; `mixed` keeps fp32 master weights."""
+    if name == "mixed":
+        return torch.float32, torch.bfloat16
+    dtype = getattr(torch, name)
+    return dtype, dtype
+
+
+def compute_context(name: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast for `mixed` (fp32 weights, bf16 matmuls); nothing otherwise."""
+    if name != "mixed":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
 class StepRunner:
     """Owns the optimizer and schedule; `step(micro_batches)` runs one optimizer step."""
 
@@ -68,7 +83,7 @@ class StepRunner:
             sync = (
                 contextlib.nullcontext() if last or self.ddp is self.model else self.ddp.no_sync()
             )
-            with sync:
+            with sync, compute_context(self.cfg.run.dtype, self.device):
                 hidden_QD = forward_batch(
                     self.ddp,
                     self.head,
@@ -78,7 +93,7 @@ class StepRunner:
                     backend=self.backend,
                 )
                 loss, stats = chunked_block_loss(
-                    hidden_QD,
+                    hidden_QD.to(self.head.lm_head_VD.dtype),  # fp32 -> bf16 under `mixed`
                     self.head.lm_head_VD,
                     batch.labels_AB,
                     weights_AB,
