@@ -93,6 +93,13 @@ def load_tokenizer(cfg: ExtractConfig) -> PreTrainedTokenizerBase:
         ) from err
 
 
+def reserved_token_id(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The first reserved special token (Llama-3's <|reserved_special_token_0|>): a real
+    embedding row that no text produces, a safe id for the drafter's mask slots."""
+    added = sorted(tokenizer.get_added_vocab().items(), key=lambda item: item[1])
+    return next((index for token, index in added if "reserved" in token), None)
+
+
 def document_lengths(prepared: PreparedData) -> np.ndarray:
     table = prepared.dataset.with_format("arrow")[:]
     return pc.list_value_length(table["input_ids"]).to_numpy(zero_copy_only=False).astype(np.int64)
@@ -142,6 +149,7 @@ def plan_job(cfg: ExtractConfig) -> ExtractJob:
             "eos_token_id": tokenizer.eos_token_id,
             "pad_token_id": pad_id,
             "mask_token_id": tokenizer.mask_token_id,
+            "reserved_token_id": reserved_token_id(tokenizer),
         },
         "tapped_layers": tapped,
         "hidden_size": text.hidden_size,

@@ -26,13 +26,15 @@ from stage2_train.plan import split_store
 
 def resolve_mask_token(cfg: TrainConfig, info: StoreInfo, embed_rows: int) -> int:
     """drafter.mask_token_id, else the tokenizer's mask token, else the first embedding row past
-    the tokenizer's vocabulary, else the pad token."""
+    the tokenizer's vocabulary, else a reserved special token, else the pad token."""
     tok = info.attrs.get("tokenizer", {})
     for candidate in (cfg.drafter.mask_token_id, tok.get("mask_token_id")):
         if candidate is not None:
             return int(candidate)
     if int(tok.get("vocab_size", embed_rows)) < embed_rows:
         return int(tok["vocab_size"])
+    if tok.get("reserved_token_id") is not None:
+        return int(tok["reserved_token_id"])
     if tok.get("pad_token_id") is not None:
         return int(tok["pad_token_id"])
     raise ValueError("no mask token: set drafter.mask_token_id (the store's tokenizer has none)")

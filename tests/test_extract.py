@@ -317,3 +317,23 @@ def test_rerun_with_other_num_proc_resumes(qwen3_store: Path, tiny_qwen3: Path, 
     result = cli_extract(tiny_qwen3, data, store, "target.tapped_layers=[0,1,3]", "data.num_proc=2")
     assert result.exit_code == 0, result.output
     assert file_digests(store) == before
+
+
+def test_reserved_token_is_found(tiny_qwen3: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from stage1_extract.job import reserved_token_id
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    assert reserved_token_id(tokenizer) is None
+    tokenizer.add_special_tokens(
+        {
+            "additional_special_tokens": [
+                "<|reserved_special_token_0|>",
+                "<|reserved_special_token_1|>",
+            ]
+        }
+    )
+    assert reserved_token_id(tokenizer) == tokenizer.convert_tokens_to_ids(
+        "<|reserved_special_token_0|>"
+    )

@@ -195,3 +195,21 @@ def test_bad_stores_are_refused(
         _rewrite_attrs(store, **attrs)
     with pytest.raises(StoreError if not attrs else ValueError, match=message):
         check_inputs(_cfg(store, tmp_path))
+
+
+def test_mask_token_fallbacks_in_order() -> None:
+    """explicit > tokenizer mask > first row past the vocabulary > reserved token > pad."""
+    from types import SimpleNamespace
+
+    from stage2_train.inputs import resolve_mask_token
+
+    def pick(explicit, embed_rows, **tok):
+        cfg = SimpleNamespace(drafter=SimpleNamespace(mask_token_id=explicit))
+        info = SimpleNamespace(attrs={"tokenizer": {"vocab_size": 100, **tok}})
+        return resolve_mask_token(cfg, info, embed_rows)
+
+    assert pick(7, 128, mask_token_id=5) == 7
+    assert pick(None, 128, mask_token_id=5, reserved_token_id=90, pad_token_id=0) == 5
+    assert pick(None, 128, reserved_token_id=90, pad_token_id=0) == 100  # Qwen3: spare rows
+    assert pick(None, 100, reserved_token_id=90, pad_token_id=0) == 90  # Llama-3: reserved
+    assert pick(None, 100, pad_token_id=0) == 0
