@@ -135,20 +135,17 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
 
     def run_eval() -> dict[str, Any]:
         with compute_context(cfg.run.dtype, device):
-            return _evaluate()
-
-    def _evaluate() -> dict[str, Any]:
-        return evaluate(
-            model,
-            head,
-            eval_loader,
-            block_size=B,
-            mask_token_id=shape.mask_token_id,
-            backend=backend,
-            slot_weights_B=slot_w_B,
-            chunk_tokens=cfg.loss.head_chunk_tokens,
-            device=device,
-        )
+            return evaluate(
+                model,
+                head,
+                eval_loader,
+                block_size=B,
+                mask_token_id=shape.mask_token_id,
+                backend=backend,
+                slot_weights_B=slot_w_B,
+                chunk_tokens=cfg.loss.head_chunk_tokens,
+                device=device,
+            )
 
     extra_meta = {
         "world_size": ctx.world_size,
