@@ -85,6 +85,20 @@ def qwen3_store(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     return out
 
 
+def fresh_forwards(store: Path, model: torch.nn.Module):
+    """For every stored document: (its shard's arrays, sequence, token span, the output of a
+    forward of that document alone with output_hidden_states)."""
+    info = open_store(store, require_complete=True)
+    for index in range(info.num_shards):
+        a = shard_arrays(store, index)
+        for d in range(len(a["doc_length"])):
+            seq, start, length = a["doc_sequence"][d], a["doc_start"][d], a["doc_length"][d]
+            span = slice(start, start + length)
+            ids = torch.from_numpy(a["tokens"][seq, span].astype(np.int64))[None]
+            with torch.no_grad():
+                yield a, seq, span, model(ids, output_hidden_states=True)
+
+
 def check_against_fresh_forward(store: Path, model_dir: Path, dtype: torch.dtype, tol: float):
     """Every stored document equals a forward of that document alone, to bf16 rounding (plus
     `tol`, relative, for bf16 kernels that differ between a padded batch and a lone row)."""
@@ -93,38 +107,31 @@ def check_against_fresh_forward(store: Path, model_dir: Path, dtype: torch.dtype
     layers, k = info.tapped_layers, info.topk
     rounding = 2.0**-8  # one bf16 ulp, relative: a value near a rounding boundary may flip
     checked = 0
-    for index in range(info.num_shards):
-        a = shard_arrays(store, index)
-        hidden = bits_to_bf16(a["hidden"]).float()
-        for d in range(len(a["doc_length"])):
-            seq, start, length = a["doc_sequence"][d], a["doc_start"][d], a["doc_length"][d]
-            span = slice(start, start + length)
-            ids = torch.from_numpy(a["tokens"][seq, span].astype(np.int64))[None]
-            with torch.no_grad():
-                ref = model(ids, output_hidden_states=True)
-            for j, layer in enumerate(layers):
-                got = hidden[seq, span, j]
-                # layer i = hidden_states[i + 1], the last one included (after the final norm)
-                want = ref.hidden_states[layer + 1][0].float()
-                torch.testing.assert_close(got, want, rtol=rounding + tol, atol=1e-5 + tol)
-            logits = ref.logits[0].float()
-            # ids checked through their logits: bf16 logits tie often, and ties may order freely
-            argmax = torch.from_numpy(a["target_argmax"][seq, span].astype(np.int64))
-            top_ids = torch.from_numpy(a["topk_ids"][seq, span].astype(np.int64))
-            top_values = torch.from_numpy(a["topk_logits"][seq, span])
-            close = dict(rtol=1e-5 + tol, atol=1e-5 + tol)
-            torch.testing.assert_close(
-                logits.gather(1, argmax[:, None])[:, 0], logits.amax(-1), **close
-            )
-            torch.testing.assert_close(logits.gather(1, top_ids), top_values, **close)
-            torch.testing.assert_close(top_values, logits.topk(k, dim=-1).values, **close)
-            assert (top_ids.sort(-1).values.diff(dim=-1) > 0).all(), "top-k ids repeat"
-            if tol == 0.0:
-                assert torch.equal(argmax, logits.argmax(-1))
-                assert torch.equal(top_ids, logits.topk(k, dim=-1).indices)
-            lse = torch.from_numpy(a["logsumexp"][seq, span])
-            torch.testing.assert_close(lse, logits.logsumexp(-1), **close)
-            checked += 1
+    for a, seq, span, ref in fresh_forwards(store, model):
+        hidden = bits_to_bf16(a["hidden"][seq]).float()
+        for j, layer in enumerate(layers):
+            got = hidden[span, j]
+            # layer i = hidden_states[i + 1], the last one included (after the final norm)
+            want = ref.hidden_states[layer + 1][0].float()
+            torch.testing.assert_close(got, want, rtol=rounding + tol, atol=1e-5 + tol)
+        logits = ref.logits[0].float()
+        # ids checked through their logits: bf16 logits tie often, and ties may order freely
+        argmax = torch.from_numpy(a["target_argmax"][seq, span].astype(np.int64))
+        top_ids = torch.from_numpy(a["topk_ids"][seq, span].astype(np.int64))
+        top_values = torch.from_numpy(a["topk_logits"][seq, span])
+        close = dict(rtol=1e-5 + tol, atol=1e-5 + tol)
+        torch.testing.assert_close(
+            logits.gather(1, argmax[:, None])[:, 0], logits.amax(-1), **close
+        )
+        torch.testing.assert_close(logits.gather(1, top_ids), top_values, **close)
+        torch.testing.assert_close(top_values, logits.topk(k, dim=-1).values, **close)
+        assert (top_ids.sort(-1).values.diff(dim=-1) > 0).all(), "top-k ids repeat"
+        if tol == 0.0:
+            assert torch.equal(argmax, logits.argmax(-1))
+            assert torch.equal(top_ids, logits.topk(k, dim=-1).indices)
+        lse = torch.from_numpy(a["logsumexp"][seq, span])
+        torch.testing.assert_close(lse, logits.logsumexp(-1), **close)
+        checked += 1
     assert checked == info.attrs["counts"]["documents"] > info.num_shards
 
 

@@ -15,7 +15,7 @@ import torch
 import zarr
 from click.testing import CliRunner
 from store_factory import FactorySpec, build_store
-from test_extract import cli_extract, make_config, shard_arrays, write_data
+from test_extract import cli_extract, fresh_forwards, make_config, shard_arrays, write_data
 from transformers import AutoModelForCausalLM
 
 from common.cli import main as cli
@@ -85,32 +85,27 @@ def test_fp8_store_equals_quantized_fresh_forward(fp8_store: Path, tiny_qwen3: P
     info = open_store(fp8_store, require_complete=True)
     assert info.hidden_dtype == "float8_e4m3fn" and info.tapped_layers == [0, 1, 3]
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
-    checked = exact = total = 0
     for index in range(info.num_shards):
         a = shard_arrays(fp8_store, index)
         assert a["hidden"].dtype == np.uint8 and a["hidden_scale"].dtype == np.float32
         assert a["hidden_scale"].shape == a["hidden"].shape[:3]
         padding = a["document_ids"] < 0
         assert (a["hidden"][padding] == 0).all() and (a["hidden_scale"][padding] == 1).all()
-        for d in range(len(a["doc_length"])):
-            seq, start, length = a["doc_sequence"][d], a["doc_start"][d], a["doc_length"][d]
-            span = slice(start, start + length)
-            ids = torch.from_numpy(a["tokens"][seq, span].astype(np.int64))[None]
-            with torch.no_grad():
-                ref = model(ids, output_hidden_states=True)
-            want_LKD = torch.stack(
-                [ref.hidden_states[i + 1][0] for i in info.tapped_layers],
-                dim=1,
-            )
-            want_bits, want_scale = quantize_fp8(want_LKD)
-            got_bits = torch.from_numpy(a["hidden"][seq, span])
-            got_scale = torch.from_numpy(a["hidden_scale"][seq, span])
-            torch.testing.assert_close(got_scale, want_scale, rtol=1e-5, atol=0.0)
-            steps = (fp8_ordinal(got_bits) - fp8_ordinal(want_bits)).abs()
-            assert steps.max() <= 1, f"document {d} of shard {index}: {steps.max()} steps"
-            exact += int((steps == 0).sum())
-            total += steps.numel()
-            checked += 1
+    checked = exact = total = 0
+    for a, seq, span, ref in fresh_forwards(fp8_store, model):
+        want_LKD = torch.stack(
+            [ref.hidden_states[i + 1][0] for i in info.tapped_layers],
+            dim=1,
+        )
+        want_bits, want_scale = quantize_fp8(want_LKD)
+        got_bits = torch.from_numpy(a["hidden"][seq, span])
+        got_scale = torch.from_numpy(a["hidden_scale"][seq, span])
+        torch.testing.assert_close(got_scale, want_scale, rtol=1e-5, atol=0.0)
+        steps = (fp8_ordinal(got_bits) - fp8_ordinal(want_bits)).abs()
+        assert steps.max() <= 1, f"sequence {seq}, tokens {span}: {steps.max()} steps"
+        exact += int((steps == 0).sum())
+        total += steps.numel()
+        checked += 1
     assert checked == info.attrs["counts"]["documents"] > info.num_shards
     assert exact > 0.99 * total  # a batched forward differs from a lone one in rare roundings
 
