@@ -133,6 +133,9 @@ def main() -> None:
     parser.add_argument("--writer-threads", type=int, default=4)
     parser.add_argument("--keep", action="store_true", help="keep the store (for bench_train)")
     parser.add_argument("--hidden-dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn"])
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], help="extra config key=value"
+    )
     args = parser.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -153,6 +156,7 @@ def main() -> None:
             "run.progress=false",
             "store.overwrite=true",
             f"store.hidden_dtype={args.hidden_dtype}",
+            *args.overrides,
         ],
     )
     bare = bare_forward(cfg)
@@ -188,6 +192,7 @@ def main() -> None:
             "store_GB": round(on_disk / 1e9, 2),
             "writer_threads": args.writer_threads,
             "hidden_dtype": args.hidden_dtype,
+            "overrides": args.overrides,
         }
     )
     if not args.keep:

@@ -4,6 +4,10 @@
 #   bash bench/run_h200.sh A   extraction at Qwen3-8B shape vs a bare forward (bf16, store
 #                              kept), then a full `dflash train` step from that store on disk
 #   bash bench/run_h200.sh B   the yardstick training step, then extraction with fp8 features
+#   bash bench/run_h200.sh X2  on a 2-GPU machine, all of it in one call: GPU 0 runs the
+#                              extractions (bf16 zstd kept, bf16 uncompressed, fp8) one after
+#                              the other; GPU 1 runs the yardstick step, then the train step
+#                              from the kept store (reading it while GPU 0 writes the others)
 # Run B right after A while the machine is warm, so both halves share one machine. Each part
 # has its own time limit so one slow part cannot starve the others; results go to $OUT. Start
 # the device command with the wheel install line of ../shared/tools/device-wheels.sh and carry
@@ -27,5 +31,21 @@ case "$PART" in
     timeout 200 python3 bench/bench_extract.py --tokens 300000 --hidden-dtype float8_e4m3fn \
       2>&1 | tee "$OUT/extract_fp8.log" | grep '^{'
     ;;
-  *) echo "usage: run_h200.sh A|B" >&2; exit 2 ;;
+  X2)
+    ( CUDA_VISIBLE_DEVICES=1 timeout 300 python3 .bench/yardstick_train_step.py \
+        > "$OUT/yardstick_train.log" 2>&1
+      while [ ! -f /tmp/bench-extract/done ]; do sleep 2; done
+      CUDA_VISIBLE_DEVICES=1 timeout 300 python3 bench/bench_train.py \
+        --store /tmp/bench-extract/store --steps 40 > "$OUT/train.log" 2>&1 ) &
+    export CUDA_VISIBLE_DEVICES=0
+    timeout 200 python3 bench/bench_extract.py --tokens 300000 --keep > "$OUT/extract.log" 2>&1
+    touch /tmp/bench-extract/done
+    timeout 150 python3 bench/bench_extract.py --tokens 300000 --work /tmp/bench-l0 \
+      --set store.compression_level=0 > "$OUT/extract_l0.log" 2>&1
+    timeout 150 python3 bench/bench_extract.py --tokens 300000 --work /tmp/bench-fp8 \
+      --hidden-dtype float8_e4m3fn > "$OUT/extract_fp8.log" 2>&1
+    wait
+    grep -h '^{' "$OUT"/*.log
+    ;;
+  *) echo "usage: run_h200.sh A|B|X2" >&2; exit 2 ;;
 esac

@@ -25,6 +25,12 @@ class DrafterConfig:
         "first embedding row past the tokenizer's vocabulary, else the pad token",
     )
 
+    init_norm_from_target: bool = doc(
+        True,
+        "start the drafter's final norm at the target's final-norm weight, so the frozen LM "
+        "head sees inputs at the scale it was trained on from step 0",
+    )
+
     def problems(self) -> list[str]:
         out = []
         if self.num_layers < 1:

@@ -26,22 +26,25 @@ from stage2_train.model import build_block_inputs
 
 @dataclass
 class FrozenHead:
-    """The target's token embedding and LM head, frozen."""
+    """The target's token embedding and LM head, frozen, and its final-norm weight (only an
+    initial value for the drafter's own norm)."""
 
     embed_VD: torch.Tensor
     lm_head_VD: torch.Tensor
+    final_norm_D: torch.Tensor
 
 
 def load_frozen_head(store: str | Path, device: torch.device, dtype: torch.dtype) -> FrozenHead:
-    """Read only the embedding and LM head from the store (the final norm is not needed:
-    the drafter applies its own `norm` before the target's head)."""
+    """Read the embedding, LM head and final-norm weight from the store (the drafter applies
+    its own `norm` before the target's head; the target's only seeds it)."""
     path = Path(store) / HEAD_FILE
     if not path.is_file():
         raise StoreError(f"{store}: {HEAD_FILE} is missing; re-run `dflash extract`")
     with safe_open(str(path), framework="pt", device="cpu") as f:
         embed_VD = f.get_tensor("embed_tokens.weight")
         head_VD = f.get_tensor("lm_head.weight")
-    return FrozenHead(embed_VD.to(device, dtype), head_VD.to(device, dtype))
+        norm_D = f.get_tensor("norm.weight")
+    return FrozenHead(embed_VD.to(device, dtype), head_VD.to(device, dtype), norm_D.to(device))
 
 
 def forward_batch(

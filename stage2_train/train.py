@@ -76,6 +76,9 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
 
     torch.manual_seed(cfg.run.seed)  # identical init on every rank (DDP also broadcasts it)
     model = DFlashDrafter(shape).to(device=device, dtype=param_dtype)
+    if cfg.drafter.init_norm_from_target:  # a resumed run loads its own value over it
+        with torch.no_grad():
+            model.norm.weight.copy_(head.final_norm_D)
     ddp = model
     if ctx.world_size > 1:
         ddp = torch.nn.parallel.DistributedDataParallel(

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
 from store_factory import FactorySpec, build_store
 
 from common.cli import main as cli
 from common.config import build_config
-from common.store import open_store
+from common.store import HEAD_FILE, open_store
 from stage2_train.config import TrainConfig
 from stage2_train.export import export_checkpoint, load_export
 from stage2_train.model import DFlashDrafter, DrafterShape
@@ -214,3 +215,18 @@ def test_mixed_precision_keeps_fp32_master_weights(store: Path, tmp_path: Path) 
     states = torch.load(ckpt / "optimizer.pt", weights_only=True)["state"]
     assert {s["exp_avg"].dtype for s in states.values()} == {torch.float32}
     assert rows[-1]["eval_tau"] >= 1.0  # held-out evaluation ran under autocast too
+
+
+@pytest.mark.parametrize("from_target", [True, False])
+def test_final_norm_starts_at_the_targets(tmp_path: Path, from_target: bool) -> None:
+    store = build_store(tmp_path / "store", FactorySpec(num_sequences=3))
+    head_path = store / HEAD_FILE
+    head = load_file(head_path)
+    head["norm.weight"] = torch.linspace(0.5, 2.5, head["norm.weight"].numel()).bfloat16()
+    save_file(head, str(head_path), metadata={"rms_norm_eps": "1e-06"})
+    # lr ~ 0: the exported norm is the initial one (the warmup's first step moves nothing)
+    sets = ["optim.max_steps=1", "optim.lr=1e-12", f"drafter.init_norm_from_target={from_target}"]
+    train(store, tmp_path / "run", *sets)
+    norm = load_export(tmp_path / "run" / "export").norm.weight.float()
+    expected = head["norm.weight"].float() if from_target else torch.ones_like(norm)
+    torch.testing.assert_close(norm, expected, rtol=0, atol=1e-6)
