@@ -94,10 +94,16 @@ def load_tokenizer(cfg: ExtractConfig) -> PreTrainedTokenizerBase:
 
 
 def reserved_token_id(tokenizer: PreTrainedTokenizerBase) -> int | None:
-    """The first reserved special token (Llama-3's <|reserved_special_token_0|>): a real
-    embedding row that no text produces, a safe id for the drafter's mask slots."""
+    """An added token named like a mask (<|mask|>, [MASK]) that the tokenizer does not declare
+    as its mask token, else the first reserved special token (Llama-3's
+    <|reserved_special_token_0|>): a real embedding row that no text produces, a safe id for
+    the drafter's mask slots."""
     added = sorted(tokenizer.get_added_vocab().items(), key=lambda item: item[1])
-    return next((index for token, index in added if "reserved" in token), None)
+    for marker in ("mask", "reserved"):
+        found = next((index for token, index in added if marker in token.lower()), None)
+        if found is not None:
+            return found
+    return None
 
 
 def document_lengths(prepared: PreparedData) -> np.ndarray:

@@ -128,7 +128,7 @@ class TrainRunConfig:
     out: str = doc("", "run folder: checkpoints, metrics.jsonl, export/")
     devices: str = doc("2,3", "GPU ids for data parallel (one process each), or 'cpu'")
     dtype: Literal["bfloat16", "float32", "mixed"] = doc(
-        "bfloat16",
+        "mixed",
         "bfloat16: bf16 parameters, AdamW states and compute; float32: all fp32; mixed: fp32 "
         "parameters and AdamW states (master weights), bf16 compute under autocast",
     )

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors import safe_open
 
 from common.store import (
@@ -23,21 +24,57 @@ from stage2_train.config import TrainConfig
 from stage2_train.model import DrafterShape, drafter_shape
 from stage2_train.plan import split_store
 
+# A mask row this much smaller than a typical row is treated as empty (see resolve_mask_token).
+MIN_MASK_ROW_NORM = 0.05
 
-def resolve_mask_token(cfg: TrainConfig, info: StoreInfo, embed_rows: int) -> int:
-    """drafter.mask_token_id, else the tokenizer's mask token, else the first embedding row past
-    the tokenizer's vocabulary, else a reserved special token, else the pad token."""
+
+def resolve_mask_token(cfg: TrainConfig, info: StoreInfo, embed_VD: torch.Tensor) -> int:
+    """The token id filling block slots 1..B-1, whose embedding row must not be (near) zero.
+
+    Candidates in order: drafter.mask_token_id, the tokenizer's mask token, the first
+    embedding row past the tokenizer's vocabulary, a mask-named or reserved special token
+    (store attr reserved_token_id), the pad token. A candidate whose row norm is under
+    MIN_MASK_ROW_NORM x the median row norm is skipped (an explicit id is refused): pad rows
+    are often exactly zero (padding_idx), and a zero mask embedding makes every mask slot's
+    first-layer query zero, so those slots attend uniformly and are indistinguishable, q_proj
+    and k_proj get no gradient, and the drafter learns little beyond slot 1 (measured on
+    pystd-28m, whose pad row is zero).
+    """
     tok = info.attrs.get("tokenizer", {})
-    for candidate in (cfg.drafter.mask_token_id, tok.get("mask_token_id")):
-        if candidate is not None:
-            return int(candidate)
-    if int(tok.get("vocab_size", embed_rows)) < embed_rows:
-        return int(tok["vocab_size"])
-    if tok.get("reserved_token_id") is not None:
-        return int(tok["reserved_token_id"])
-    if tok.get("pad_token_id") is not None:
-        return int(tok["pad_token_id"])
-    raise ValueError("no mask token: set drafter.mask_token_id (the store's tokenizer has none)")
+    rows = embed_VD.size(0)
+    vocab = int(tok.get("vocab_size", rows))
+    named = [
+        ("drafter.mask_token_id", cfg.drafter.mask_token_id),
+        ("the tokenizer's mask token", tok.get("mask_token_id")),
+        ("the first row past the tokenizer's vocabulary", vocab if vocab < rows else None),
+        ("the reserved special token", tok.get("reserved_token_id")),
+        ("the pad token", tok.get("pad_token_id")),
+    ]
+    norms_V = torch.cat([rows_VD.float().norm(dim=-1) for rows_VD in embed_VD.split(16384)])
+    floor = MIN_MASK_ROW_NORM * float(norms_V.median())
+    skipped = []
+    for what, candidate in named:
+        if candidate is None:
+            continue
+        token = int(candidate)
+        if not 0 <= token < rows:
+            raise ValueError(f"{what} {token} is outside the embedding's {rows} rows")
+        if float(norms_V[token]) > floor:
+            return token
+        if what == "drafter.mask_token_id":
+            raise ValueError(
+                f"drafter.mask_token_id {token}: its embedding row is (near) zero (norm "
+                f"{float(norms_V[token]):.3g}, typical {float(norms_V.median()):.3g}), so every "
+                "mask slot would look the same to the drafter; pick a token with a real "
+                "embedding row that text never produces (a reserved or unused special token)"
+            )
+        skipped.append(f"{what} {token}")
+    raise ValueError(
+        "no usable mask token: "
+        + (f"{', '.join(skipped)} have (near) zero embedding rows; " if skipped else "")
+        + "set drafter.mask_token_id to a special token with a real embedding row that text "
+        "never produces"
+    )
 
 
 def check_inputs(cfg: TrainConfig) -> tuple[StoreInfo, DrafterShape]:
@@ -45,8 +82,9 @@ def check_inputs(cfg: TrainConfig) -> tuple[StoreInfo, DrafterShape]:
     info = open_store(cfg.data.store, require_complete=True)
     split_store(info, cfg.data.holdout_sequences)
     with safe_open(str(Path(cfg.data.store) / HEAD_FILE), framework="pt") as f:
-        embed_rows, embed_dim = f.get_slice("embed_tokens.weight").get_shape()
+        embed_VD = f.get_tensor("embed_tokens.weight")
         head_rows, head_dim = f.get_slice("lm_head.weight").get_shape()
+    embed_rows, embed_dim = embed_VD.shape
     problems = []
     D = info.hidden_size
     shards = committed_shards(info.path)
@@ -75,9 +113,11 @@ def check_inputs(cfg: TrainConfig) -> tuple[StoreInfo, DrafterShape]:
             f"drafter.hidden_size={cfg.drafter.hidden_size} must equal the target's hidden size {D}"
             " (the drafter reads the target's embeddings and feeds its LM head)"
         )
-    mask_id = resolve_mask_token(cfg, info, embed_rows)
-    if not 0 <= mask_id < embed_rows:
-        problems.append(f"mask_token_id {mask_id} is outside the embedding's {embed_rows} rows")
+    try:
+        mask_id = resolve_mask_token(cfg, info, embed_VD)
+    except ValueError as err:
+        problems.append(str(err))
+        mask_id = -1
     if cfg.anchors.num_anchors * cfg.drafter.block_size > 64 * info.seq_len:
         problems.append("anchors.num_anchors * block_size is over 64x the sequence length")
     if problems:

@@ -1,13 +1,13 @@
 """Optimizer and learning-rate schedule of `dflash train`: AdamW, linear warmup, cosine decay.
 
-Numerics: parameters live in `run.dtype` (bfloat16 by default, like the yardstick), and AdamW's
-moment buffers take the parameters' dtype. The fused CUDA kernel does each element's update
-in fp32 registers and rounds once when storing, so the only bf16 loss is that rounding: updates
-smaller than half a bf16 ulp of a weight (~0.4% of its magnitude) vanish. At the paper's
-lr 6e-4 that only bites in the last few percent of the cosine tail. `run.dtype=mixed` keeps
-fp32 master weights and fp32 AdamW states with bf16 matmuls under autocast (+8 bytes per
-parameter: ~8 GB more for a Qwen3-8B-size drafter); `run.dtype=float32` keeps everything in
-fp32 (the CPU tests use it, for exact resume comparisons).
+Numerics: parameters live in the parameter dtype of `run.dtype`, and AdamW's moment buffers
+take the parameters' dtype. `mixed` (the default) keeps fp32 master weights and fp32 AdamW
+states with bf16 matmuls under autocast (+8 bytes per parameter over `bfloat16`: ~8 GB for a
+Qwen3-8B-size drafter). With `bfloat16` parameters the fused kernel rounds each update once
+when storing, and an update smaller than half a bf16 ulp of its weight (2^-9 of it, 0.2-0.4%)
+vanishes: the RMSNorm weights (~1.0, half-ulp 0.004) never move at the paper's lr 6e-4, and
+the linear weights stop moving in the cosine tail. `float32` keeps everything in fp32 (the CPU
+tests use it, for exact resume comparisons).
 """
 
 from __future__ import annotations

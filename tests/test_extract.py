@@ -326,21 +326,23 @@ def test_rerun_with_other_num_proc_resumes(qwen3_store: Path, tiny_qwen3: Path, 
     assert file_digests(store) == before
 
 
-def test_reserved_token_is_found(tiny_qwen3: Path) -> None:
+def test_reserved_or_mask_token_is_found(tiny_qwen3: Path) -> None:
+    from types import SimpleNamespace
+
     from transformers import AutoTokenizer
 
     from stage1_extract.job import reserved_token_id
 
+    def added(*names: str) -> SimpleNamespace:
+        vocab = {name: 50 + i for i, name in enumerate(names)}
+        return SimpleNamespace(get_added_vocab=lambda: vocab)
+
+    assert reserved_token_id(added("<|im_start|>", "<|im_end|>")) is None
+    llama3 = added(
+        "<|begin_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>"
+    )
+    assert reserved_token_id(llama3) == 51
+    # a mask-named token (pystd-28m's <|mask|>, not declared as the mask token) comes first
+    assert reserved_token_id(added("<|reserved_special_token_0|>", "<|MASK|>")) == 51
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
-    assert reserved_token_id(tokenizer) is None
-    tokenizer.add_special_tokens(
-        {
-            "additional_special_tokens": [
-                "<|reserved_special_token_0|>",
-                "<|reserved_special_token_1|>",
-            ]
-        }
-    )
-    assert reserved_token_id(tokenizer) == tokenizer.convert_tokens_to_ids(
-        "<|reserved_special_token_0|>"
-    )
+    assert reserved_token_id(tokenizer) == tokenizer.convert_tokens_to_ids("<|mask|>")

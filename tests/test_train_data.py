@@ -197,19 +197,37 @@ def test_bad_stores_are_refused(
         check_inputs(_cfg(store, tmp_path))
 
 
-def test_mask_token_fallbacks_in_order() -> None:
-    """explicit > tokenizer mask > first row past the vocabulary > reserved token > pad."""
+def _pick_mask(explicit, embed_rows, zero_rows=(), **tok):
     from types import SimpleNamespace
 
     from stage2_train.inputs import resolve_mask_token
 
-    def pick(explicit, embed_rows, **tok):
-        cfg = SimpleNamespace(drafter=SimpleNamespace(mask_token_id=explicit))
-        info = SimpleNamespace(attrs={"tokenizer": {"vocab_size": 100, **tok}})
-        return resolve_mask_token(cfg, info, embed_rows)
+    cfg = SimpleNamespace(drafter=SimpleNamespace(mask_token_id=explicit))
+    info = SimpleNamespace(attrs={"tokenizer": {"vocab_size": 100, **tok}})
+    embed_VD = torch.randn(embed_rows, 8, generator=torch.Generator().manual_seed(0))
+    embed_VD[list(zero_rows)] = 0
+    return resolve_mask_token(cfg, info, embed_VD.bfloat16())
 
+
+def test_mask_token_fallbacks_in_order() -> None:
+    """explicit > tokenizer mask > first row past the vocabulary > reserved token > pad."""
+    pick = _pick_mask
     assert pick(7, 128, mask_token_id=5) == 7
     assert pick(None, 128, mask_token_id=5, reserved_token_id=90, pad_token_id=0) == 5
     assert pick(None, 128, reserved_token_id=90, pad_token_id=0) == 100  # Qwen3: spare rows
     assert pick(None, 100, reserved_token_id=90, pad_token_id=0) == 90  # Llama-3: reserved
     assert pick(None, 100, pad_token_id=0) == 0
+
+
+def test_mask_token_skips_zero_embedding_rows() -> None:
+    """A zero mask row makes every mask slot's first query zero (pystd-28m's pad row is):
+    automatic candidates with such rows are skipped, an explicit one is refused."""
+    pick = _pick_mask
+    assert pick(None, 128, zero_rows=[100], reserved_token_id=90, pad_token_id=0) == 90
+    assert pick(None, 100, zero_rows=[0], reserved_token_id=3, pad_token_id=0) == 3
+    with pytest.raises(ValueError, match=r"mask_token_id 5: its embedding row is \(near\) zero"):
+        pick(5, 100, zero_rows=[5], pad_token_id=0)
+    with pytest.raises(ValueError, match="the pad token 0 have .* zero embedding rows"):
+        pick(None, 100, zero_rows=[0], pad_token_id=0)
+    with pytest.raises(ValueError, match="outside the embedding's 100 rows"):
+        pick(100, 100)
