@@ -79,6 +79,11 @@ class PackingConfig:
     overlong: Literal["split", "truncate"] = doc(
         "split", "documents longer than seq_len: split into seq_len pieces or keep the first piece"
     )
+    strategy: Literal["best_fit", "next_fit"] = doc(
+        "best_fit",
+        "best_fit: each piece into the fullest open sequence that holds it (least padding); "
+        "next_fit: into the current sequence, else a new one (dataset order kept)",
+    )
 
     def problems(self) -> list[str]:
         return [] if self.seq_len >= 16 else [f"seq_len must be >= 16, got {self.seq_len}"]

@@ -125,7 +125,7 @@ def plan_job(cfg: ExtractConfig) -> ExtractJob:
             f"data {cfg.data.path}: no documents to extract ({prepared.num_rows} rows read, "
             f"skipped: {prepared.skipped}); check the data and data.on_invalid"
         )
-    plan = plan_packing(lengths, cfg.packing.seq_len, cfg.packing.overlong)
+    plan = plan_packing(lengths, cfg.packing.seq_len, cfg.packing.overlong, cfg.packing.strategy)
     shards = num_shards(plan, cfg.store.sequences_per_shard)
     pad_id = tokenizer.pad_token_id
     if pad_id is None:  # many causal LMs ship without a pad token: pad with EOS

@@ -1,10 +1,13 @@
 """The packing plan: which piece of which document goes where in the fixed-length sequences.
 
-Documents are packed greedily, next-fit, in dataset order: a piece goes into the current
-sequence when it still fits, otherwise it opens the next sequence. Next-fit (never looking
-back at earlier sequences) keeps the plan deterministic, streamable and O(P) in the number
-of pieces, and keeps documents in dataset order across the store, at the cost of some
-padding compared with first-fit.
+Pieces are placed in dataset order by one of two deterministic strategies (`packing.strategy`):
+- `best_fit` (default): a piece goes into the open sequence with the least free room that
+  still holds it, else it opens a new sequence. Padding is what extraction writes to disk and
+  training computes on for nothing: on the benchmark's 200-4,000-token documents at 3,072
+  tokens, next-fit left 19% of the stored positions as padding. O(P log seq_len).
+- `next_fit`: a piece goes into the current sequence when it still fits, otherwise it opens
+  the next one; documents stay in dataset order across the store. O(P).
+Within a sequence, pieces sit back to back from offset 0 in the order they were placed.
 
 Over-long documents (more than `seq_len` tokens) are either
 - `split`: cut into consecutive pieces of `seq_len` tokens (the last one shorter), each then
@@ -64,11 +67,75 @@ def _next_fit(lengths: list[int], seq_len: int) -> tuple[np.ndarray, np.ndarray]
     return np.asarray(sequence, dtype=np.int64), np.asarray(start, dtype=np.int32)
 
 
-def plan_packing(lengths: np.ndarray, seq_len: int, overlong: str) -> PackingPlan:
+class _RoomIndex:
+    """Open sequences grouped by their free room, with a segment tree over room values that
+    finds the smallest room >= n holding a sequence in O(log seq_len)."""
+
+    def __init__(self, seq_len: int) -> None:
+        self.size = 1 << seq_len.bit_length()  # leaves 0..size-1 cover rooms 0..seq_len
+        self.count = [0] * (2 * self.size)
+        self.by_room: list[list[int]] = [[] for _ in range(seq_len + 1)]
+
+    def _bump(self, room: int, delta: int) -> None:
+        i = room + self.size
+        while i:
+            self.count[i] += delta
+            i //= 2
+
+    def add(self, room: int, sequence: int) -> None:
+        self.by_room[room].append(sequence)
+        self._bump(room, 1)
+
+    def pop_fitting(self, n: int) -> tuple[int, int] | None:
+        """(room, sequence) of an open sequence with the least room >= n, removed; or None."""
+        i = n + self.size
+        if not self.count[i]:
+            # climb until a right sibling holds something: those siblings cover the rooms
+            # above n in increasing order, so the first one found holds the smallest
+            while i > 1 and not (i % 2 == 0 and self.count[i + 1]):
+                i //= 2
+            if i <= 1:
+                return None
+            i += 1
+            while i < self.size:  # descend to its leftmost non-empty leaf
+                i = 2 * i if self.count[2 * i] else 2 * i + 1
+        room = i - self.size
+        self._bump(room, -1)
+        return room, self.by_room[room].pop()
+
+
+def _best_fit(lengths: list[int], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sequence index and start offset of each piece (best fit in dataset order)."""
+    sequence = [0] * len(lengths)
+    start = [0] * len(lengths)
+    rooms = _RoomIndex(seq_len)
+    opened = 0
+    for i, n in enumerate(lengths):
+        found = rooms.pop_fitting(n)
+        if found is None:
+            seq, room = opened, seq_len
+            opened += 1
+        else:
+            room, seq = found
+        sequence[i] = seq
+        start[i] = seq_len - room
+        if room > n:
+            rooms.add(room - n, seq)
+    return np.asarray(sequence, dtype=np.int64), np.asarray(start, dtype=np.int32)
+
+
+STRATEGIES = {"best_fit": _best_fit, "next_fit": _next_fit}
+
+
+def plan_packing(
+    lengths: np.ndarray, seq_len: int, overlong: str, strategy: str = "best_fit"
+) -> PackingPlan:
     """Plan the packing of documents of token counts `lengths` (all >= 1, dataset order)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     if overlong not in ("split", "truncate"):
         raise ValueError(f"packing.overlong must be 'split' or 'truncate', got {overlong!r}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"packing.strategy must be one of {sorted(STRATEGIES)}, got {strategy!r}")
     if seq_len < 1:
         raise ValueError(f"packing.seq_len must be >= 1, got {seq_len}")
     # data.py drops empty documents; an empty one here would be a bug, not user input
@@ -92,16 +159,18 @@ def plan_packing(lengths: np.ndarray, seq_len: int, overlong: str) -> PackingPla
         split_documents, truncated_documents = 0, int(over.sum())
         dropped = int((lengths - length).sum())
 
-    sequence, start = _next_fit(length.tolist(), seq_len)
+    sequence, start = STRATEGIES[strategy](length.tolist(), seq_len)
+    # storage order: by sequence, then by offset (a no-op for next-fit)
+    order = np.lexsort((start, sequence))
     return PackingPlan(
         seq_len=seq_len,
-        num_sequences=int(sequence[-1]) + 1 if len(sequence) else 0,
-        doc_row=doc_row,
-        src_offset=src_offset,
-        length=length.astype(np.int32),
-        piece=piece.astype(np.int32),
-        sequence=sequence,
-        start=start,
+        num_sequences=int(sequence.max()) + 1 if len(sequence) else 0,
+        doc_row=doc_row[order],
+        src_offset=src_offset[order],
+        length=length.astype(np.int32)[order],
+        piece=piece.astype(np.int32)[order],
+        sequence=sequence[order],
+        start=start[order],
         split_documents=split_documents,
         truncated_documents=truncated_documents,
         dropped_tokens=dropped,

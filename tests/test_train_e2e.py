@@ -166,6 +166,47 @@ def test_train_from_a_real_extracted_store(tiny_qwen3: Path, tmp_path: Path) -> 
     tapped = open_store(tmp_path / "store").tapped_layers
     assert config["dflash_config"]["target_layer_ids"] == tapped and len(tapped) == 3
     assert config["num_target_layers"] == 4
+    assert_every_parameter_learns(tmp_path / "store")
+
+
+def assert_every_parameter_learns(store: Path) -> None:
+    """One real batch, forward + backward: every trainable tensor gets a nonzero gradient.
+    (A zero mask-token embedding once gave q/k projections and norms exactly zero gradient; one
+    layer, so that no later layer's attention to the anchor slot can hide it.)"""
+    from stage2_train.anchors import slot_weights
+    from stage2_train.data import StoreSequences, collate
+    from stage2_train.inputs import check_inputs
+    from stage2_train.loss import chunked_block_loss
+    from stage2_train.step import forward_batch, load_frozen_head
+
+    sets = [f"data.store={store}", "run.out=unused", "drafter.num_layers=1"]
+    cfg = build_config(TrainConfig, DEBUG, "train", sets)
+    info, shape = check_inputs(cfg)
+    head = load_frozen_head(store, torch.device("cpu"), torch.float32)
+    model = DFlashDrafter(shape)
+    sequences = StoreSequences(
+        info,
+        num_anchors=cfg.anchors.num_anchors,
+        per_document=False,
+        block_size=shape.block_size,
+        label_target="argmax",
+        distill=False,
+        seed=0,
+    )
+    batch = collate([sequences[(0, 0, False)], sequences[(1, 0, False)]])
+    hidden_QD = forward_batch(
+        model,
+        head,
+        batch,
+        block_size=shape.block_size,
+        mask_token_id=shape.mask_token_id,
+        backend="sdpa",
+    )
+    weights_AB = batch.weights_AB * slot_weights(shape.block_size)[None]
+    loss, _ = chunked_block_loss(hidden_QD, head.lm_head_VD, batch.labels_AB, weights_AB, 64)
+    loss.backward()
+    silent = [n for n, p in model.named_parameters() if not p.grad.abs().max() > 0]
+    assert not silent, f"no gradient reaches {silent}"
 
 
 def test_learns_what_only_the_anchor_token_carries(tmp_path: Path) -> None:
@@ -215,6 +256,13 @@ def test_mixed_precision_keeps_fp32_master_weights(store: Path, tmp_path: Path) 
     states = torch.load(ckpt / "optimizer.pt", weights_only=True)["state"]
     assert {s["exp_avg"].dtype for s in states.values()} == {torch.float32}
     assert rows[-1]["eval_tau"] >= 1.0  # held-out evaluation ran under autocast too
+    # why mixed is the default: fp32 master weights let the RMSNorm weights (~1.0) move, while
+    # bf16 weights round every update below half an ulp (0.004 above 1.0) away, at lr 6e-4 all
+    moved = {k: float((v - 1).abs().max()) for k, v in weights.items() if "norm" in k}
+    assert min(moved.values()) > 0, moved
+    train(store, tmp_path / "bf16", "optim.max_steps=8", "optim.lr=6e-4", "run.dtype=bfloat16")
+    bf16 = torch.load(tmp_path / "bf16" / "step-000008" / "model.pt", weights_only=True)
+    assert all(torch.equal(v, torch.ones_like(v)) for k, v in bf16.items() if "norm" in k)
 
 
 @pytest.mark.parametrize("from_target", [True, False])
