@@ -21,10 +21,10 @@ class DrafterConfig:
     rms_norm_eps: float | None = doc(None, "default: the target's")
     mask_token_id: int | None = doc(
         None,
-        "token id filling slots 1..B-1; default: the tokenizer's mask token, else the "
-        "first embedding row past the tokenizer's vocabulary, else the pad token",
+        "token id filling slots 1..B-1; default: the tokenizer's mask token, else the first "
+        "embedding row past the tokenizer's vocabulary, else a mask-named or reserved special "
+        "token, else the pad token; rows with a (near) zero embedding are skipped",
     )
-
     init_norm_from_target: bool = doc(
         True,
         "start the drafter's final norm at the target's final-norm weight, so the frozen LM "
