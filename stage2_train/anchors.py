@@ -159,6 +159,14 @@ def default_gamma(block_size: int) -> float:
     return _DEFAULT_GAMMA.get(block_size, 7.0 * block_size / 16)
 
 
+def training_slot_weights(block_size: int, weighting: str, gamma: float | None) -> Tensor:
+    """[B] static slot weights of training: the decay, or 1 for k >= 1 under D-PACE (whose
+    adaptive multipliers are applied inside the loss)."""
+    if weighting == "dpace":
+        return (torch.arange(block_size) >= 1).float()
+    return slot_weights(block_size, gamma)
+
+
 def slot_weights(block_size: int, gamma: float | None = None) -> Tensor:
     """[B] float32: w_0 = 0, w_k = exp(-(k - 1) / gamma) for k >= 1."""
     g = default_gamma(block_size) if gamma is None else gamma

@@ -63,6 +63,12 @@ class LossConfig:
     gamma: float | None = doc(
         None, "slot decay exp(-(k-1)/gamma); default 7 (B=16), 5 (B=10), 4 (B=8)"
     )
+    weighting: Literal["decay", "dpace"] = doc(
+        "decay",
+        "slot weights: decay = exp(-(k-1)/gamma) (the paper); dpace = D-PACE, per block "
+        "sum_{m>=i} prod_{j<=m} q'_j with q' = (1-a) exp(-CE) + a (arXiv 2605.18810)",
+    )
+    dpace_alpha: float = doc(0.5, "D-PACE smoothing a, in (0, 1]")
     distill_weight: float = doc(0.0, "weight of the top-k KL distillation term (0 = off)")
     distill_temperature: float = doc(1.0, "temperature of the distillation term")
     head_chunk_tokens: int = doc(2048, "query tokens per LM-head + CE chunk")
@@ -71,6 +77,8 @@ class LossConfig:
         out = []
         if self.gamma is not None and self.gamma <= 0:
             out.append(f"gamma must be > 0, got {self.gamma}")
+        if not 0 < self.dpace_alpha <= 1:
+            out.append(f"dpace_alpha must be in (0, 1], got {self.dpace_alpha}")
         if self.distill_weight < 0:
             out.append(f"distill_weight must be >= 0, got {self.distill_weight}")
         if self.head_chunk_tokens < 1:

@@ -4,6 +4,7 @@ and a run folder's checkpoints. One ValueError lists every problem found.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -141,9 +142,10 @@ def check_same_run(
     one whose data position means other sequences (another world * batch * accum).
 
     The store is compared by its content key, not its path: a store re-extracted in place with
-    other data is another store, and `./store` vs `/abs/store` is the same one.
+    other data is another store, and `./store` vs `/abs/store` is the same one. A field the
+    checkpoint's config lacks (added in a later version) counts as its default value.
     """
-    saved = meta["config"]
+    saved = _with_defaults(meta["config"], dataclasses.asdict(TrainConfig()))
     changed = [
         key
         for key in (
@@ -151,6 +153,8 @@ def check_same_run(
             "anchors",
             "loss.target",
             "loss.gamma",
+            "loss.weighting",
+            "loss.dpace_alpha",
             "loss.distill_weight",
             "data.seed",
             "data.holdout_sequences",
@@ -168,6 +172,14 @@ def check_same_run(
             f"{path} was trained with other settings of {changed}; resume with the same config "
             "and devices, or pass a new --out"
         )
+
+
+def _with_defaults(saved: Any, defaults: Any) -> Any:
+    """`saved` with the keys it lacks taken from `defaults`, recursively."""
+    if not (isinstance(saved, dict) and isinstance(defaults, dict)):
+        return saved
+    merged = {k: _with_defaults(saved[k], v) if k in saved else v for k, v in defaults.items()}
+    return {**saved, **merged}
 
 
 def _get(tree: dict[str, Any], dotted: str) -> Any:

@@ -19,6 +19,12 @@ gathered at those ids, KL_q = T^2 * sum_k p_k (log p_k - log q_k). It is >= 0 an
 the drafter puts all its mass on the k ids in the target's proportions; its logit gradient is
 T * w_q * (softmax(logits / T) - p scattered to the k ids).
 
+D-PACE weighting (``dpace_alpha`` > 0, arXiv 2605.18810): each labelled slot's weight is
+further multiplied, per block, by sum_{m >= i} prod_{j <= m} q'_j with q'_j = (1 - a) exp(-CE_j)
++ a (detached; slots without a label count as q' = 1): the expected share of accepted runs
+that reach slot i, so early slots that gate the rest weigh more, adaptively. Chunks then hold
+whole blocks. The reported ``ce_sum`` keeps the static weights, so losses stay comparable.
+
 Legend: Q query tokens (= A*B), D hidden, V vocabulary, C chunk rows, k stored top-k, B slots.
 """
 
@@ -29,6 +35,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+
+def dpace_factors(ce_NB: Tensor, counted_NB: Tensor, alpha: float) -> Tensor:
+    """[N, B] D-PACE multipliers of N blocks: sum over m >= i of prod_{j <= m} q'_j."""
+    q_NB = torch.where(counted_NB, (1 - alpha) * torch.exp(-ce_NB) + alpha, 1.0)
+    reach_NB = torch.cumprod(q_NB, dim=1)
+    return reach_NB.flip(1).cumsum(1).flip(1)
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
@@ -46,6 +59,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         lam: float,
         temperature: float,
         chunk_tokens: int,
+        num_slots: int,
+        dpace_alpha: float,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         distill = topk_ids_Qk is not None
@@ -56,14 +71,21 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             else None
         )
         ce_sum = torch.zeros((), dtype=torch.float32, device=hidden_QD.device)
-        kl_sum = ce_sum.clone()
+        kl_sum, total_sum = ce_sum.clone(), ce_sum.clone()
         correct_Q = torch.empty(labels_Q.shape, dtype=torch.bool, device=labels_Q.device)
         for start in range(0, hidden_QD.size(0), chunk_tokens):
             rows = slice(start, start + chunk_tokens)
             h_CD, y_C, w_C = hidden_QD[rows], labels_Q[rows], weights_Q[rows]
             z_CV = (h_CD @ head_VD.T).float()
             lse_C = torch.logsumexp(z_CV, dim=-1)
-            ce_sum += (w_C * (lse_C - z_CV.gather(1, y_C[:, None])[:, 0])).sum()
+            ce_C = lse_C - z_CV.gather(1, y_C[:, None])[:, 0]
+            ce_sum += (w_C * ce_C).sum()
+            if dpace_alpha > 0:  # the chunk holds whole blocks (chunk_tokens % B == 0)
+                factor_C = dpace_factors(
+                    ce_C.view(-1, num_slots), (w_C > 0).view(-1, num_slots), dpace_alpha
+                )
+                w_C = w_C * factor_C.flatten()
+                total_sum += (w_C * ce_C).sum()
             correct_Q[rows] = z_CV.argmax(-1) == y_C
             if distill:
                 zt_CV = z_CV / temperature
@@ -74,6 +96,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 p_Ck = log_p_Ck.exp()
                 kl_C = (p_Ck * (log_p_Ck - log_q_Ck)).sum(-1) * temperature**2
                 kl_sum += (w_C * kl_C).sum()
+                if dpace_alpha > 0:
+                    total_sum += lam * (w_C * kl_C).sum()
             if not (need_h or need_w):
                 continue
             # d(sum w CE)/dz = w (softmax(z) - onehot), built in place over the logits.
@@ -92,14 +116,15 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         ctx.head_dtype = head_VD.dtype
         ctx.save_for_backward(grad_h_QD, grad_w_VD)
         ctx.mark_non_differentiable(ce_sum, kl_sum, correct_Q)
-        return ce_sum + lam * kl_sum, ce_sum, kl_sum, correct_Q
+        total = total_sum if dpace_alpha > 0 else ce_sum + lam * kl_sum
+        return total, ce_sum, kl_sum, correct_Q
 
     @staticmethod
     def backward(ctx: Any, g_total: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
         grad_h_QD, grad_w_VD = ctx.saved_tensors
         gh = grad_h_QD * g_total.to(grad_h_QD.dtype) if grad_h_QD is not None else None
         gw = (grad_w_VD * g_total).to(ctx.head_dtype) if grad_w_VD is not None else None
-        return gh, gw, None, None, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None, None, None, None
 
 
 def chunked_block_loss(
@@ -112,6 +137,7 @@ def chunked_block_loss(
     topk_logprobs_Qk: Tensor | None = None,
     distill_weight: float = 0.0,
     temperature: float = 1.0,
+    dpace_alpha: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Weighted block loss and its statistics.
 
@@ -125,6 +151,8 @@ def chunked_block_loss(
         topk_ids_Qk, topk_logprobs_Qk: the target's top-k ids and log-probabilities for the
             same positions as the labels (anchors.next_token_source + block_gather).
         distill_weight, temperature: weight and temperature of the KL term (0 = off).
+        dpace_alpha: D-PACE smoothing a (0 = off; needs [A, B] labels). The loss to
+            differentiate then carries the D-PACE multipliers; the stats do not.
 
     Returns:
         loss (scalar, normalised by sum of weights) and detached stats: ``ce_sum``,
@@ -143,9 +171,12 @@ def chunked_block_loss(
     topk_ids = topk_ids_Qk.reshape(labels_Q.numel(), -1).long() if distill else None
     topk_lp = topk_logprobs_Qk.reshape(labels_Q.numel(), -1) if distill else None
 
+    if dpace_alpha > 0:
+        assert num_slots > 1, "D-PACE weighs the slots of a block: pass [A, B] labels"
+        chunk_tokens = max(chunk_tokens // num_slots, 1) * num_slots  # whole blocks per chunk
     total, ce_sum, kl_sum, correct_Q = _ChunkedHeadLoss.apply(
         hidden_QD, lm_head_weight_VD, labels_Q, weights_Q, topk_ids, topk_lp,
-        distill_weight if distill else 0.0, temperature, chunk_tokens,
+        distill_weight if distill else 0.0, temperature, chunk_tokens, num_slots, dpace_alpha,
     )  # fmt: skip
     weight_sum = weights_Q.sum()
     loss = total / weight_sum.clamp(min=1e-6)

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from common.distributed import WorkerContext, finish_worker, init_worker, launch, parse_devices
 from common.logging import get_logger, init_logger
-from stage2_train.anchors import slot_weights
+from stage2_train.anchors import training_slot_weights
 from stage2_train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from stage2_train.config import TrainConfig
 from stage2_train.data import StoreSequences, make_loader
@@ -71,7 +71,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
     split = split_store(info, cfg.data.holdout_sequences)
     head = load_frozen_head(cfg.data.store, device, compute_dtype)
     B = cfg.drafter.block_size
-    slot_w_B = slot_weights(B, cfg.loss.gamma).to(device)
+    slot_w_B = training_slot_weights(B, cfg.loss.weighting, cfg.loss.gamma).to(device)
     backend = "flex" if device.type == "cuda" and cfg.run.compile_attention else "sdpa"
 
     torch.manual_seed(cfg.run.seed)  # identical init on every rank (DDP also broadcasts it)

@@ -102,6 +102,9 @@ class StepRunner:
                     topk_logprobs_Qk=_flat(batch.topk_logprobs_ABk),
                     distill_weight=self.cfg.loss.distill_weight,
                     temperature=self.cfg.loss.distill_temperature,
+                    dpace_alpha=(
+                        self.cfg.loss.dpace_alpha if self.cfg.loss.weighting == "dpace" else 0.0
+                    ),
                 )
                 # loss is normalised by this micro-batch's weights: rescale to the global
                 # denominator; DDP averages over ranks, hence the factor world.

@@ -231,3 +231,23 @@ def test_mask_token_skips_zero_embedding_rows() -> None:
         pick(None, 100, zero_rows=[0], pad_token_id=0)
     with pytest.raises(ValueError, match="outside the embedding's 100 rows"):
         pick(100, 100)
+
+
+def test_resume_check_takes_defaults_for_fields_an_older_checkpoint_lacks(tmp_path: Path) -> None:
+    import dataclasses
+
+    from stage2_train.config import TrainConfig
+    from stage2_train.inputs import check_same_run
+
+    current = dataclasses.asdict(TrainConfig())
+    older = dataclasses.asdict(TrainConfig())
+    del older["loss"]["weighting"], older["drafter"]["init_norm_from_target"]
+    meta = {"config": older, "world_size": 1, "store_content_key": "k"}
+    check_same_run(meta, current, 1, tmp_path, "k")  # the defaults: the same run
+    current["loss"]["weighting"] = "dpace"
+    with pytest.raises(ValueError, match=r"other settings of \['loss.weighting'\]"):
+        check_same_run(meta, current, 1, tmp_path, "k")
+    current["loss"]["weighting"] = "decay"
+    current["drafter"]["init_norm_from_target"] = False
+    with pytest.raises(ValueError, match=r"other settings of \['drafter'\]"):
+        check_same_run(meta, current, 1, tmp_path, "k")

@@ -278,3 +278,11 @@ def test_final_norm_starts_at_the_targets(tmp_path: Path, from_target: bool) -> 
     norm = load_export(tmp_path / "run" / "export").norm.weight.float()
     expected = head["norm.weight"].float() if from_target else torch.ones_like(norm)
     torch.testing.assert_close(norm, expected, rtol=0, atol=1e-6)
+
+
+def test_dpace_weighting_trains(store: Path, tmp_path: Path) -> None:
+    rows = train(store, tmp_path / "run", "optim.epochs=4", "loss.weighting=dpace")
+    first = sum(r["loss"] for r in rows[:8]) / 8
+    last = sum(r["loss"] for r in rows[-8:]) / 8
+    assert last < 0.5 * first, (first, last)
+    assert sum(rows[-1]["acc"]) > sum(rows[0]["acc"]) + 1.0
