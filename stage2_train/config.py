@@ -141,6 +141,11 @@ class TrainRunConfig:
         "parameters and AdamW states (master weights), bf16 compute under autocast",
     )
     compile_attention: bool = doc(True, "flex_attention compiled as its own region (GPU: required)")
+    compile_layers: bool = doc(
+        False,
+        "also torch.compile each drafter layer (fixed shapes, attention stays its own region): "
+        "fuses norms, RoPE and the MLP; costs a longer first step",
+    )
     log_every: int = doc(10, "steps between log lines")
     eval_every: int = doc(500, "steps between held-out evaluations (0 = only at the end)")
     checkpoint_every: int = doc(1000, "steps between checkpoints (0 = only at the end)")

@@ -79,6 +79,8 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
     if cfg.drafter.init_norm_from_target:  # a resumed run loads its own value over it
         with torch.no_grad():
             model.norm.weight.copy_(head.final_norm_D)
+    if cfg.run.compile_layers:  # Module.compile keeps the parameter names (no _orig_mod.)
+        model.compile_layers()
     ddp = model
     if ctx.world_size > 1:
         ddp = torch.nn.parallel.DistributedDataParallel(

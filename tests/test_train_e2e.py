@@ -288,3 +288,13 @@ def test_dpace_weighting_trains(store: Path, tmp_path: Path) -> None:
     last = sum(r["loss"] for r in rows[-8:]) / 8
     assert last < 0.5 * first, (first, last)
     assert sum(rows[-1]["acc"]) > sum(rows[0]["acc"]) + 1.0
+
+
+def test_compiled_layers_train_like_eager(store: Path, tmp_path: Path) -> None:
+    sets = ["optim.max_steps=4", "run.eval_every=0", "data.holdout_sequences=2"]
+    eager = train(store, tmp_path / "eager", *sets)
+    compiled = train(store, tmp_path / "compiled", *sets, "run.compile_layers=true")
+    for a, b in zip(eager, compiled, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (a["loss"], b["loss"])
+    names = torch.load(tmp_path / "compiled" / "step-000004" / "model.pt", weights_only=True)
+    assert not any("_orig_mod" in name for name in names)
