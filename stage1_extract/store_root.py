@@ -90,7 +90,11 @@ def key_parts(
         "dataset": {k: attrs["dataset"][k] for k in ("format", "num_rows")},
         "skipped_rows": skipped,
         "document_lengths_sha256": lengths_sha256,
-        "packing": cfg["packing"],
+        # next-fit (the only packing before the option existed) leaves the key as it was, so
+        # rerunning an older store's command with packing.strategy=next_fit still resumes it
+        "packing": {
+            k: v for k, v in cfg["packing"].items() if not (k == "strategy" and v == "next_fit")
+        },
         "tapped_layers": attrs["tapped_layers"],
         "topk": attrs["topk"],
         "full_logits": attrs["full_logits"],

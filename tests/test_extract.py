@@ -351,3 +351,32 @@ def test_reserved_or_mask_token_is_found(tiny_qwen3: Path) -> None:
     assert reserved_token_id(added("<|reserved_special_token_0|>", "<|MASK|>")) == 51
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
     assert reserved_token_id(tokenizer) == tokenizer.convert_tokens_to_ids("<|mask|>")
+
+
+def test_content_key_of_next_fit_stores_is_unchanged_by_the_strategy_option() -> None:
+    from stage1_extract.store_root import content_key, key_parts
+
+    def attrs(packing: dict) -> dict:
+        return {
+            "extract_config": {
+                "data": {"path": "d.jsonl", "num_proc": 1},
+                "target": {"dtype": "bfloat16"},
+                "packing": packing,
+                "store": {"chunk_tokens": 1024, "compression_level": 1},
+            },
+            "target": {"name_or_path": "m"},
+            "tokenizer": {"name_or_path": "m"},
+            "dataset": {"format": "text", "num_rows": 3},
+            "tapped_layers": [1],
+            "topk": 8,
+            "full_logits": False,
+            "sequences_per_shard": 4,
+            "hidden_dtype": "bfloat16",
+        }
+
+    def key(packing: dict) -> str:
+        return content_key(key_parts(attrs(packing), "sha", {}))
+
+    older = {"seq_len": 64, "overlong": "split"}  # written before packing.strategy existed
+    assert key({**older, "strategy": "next_fit"}) == key(older)
+    assert key({**older, "strategy": "best_fit"}) != key(older)
