@@ -75,16 +75,17 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         correct_Q = torch.empty(labels_Q.shape, dtype=torch.bool, device=labels_Q.device)
         for start in range(0, hidden_QD.size(0), chunk_tokens):
             rows = slice(start, start + chunk_tokens)
-            h_CD, y_C, w_C = hidden_QD[rows], labels_Q[rows], weights_Q[rows]
+            h_CD, y_C, static_C = hidden_QD[rows], labels_Q[rows], weights_Q[rows]
+            w_C = static_C  # the weights of the gradient (D-PACE multiplies them below)
             z_CV = (h_CD @ head_VD.T).float()
             lse_C = torch.logsumexp(z_CV, dim=-1)
             ce_C = lse_C - z_CV.gather(1, y_C[:, None])[:, 0]
-            ce_sum += (w_C * ce_C).sum()
+            ce_sum += (static_C * ce_C).sum()
             if dpace_alpha > 0:  # the chunk holds whole blocks (chunk_tokens % B == 0)
                 factor_C = dpace_factors(
-                    ce_C.view(-1, num_slots), (w_C > 0).view(-1, num_slots), dpace_alpha
+                    ce_C.view(-1, num_slots), (static_C > 0).view(-1, num_slots), dpace_alpha
                 )
-                w_C = w_C * factor_C.flatten()
+                w_C = static_C * factor_C.flatten()
                 total_sum += (w_C * ce_C).sum()
             correct_Q[rows] = z_CV.argmax(-1) == y_C
             if distill:
@@ -95,7 +96,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 log_p_Ck = F.log_softmax(topk_logprobs_Qk[rows].float() / temperature, dim=-1)
                 p_Ck = log_p_Ck.exp()
                 kl_C = (p_Ck * (log_p_Ck - log_q_Ck)).sum(-1) * temperature**2
-                kl_sum += (w_C * kl_C).sum()
+                kl_sum += (static_C * kl_C).sum()
                 if dpace_alpha > 0:
                     total_sum += lam * (w_C * kl_C).sum()
             if not (need_h or need_w):

@@ -168,3 +168,5 @@ def test_dpace_weights_and_gradient_match_a_dense_reference(chunk: int, lam: flo
     # the stats keep the static weights, comparable with a run without D-PACE
     plain = (weights * ce_AB.detach()).sum()
     assert stats["ce_sum"].item() == pytest.approx(plain.item(), rel=1e-6)
+    plain_kl = (weights * kl_AB.detach()).sum() if lam > 0 else torch.zeros(())
+    assert stats["distill_sum"].item() == pytest.approx(plain_kl.item(), rel=1e-5, abs=1e-9)
