@@ -36,5 +36,11 @@ t2=$(date +%s)
 cp "$WORK/train/metrics.jsonl" "$OUT/metrics.jsonl"
 dflash evaluate --target .carry/pystd-28m --drafter "$WORK/train/export" --data .carry/dev.jsonl.gz \
   --device cuda:0 --json-out "$OUT/acceptance.json" | tail -5
+# offline estimate on the same 12 dev documents (text as context, first 384 tokens each)
+dflash extract --model .carry/pystd-28m --data .carry/dev.jsonl.gz --out "$WORK/dev-store" \
+  --devices "${DEVICES%%,*}" --set target.tapped_layers='[1,3,5,7,8]' --set data.max_samples=12 \
+  --set packing.seq_len=384 --set packing.overlong=truncate --set run.progress=false > "$OUT/dev-extract.log" 2>&1
+dflash evaluate-offline --drafter "$WORK/train/export" --store "$WORK/dev-store" \
+  --device cuda:0 --json-out "$OUT/offline-dev.json" | grep -E '"eval_tau"'
 t3=$(date +%s)
 echo "{\"extract_s\": $((t1 - t0)), \"train_s\": $((t2 - t1)), \"evaluate_s\": $((t3 - t2))}" | tee "$OUT/timings.json"

@@ -18,6 +18,12 @@ if [ ! -f "$WORK/store/zarr.json" ] || ! dflash inspect "$WORK/store" --json >/d
     --set store.sequences_per_shard=32 --set data.num_proc=8 > "$OUT/extract.log" 2>&1 || {
     tail -20 "$OUT/extract.log"; exit 1; }
 fi
+if [ ! -f "$WORK/dev-store/zarr.json" ]; then  # the 12 online prompts' documents, 384 tokens
+  dflash extract --model .carry/pystd-28m --data .carry/dev.jsonl.gz --out "$WORK/dev-store" \
+    --devices 0 --set target.tapped_layers='[1,3,5,7,8]' --set data.max_samples=12 \
+    --set packing.seq_len=384 --set packing.overlong=truncate --set run.progress=false \
+    > "$OUT/dev-extract.log" 2>&1 || { tail -20 "$OUT/dev-extract.log"; exit 1; }
+fi
 t1=$(date +%s)
 echo "extract: $((t1 - t0)) s"
 variant() {  # $1 = index = GPU, the rest: train --set arguments
@@ -32,6 +38,8 @@ variant() {  # $1 = index = GPU, the rest: train --set arguments
   dflash evaluate --target .carry/pystd-28m --drafter "$WORK/v$i/export" \
     --data .carry/dev.jsonl.gz --device "cuda:$i" --json-out "$OUT/v$i-acceptance.json" \
     > "$OUT/v$i-evaluate.log" 2>&1
+  dflash evaluate-offline --drafter "$WORK/v$i/export" --store "$WORK/dev-store" \
+    --device "cuda:$i" --json-out "$OUT/v$i-offline-dev.json" > /dev/null 2>&1
   echo "v$i ($*): $(grep -E 'eval|stopped' "$OUT/v$i-train.log" | tail -2)"
   tail -3 "$OUT/v$i-evaluate.log"
 }

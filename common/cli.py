@@ -193,5 +193,32 @@ def evaluate(json_out: str | None, **kwargs: Any) -> None:
             f.write(text)
 
 
+@main.command("evaluate-offline")
+@click.option("--drafter", required=True, help="exported drafter folder (RUN/export)")
+@click.option("--store", required=True, help="a store of the same target and tapped layers")
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda:N")
+@click.option("--num-anchors", default=512, show_default=True, type=int, help="per sequence")
+@click.option("--max-sequences", default=None, type=int, help="only the first N sequences")
+@click.option("--json-out", default=None, help="also write the figures to this JSON file")
+def evaluate_offline(json_out: str | None, **kwargs: Any) -> None:
+    """Offline acceptance estimate (per-slot accuracy vs the stored target argmax, implied
+    tau) of an exported drafter over every sequence of a store: extract the prompts that
+    `dflash evaluate` uses into a store to compare offline and online on the same text."""
+    import json
+
+    from stage2_train.evaluate_store import OfflineEvalConfig, run_offline_eval
+
+    init_logger()
+    try:
+        results = run_offline_eval(OfflineEvalConfig(**kwargs))
+    except ValueError as err:
+        _fail(err)
+    text = json.dumps(results, indent=2)
+    click.echo(text)
+    if json_out:
+        with open(json_out, "w") as f:
+            f.write(text)
+
+
 if __name__ == "__main__":
     main()

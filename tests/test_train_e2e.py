@@ -298,3 +298,22 @@ def test_compiled_layers_train_like_eager(store: Path, tmp_path: Path) -> None:
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (a["loss"], b["loss"])
     names = torch.load(tmp_path / "compiled" / "step-000004" / "model.pt", weights_only=True)
     assert not any("_orig_mod" in name for name in names)
+
+
+def test_evaluate_offline_on_a_store(store: Path, tmp_path: Path) -> None:
+    rows = train(store, tmp_path / "run", "optim.epochs=4", "data.holdout_sequences=2")
+    export = tmp_path / "run" / "export"
+    out = tmp_path / "offline.json"
+    args = ["evaluate-offline", "--drafter", str(export), "--store", str(store)]
+    result = CliRunner().invoke(cli, [*args, "--num-anchors", "16", "--json-out", str(out)])
+    assert result.exit_code == 0, result.output
+    figures = json.loads(out.read_text())
+    assert figures["sequences"] == 13 and len(figures["eval_acc"]) == 7
+    # learnt on 11 of these 13 sequences: at least as good as on the 2 held out
+    assert figures["eval_tau"] > 1.5 and figures["eval_tau"] >= 0.9 * rows[-1]["eval_tau"]
+    # a store of other tapped layers is refused with the reason
+    other = build_store(tmp_path / "other", FactorySpec(num_sequences=3, tapped_layers=[1, 3]))
+    result = CliRunner().invoke(
+        cli, ["evaluate-offline", "--drafter", str(export), "--store", str(other)]
+    )
+    assert result.exit_code == 2 and "the drafter reads layers" in result.output

@@ -1,0 +1,97 @@
+"""`dflash evaluate-offline`: the offline acceptance estimate of an exported drafter on a store.
+
+Training reports the estimate on its held-out sequences; this runs the same `evaluate` over
+EVERY sequence of any store the drafter fits (same target, same tapped layers), e.g. one
+extracted from the prompts `dflash evaluate` measures online, so the offline and online
+figures can be compared on the same text. Anchors are sampled like held-out sequences (fixed
+seed stream, labels = the stored target argmax), so the result is deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common.store import open_store
+from stage2_train.anchors import slot_weights
+from stage2_train.data import StoreSequences, collate
+from stage2_train.evaluate import evaluate
+from stage2_train.export import load_export
+from stage2_train.plan import EVAL_EPOCH
+from stage2_train.step import load_frozen_head
+
+
+@dataclass
+class OfflineEvalConfig:
+    drafter: str
+    store: str
+    device: str = "cpu"
+    num_anchors: int = 512
+    max_sequences: int | None = None
+    chunk_tokens: int = 2048
+
+
+def check_fits(drafter_config: dict[str, Any], attrs: dict[str, Any], store: str) -> None:
+    """The drafter must read the store's tapped layers and the target's vocabulary."""
+    problems = []
+    layers = drafter_config["dflash_config"]["target_layer_ids"]
+    if layers != attrs["tapped_layers"]:
+        problems.append(
+            f"the drafter reads layers {layers}, the store holds {attrs['tapped_layers']}"
+        )
+    if drafter_config["hidden_size"] != attrs["hidden_size"]:
+        problems.append(
+            f"hidden size {drafter_config['hidden_size']} vs the store's {attrs['hidden_size']}"
+        )
+    if drafter_config["vocab_size"] != attrs["vocab_size"]:
+        problems.append(
+            f"vocab {drafter_config['vocab_size']} vs the store's {attrs['vocab_size']}"
+        )
+    if problems:
+        raise ValueError(
+            f"drafter does not fit store {store}: "
+            + "; ".join(problems)
+            + " (extract the store with the drafter's target and tapped layers)"
+        )
+
+
+def run_offline_eval(cfg: OfflineEvalConfig) -> dict[str, Any]:
+    """Per-slot accuracy and implied tau of the drafter over the store's sequences."""
+    info = open_store(cfg.store, require_complete=True)
+    drafter_config = json.loads((Path(cfg.drafter) / "config.json").read_text())
+    check_fits(drafter_config, info.attrs, cfg.store)
+    device = torch.device(cfg.device)
+    model = load_export(cfg.drafter).to(device)
+    dtype = next(model.parameters()).dtype
+    head = load_frozen_head(cfg.store, device, dtype)
+    shape = model.shape
+    total = int(info.attrs["counts"]["sequences"])
+    count = total if cfg.max_sequences is None else min(total, cfg.max_sequences)
+    if count < 1:
+        raise ValueError(f"store {cfg.store}: no sequences to evaluate")
+    sequences = StoreSequences(
+        info,
+        num_anchors=cfg.num_anchors,
+        per_document=False,
+        block_size=shape.block_size,
+        label_target="argmax",
+        distill=False,
+        seed=0,
+    )
+    batches = (collate([sequences[(index, EVAL_EPOCH, False)]]) for index in range(count))
+    metrics = evaluate(
+        model,
+        head,
+        batches,
+        block_size=shape.block_size,
+        mask_token_id=shape.mask_token_id,
+        backend="flex" if device.type == "cuda" else "sdpa",
+        slot_weights_B=slot_weights(shape.block_size),
+        chunk_tokens=cfg.chunk_tokens,
+        device=device,
+    )
+    return {"store": cfg.store, "drafter": cfg.drafter, "sequences": count, **metrics}
