@@ -4,8 +4,10 @@ Builds the target (bf16, random init) and a synthetic text dataset on local disk
 (1) a bare forward of the base model over exactly the batches extraction will run (same
 documents, same token-budget batching, no hooks, no LM head, no copies, no writes), and
 (2) the real `run_extract` into a fresh store. Reports tokens/s of both and their ratio, bytes
-per token on disk, the store's compression ratio, and peak GPU memory. JSON lines to stdout
-and $OUT/bench_extract.jsonl.
+per token on disk, the store's compression ratio, and peak GPU memory; (3) the disk's ceiling:
+plain sequential writes of 4 GB to the same folder, fsync'd like a shard commit, to say
+whether extraction is bound by the disk itself or by the write path above it. JSON lines to
+stdout and $OUT/bench_extract.jsonl.
 
     python bench/bench_extract.py [--tokens 300000] [--work /tmp/bench-extract]
 """
@@ -17,6 +19,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import subprocess
 import time
@@ -46,6 +49,25 @@ QWEN3_8B = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )
+
+
+def disk_ceiling(folder: Path, total_bytes: int = 4 << 30, block: int = 64 << 20) -> dict:
+    """GB/s of plain sequential writes of `total_bytes` into `folder`, fsync included."""
+    data = os.urandom(block)
+    path = folder / "disk-ceiling.bin"
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(total_bytes // block):
+            f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - start
+    path.unlink()
+    return {
+        "what": "disk_ceiling",
+        "GB": total_bytes / 1e9,
+        "GB_per_s": round(total_bytes / seconds / 1e9, 2),
+    }
 
 
 def emit(record: dict) -> None:
@@ -159,6 +181,7 @@ def main() -> None:
             *args.overrides,
         ],
     )
+    emit(disk_ceiling(work))
     bare = bare_forward(cfg)
     emit({"what": "bare_forward", **bare})
 
@@ -179,12 +202,23 @@ def main() -> None:
         4 * num_tapped if fp8 else 0
     )
     raw_per_token = hidden_bytes + attrs["topk"] * 8 + 21
+    # the extraction loop's own time, from run_extract's summary line (setup excluded)
+    loop = [re.search(r"tokens in ([\d.]+) s", line) for line in records]
+    loop_s = next((float(m.group(1)) for m in loop if m), float("nan"))
     emit(
         {
             "what": "extract",
             "tokens": tokens,
             "seconds_total": round(seconds, 1),
             "tokens_per_s_total": round(tokens / seconds),
+            "loop_seconds": loop_s,
+            "loop_tokens_per_s": round(tokens / loop_s),
+            "ratio_to_bare_forward": round(tokens / loop_s / bare["tokens_per_s"], 3),
+            "written_GB_per_s": round(on_disk / loop_s / 1e9, 2),
+            "padding_share": round(
+                attrs["counts"]["padding_tokens"] / (attrs["counts"]["padding_tokens"] + tokens),
+                3,
+            ),
             "bytes_per_token": round(on_disk / tokens),
             "raw_bytes_per_token": raw_per_token,
             "compression_ratio": round(raw_per_token * tokens / on_disk, 3),
