@@ -62,6 +62,14 @@ def check_fits(drafter_config: dict[str, Any], attrs: dict[str, Any], store: str
 def run_offline_eval(cfg: OfflineEvalConfig) -> dict[str, Any]:
     """Per-slot accuracy and implied tau of the drafter over the store's sequences."""
     info = open_store(cfg.store, require_complete=True)
+    missing = [
+        n for n in ("config.json", "model.safetensors") if not (Path(cfg.drafter) / n).is_file()
+    ]
+    if missing:
+        raise ValueError(
+            f"drafter {cfg.drafter}: {', '.join(missing)} missing; pass an export folder "
+            "(RUN/export, or `dflash export RUN`)"
+        )
     drafter_config = json.loads((Path(cfg.drafter) / "config.json").read_text())
     check_fits(drafter_config, info.attrs, cfg.store)
     device = torch.device(cfg.device)

@@ -317,3 +317,5 @@ def test_evaluate_offline_on_a_store(store: Path, tmp_path: Path) -> None:
         cli, ["evaluate-offline", "--drafter", str(export), "--store", str(other)]
     )
     assert result.exit_code == 2 and "the drafter reads layers" in result.output
+    result = CliRunner().invoke(cli, [*args[:2], str(tmp_path), "--store", str(store)])
+    assert result.exit_code == 2 and "config.json, model.safetensors missing" in result.output
