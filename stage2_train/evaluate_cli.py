@@ -77,6 +77,8 @@ def run_evaluate(cfg: EvaluateConfig) -> dict:
 
     log = get_logger()
     dtype = getattr(torch, cfg.dtype)
+    # the drafter first: a wrong folder fails before minutes of prompt lookup
+    drafter = load_export(cfg.drafter).to(cfg.device, dtype).eval() if cfg.drafter else None
     tokenizer = AutoTokenizer.from_pretrained(cfg.target)
     model = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=dtype).to(cfg.device).eval()
     prompts = load_prompts(cfg, tokenizer)
@@ -91,8 +93,7 @@ def run_evaluate(cfg: EvaluateConfig) -> dict:
     results["prompt_lookup"] = {"tau": lookup.tau, "tau_per_prompt": lookup.tau_per_prompt}
     log.info("prompt lookup: tau %.3f", lookup.tau)
 
-    if cfg.drafter:
-        drafter = load_export(cfg.drafter).to(cfg.device, dtype).eval()
+    if drafter is not None:
         config = json.loads((Path(cfg.drafter) / "config.json").read_text())
         tapped = config["dflash_config"]["target_layer_ids"]
         draft = dflash_draft_fn(

@@ -91,6 +91,12 @@ def shape_from_export(config: dict) -> DrafterShape:
 def load_export(folder: str | Path) -> DFlashDrafter:
     """A DFlashDrafter rebuilt from an export folder (weights in the exported dtype)."""
     folder = Path(folder)
+    missing = [n for n in ("config.json", "model.safetensors") if not (folder / n).is_file()]
+    if missing:
+        raise ValueError(
+            f"drafter {folder}: {', '.join(missing)} missing; pass an export folder "
+            "(RUN/export, or `dflash export RUN`)"
+        )
     config = json.loads((folder / "config.json").read_text())
     model = DFlashDrafter(shape_from_export(config))
     state = load_file(str(folder / "model.safetensors"))

@@ -157,3 +157,10 @@ def test_evaluate_command_reports_both_methods(tiny_qwen3: Path, tmp_path: Path)
         ],
     )
     assert missing.exit_code == 2 and "does not exist" in missing.output
+    not_export = CliRunner().invoke(
+        main,
+        ["evaluate", "--target", str(tiny_qwen3), "--data", str(chat), "--drafter", str(tmp_path)],
+    )
+    assert (
+        not_export.exit_code == 2 and "config.json, model.safetensors missing" in not_export.output
+    )
