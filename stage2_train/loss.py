@@ -86,7 +86,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                     ce_C.view(-1, num_slots), (static_C > 0).view(-1, num_slots), dpace_alpha
                 )
                 w_C = static_C * factor_C.flatten()
-                total_sum += (w_C * ce_C).sum()
+            total_sum += (w_C * ce_C).sum()
             correct_Q[rows] = z_CV.argmax(-1) == y_C
             if distill:
                 zt_CV = z_CV / temperature
@@ -97,8 +97,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 p_Ck = log_p_Ck.exp()
                 kl_C = (p_Ck * (log_p_Ck - log_q_Ck)).sum(-1) * temperature**2
                 kl_sum += (static_C * kl_C).sum()
-                if dpace_alpha > 0:
-                    total_sum += lam * (w_C * kl_C).sum()
+                total_sum += lam * (w_C * kl_C).sum()
             if not (need_h or need_w):
                 continue
             # d(sum w CE)/dz = w (softmax(z) - onehot), built in place over the logits.
@@ -117,8 +116,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         ctx.head_dtype = head_VD.dtype
         ctx.save_for_backward(grad_h_QD, grad_w_VD)
         ctx.mark_non_differentiable(ce_sum, kl_sum, correct_Q)
-        total = total_sum if dpace_alpha > 0 else ce_sum + lam * kl_sum
-        return total, ce_sum, kl_sum, correct_Q
+        return total_sum, ce_sum, kl_sum, correct_Q
 
     @staticmethod
     def backward(ctx: Any, g_total: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
