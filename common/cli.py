@@ -177,8 +177,6 @@ def export(run: str, step: int | None, out: str | None) -> None:
 @click.option("--json-out", default=None, help="also write the figures to this JSON file")
 def evaluate(json_out: str | None, **kwargs: Any) -> None:
     """Online acceptance length (tau) of a drafter vs prompt lookup, greedy verification."""
-    import json
-
     from stage2_train.evaluate_cli import EvaluateConfig, run_evaluate
 
     init_logger()
@@ -186,6 +184,13 @@ def evaluate(json_out: str | None, **kwargs: Any) -> None:
         results = run_evaluate(EvaluateConfig(**kwargs))
     except ValueError as err:
         _fail(err)
+    _echo_json(results, json_out)
+
+
+def _echo_json(results: dict[str, Any], json_out: str | None) -> None:
+    """Print the figures as JSON and, when asked, write them to `json_out` too."""
+    import json
+
     text = json.dumps(results, indent=2)
     click.echo(text)
     if json_out:
@@ -204,8 +209,6 @@ def evaluate_offline(json_out: str | None, **kwargs: Any) -> None:
     """Offline acceptance estimate (per-slot accuracy vs the stored target argmax, implied
     tau) of an exported drafter over every sequence of a store: extract the prompts that
     `dflash evaluate` uses into a store to compare offline and online on the same text."""
-    import json
-
     from stage2_train.evaluate_store import OfflineEvalConfig, run_offline_eval
 
     init_logger()
@@ -213,11 +216,7 @@ def evaluate_offline(json_out: str | None, **kwargs: Any) -> None:
         results = run_offline_eval(OfflineEvalConfig(**kwargs))
     except ValueError as err:
         _fail(err)
-    text = json.dumps(results, indent=2)
-    click.echo(text)
-    if json_out:
-        with open(json_out, "w") as f:
-            f.write(text)
+    _echo_json(results, json_out)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,14 @@ def reference_pack(lengths: list[int], seq_len: int, overlong: str) -> list[list
     return sequences if sequences[0] else []
 
 
+def random_cases(seed: int):
+    """150 (trial, seq_len, document lengths) cases: short and over-long documents mixed."""
+    rng = np.random.default_rng(seed)
+    for trial in range(150):
+        seq_len = int(rng.integers(1, 40))
+        yield trial, seq_len, rng.integers(1, 3 * seq_len + 2, size=int(rng.integers(0, 30)))
+
+
 def plan_tokens(plan) -> list[list[tuple]]:
     """The same view rebuilt from a plan: what each sequence slot holds, padding left out."""
     slots: list[dict[int, tuple]] = [{} for _ in range(plan.num_sequences)]
@@ -71,10 +79,7 @@ def test_truncate_small_example():
 
 @pytest.mark.parametrize("overlong", ["split", "truncate"])
 def test_random_plans_match_brute_force(overlong):
-    rng = np.random.default_rng(1234)
-    for trial in range(150):
-        seq_len = int(rng.integers(1, 40))
-        lengths = rng.integers(1, 3 * seq_len + 2, size=int(rng.integers(0, 30)))
+    for trial, seq_len, lengths in random_cases(1234):
         plan = plan_packing(lengths, seq_len, overlong, strategy="next_fit")
         assert plan_tokens(plan) == reference_pack(lengths.tolist(), seq_len, overlong), trial
         # order preserved: pieces in (document, piece) order, sequences non-decreasing
@@ -102,10 +107,7 @@ def test_best_fit_small_example():
 
 @pytest.mark.parametrize("overlong", ["split", "truncate"])
 def test_random_best_fit_plans_place_each_piece_in_the_fullest_fitting_sequence(overlong):
-    rng = np.random.default_rng(99)
-    for trial in range(150):
-        seq_len = int(rng.integers(1, 40))
-        lengths = rng.integers(1, 3 * seq_len + 2, size=int(rng.integers(0, 30)))
+    for trial, seq_len, lengths in random_cases(99):
         plan = plan_packing(lengths, seq_len, overlong)
         expected = Counter(
             t for seq in reference_pack(lengths.tolist(), seq_len, overlong) for t in seq
