@@ -2,8 +2,9 @@
 
 Builds the target (bf16, random init) and a synthetic text dataset on local disk, then runs
 (1) a bare forward of the base model over exactly the batches extraction will run (same
-documents, same token-budget batching, no hooks, no LM head, no copies, no writes), and
-(2) the real `run_extract` into a fresh store. Reports tokens/s of both and their ratio, bytes
+documents, same token-budget batching, no hooks, no LM head, no copies, no writes), then the
+extraction's own forward (hooks, LM head, top-k, log-sum-exp) over them without copies or
+writes, and (2) the real `run_extract` into a fresh store. Reports tokens/s of both and their ratio, bytes
 per token on disk, the store's compression ratio, and peak GPU memory; (3) the disk's ceiling:
 plain sequential writes of 4 GB to the same folder, fsync'd like a shard commit, to say
 whether extraction is bound by the disk itself or by the write path above it. JSON lines to
@@ -34,7 +35,7 @@ from stage1_extract.config import ExtractConfig
 from stage1_extract.job import _batches, plan_job
 from stage1_extract.packing import shard_pieces
 from stage1_extract.run import run_extract
-from stage1_extract.target import load_target
+from stage1_extract.target import TappedTarget, load_target
 
 QWEN3_8B = dict(
     vocab_size=151936,
@@ -111,47 +112,64 @@ def build_data(path: Path, num_tokens: int) -> None:
             total += n
 
 
-def bare_forward(cfg: ExtractConfig) -> dict:
-    """Base-model forward over the extraction's own batches: the speed of light."""
+def forward_ceilings(cfg: ExtractConfig) -> list[dict]:
+    """Over the extraction's own batches: (1) the base model alone, no hooks, head, copies or
+    writes (the speed of light the goal is measured against); (2) `TappedTarget.forward`, the
+    extraction's compute (tapping hooks, LM head, top-k, log-sum-exp) without copies or writes.
+    What (2) loses to (1) is compute; what the extraction loop loses to (2) is the IO path."""
     job = plan_job(cfg)
     model = load_target(cfg.target, torch.device("cuda:0"))
     base = model.get_decoder()
+    target = TappedTarget(
+        model,
+        job.tapped,
+        cfg.verifier.topk,
+        cfg.verifier.head_chunk_tokens,
+        cfg.verifier.store_full_logits,
+        cfg.store.hidden_dtype,
+    )
     batches = []
     for index in range(job.num_shards):
         pieces = shard_pieces(job.plan, index, cfg.store.sequences_per_shard)
         lengths = job.plan.length[pieces]
         for batch in _batches(lengths, cfg.run.batch_tokens):
-            T = int(lengths[batch[0]])
-            mask = torch.zeros(len(batch), T, dtype=torch.long)
-            for r, j in enumerate(batch):
-                mask[r, : lengths[j]] = 1
-            batches.append(mask)
-    tokens = sum(int(m.sum()) for m in batches)
-    with torch.inference_mode():
-        for mask in batches[:2]:  # warm-up
-            base(input_ids=torch.ones_like(mask).cuda())
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for mask in batches:
-            ids = torch.randint(0, 500, mask.shape).cuda(non_blocking=True)
-            # like the extractor: right-padded causal rows need no padding mask
-            base(input_ids=ids)
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
-    del model, base
+            batches.append([int(lengths[j]) for j in batch])
+    tokens = sum(sum(b) for b in batches)
+
+    def bare(ids: torch.Tensor, _lengths: list[int], decoder: torch.nn.Module = base) -> None:
+        # like the extractor: right-padded causal rows need no padding mask, and no KV cache
+        decoder(input_ids=ids.cuda(non_blocking=True), use_cache=False)
+
+    records = []
+    for name, run in (("bare_forward", bare), ("tapped_forward", target.forward)):
+        with torch.inference_mode():
+            for lengths in batches[:2]:  # warm-up
+                run(torch.ones(len(lengths), lengths[0], dtype=torch.long), lengths)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for lengths in batches:
+                run(torch.randint(0, 500, (len(lengths), lengths[0])), lengths)
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        records.append(
+            {
+                "what": name,
+                "tokens": tokens,
+                "batches": len(batches),
+                "seconds": round(seconds, 2),
+                "tokens_per_s": round(tokens / seconds),
+            }
+        )
+    del model, base, target
     torch.cuda.empty_cache()
-    return {
-        "tokens": tokens,
-        "batches": len(batches),
-        "seconds": round(seconds, 2),
-        "tokens_per_s": round(tokens / seconds),
-    }
+    return records
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=300_000)
     parser.add_argument("--work", default="/tmp/bench-extract")
+    parser.add_argument("--writer-processes", type=int, default=4, help="0: writer threads")
     parser.add_argument("--writer-threads", type=int, default=4)
     parser.add_argument("--keep", action="store_true", help="keep the store (for bench_train)")
     parser.add_argument("--hidden-dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn"])
@@ -174,6 +192,7 @@ def main() -> None:
             f"store.out={store}",
             "run.devices=0",
             "store.sequences_per_shard=16",
+            f"run.writer_processes={args.writer_processes}",
             f"run.writer_threads={args.writer_threads}",
             "run.progress=false",
             "store.overwrite=true",
@@ -182,8 +201,11 @@ def main() -> None:
         ],
     )
     emit(disk_ceiling(work))
-    bare = bare_forward(cfg)
-    emit({"what": "bare_forward", **bare})
+    bare, tapped = forward_ceilings(cfg)
+    emit(bare)
+    emit(
+        {**tapped, "ratio_to_bare_forward": round(tapped["tokens_per_s"] / bare["tokens_per_s"], 3)}
+    )
 
     records: list[str] = []
     handler = logging.Handler()
@@ -224,6 +246,7 @@ def main() -> None:
             "compression_ratio": round(raw_per_token * tokens / on_disk, 3),
             "peak_gpu_GB": round(torch.cuda.max_memory_allocated() / 1e9, 1),
             "store_GB": round(on_disk / 1e9, 2),
+            "writer_processes": args.writer_processes,
             "writer_threads": args.writer_threads,
             "hidden_dtype": args.hidden_dtype,
             "overrides": args.overrides,

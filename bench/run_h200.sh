@@ -4,6 +4,8 @@
 #   bash bench/run_h200.sh A   extraction at Qwen3-8B shape vs a bare forward (bf16, store
 #                              kept), then a full `dflash train` step from that store on disk
 #   bash bench/run_h200.sh B   the yardstick training step, then extraction with fp8 features
+#   bash bench/run_h200.sh E1  extraction with writer processes, bf16 then fp8 features
+#   bash bench/run_h200.sh E2  right after E1: the same with writer threads, and 8 processes
 #   bash bench/run_h200.sh X2  on a 2-GPU machine, all of it in one call: GPU 0 runs the
 #                              extractions (bf16 zstd kept, bf16 uncompressed, fp8) one after
 #                              the other; GPU 1 runs the yardstick step, then the train step
@@ -47,5 +49,21 @@ case "$PART" in
     wait
     grep -h '^{' "$OUT"/*.log
     ;;
-  *) echo "usage: run_h200.sh A|B|X2" >&2; exit 2 ;;
+  E1)
+    # extraction with writer processes (the default now), bf16 then fp8 features
+    timeout 330 python3 bench/bench_extract.py --tokens 500000 --work /tmp/be \
+      > "$OUT/extract_bf16.log" 2>&1
+    timeout 200 python3 bench/bench_extract.py --tokens 500000 --work /tmp/be \
+      --hidden-dtype float8_e4m3fn > "$OUT/extract_fp8.log" 2>&1
+    grep -h '^{' "$OUT"/*.log
+    ;;
+  E2)
+    # the same with the previous writer (4 threads of the extracting process), for comparison
+    timeout 200 python3 bench/bench_extract.py --tokens 500000 --work /tmp/be \
+      --writer-processes 0 > "$OUT/extract_bf16_threads.log" 2>&1
+    timeout 200 python3 bench/bench_extract.py --tokens 500000 --work /tmp/be \
+      --writer-processes 8 > "$OUT/extract_bf16_p8.log" 2>&1
+    grep -h '^{' "$OUT"/*.log
+    ;;
+  *) echo "usage: run_h200.sh A|B|X2|E1|E2" >&2; exit 2 ;;
 esac

@@ -132,13 +132,20 @@ class StoreConfig:
 class ExtractRunConfig:
     devices: str = doc("0,1", "GPU ids (one process each), or 'cpu'")
     batch_tokens: int = doc(16384, "token budget of one target forward (padded tokens)")
-    writer_threads: int = doc(2, "background threads writing shards")
+    writer_processes: int = doc(
+        4,
+        "background processes writing shards; they encode in parallel (0: write from "
+        "run.writer_threads threads of the extracting process, which share one interpreter)",
+    )
+    writer_threads: int = doc(2, "background writer threads when run.writer_processes=0")
     progress: bool = doc(True, "show a progress bar")
 
     def problems(self) -> list[str]:
         out = []
         if self.batch_tokens < 1:
             out.append(f"batch_tokens must be >= 1, got {self.batch_tokens}")
+        if self.writer_processes < 0:
+            out.append(f"writer_processes must be >= 0, got {self.writer_processes}")
         if self.writer_threads < 1:
             out.append(f"writer_threads must be >= 1, got {self.writer_threads}")
         return out

@@ -9,7 +9,8 @@ documents) of a shard.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -26,7 +27,9 @@ from common.config import to_dict
 from common.store import FORMAT_NAME, FORMAT_VERSION
 from stage1_extract.config import ExtractConfig
 from stage1_extract.data import PreparedData, prepare_documents
+from stage1_extract.host_buffers import ShardBuffers
 from stage1_extract.packing import PackingPlan, num_shards, plan_packing, shard_pieces
+from stage1_extract.shard_writer import ShardJob
 from stage1_extract.store_root import content_key, key_parts
 from stage1_extract.target import (
     TappedTarget,
@@ -36,7 +39,7 @@ from stage1_extract.target import (
     target_revision,
     text_config,
 )
-from stage1_extract.writer import ShardBuffers, ShardJob
+from stage1_extract.writer import ShardTask
 
 
 @dataclass
@@ -204,6 +207,22 @@ def _batches(lengths: np.ndarray, budget: int) -> list[list[int]]:
     return batches
 
 
+@contextmanager
+def _on_stream(
+    stream: torch.cuda.Stream | None, after: torch.cuda.Stream | None, sources: list[torch.Tensor]
+) -> Iterator[None]:
+    """Run the enclosed copies on `stream` once `after` has produced `sources` (no-op without a
+    stream); the sources' memory is not reused before the copies are done."""
+    if stream is None or after is None:
+        yield
+        return
+    stream.wait_stream(after)
+    with torch.cuda.stream(stream):
+        yield
+    for source in sources:
+        source.record_stream(stream)
+
+
 def fill_shard(
     job: ExtractJob,
     target: TappedTarget,
@@ -222,26 +241,32 @@ def fill_shard(
     unique_rows, which = np.unique(rows, return_inverse=True)
     data = job.prepared.dataset[unique_rows.tolist()]
 
-    buffers.tokens_M = np.full(n * S, job.pad_id, np.int32)
-    buffers.loss_mask_M = np.zeros(n * S, np.uint8)
-    buffers.position_ids_M = np.zeros(n * S, np.int32)
-    buffers.document_ids_M = np.full(n * S, -1, np.int32)
+    m, host = n * S, buffers.tensors
+    tokens_M, loss_mask_M = host["tokens"][:m].numpy(), host["loss_mask"][:m].numpy()
+    position_ids_M, document_ids_M = (
+        host["position_ids"][:m].numpy(),
+        host["document_ids"][:m].numpy(),
+    )
+    tokens_M[:], loss_mask_M[:], position_ids_M[:], document_ids_M[:] = job.pad_id, 0, 0, -1
     piece_ids = []
     for j in range(len(pieces)):
         lo, L, slot = int(offsets[j]), int(lengths[j]), int(first_slot[j])
         ids = np.asarray(data["input_ids"][which[j]][lo : lo + L], np.int32)
         piece_ids.append(torch.from_numpy(ids).long())
-        buffers.tokens_M[slot : slot + L] = ids
-        buffers.loss_mask_M[slot : slot + L] = data["loss_mask"][which[j]][lo : lo + L]
-        buffers.position_ids_M[slot : slot + L] = np.arange(L)
-        buffers.document_ids_M[slot : slot + L] = j
+        tokens_M[slot : slot + L] = ids
+        loss_mask_M[slot : slot + L] = data["loss_mask"][which[j]][lo : lo + L]
+        position_ids_M[slot : slot + L] = np.arange(L)
+        document_ids_M[slot : slot + L] = j
     # buffers are reused shard after shard: padding slots must read as zeros
-    padding = torch.from_numpy(np.flatnonzero(buffers.document_ids_M < 0))
+    padding = torch.from_numpy(np.flatnonzero(document_ids_M < 0))
     for array in buffers.device_arrays():
         array[padding] = 0
-    if buffers.hidden_scale_MK is not None:  # padding is a zero row: scale 1, as quantize_fp8
-        buffers.hidden_scale_MK[padding] = 1.0
+    if "hidden_scale" in host:  # padding is a zero row: scale 1, as quantize_fp8
+        host["hidden_scale"][padding] = 1.0
 
+    # Copies to the host run on their own stream, so the copy engine moves one batch's outputs
+    # while the GPU computes the next batch (on the compute stream they would run in between).
+    compute = torch.cuda.current_stream(target.device) if target.copy_stream else None
     finite_ok = torch.ones((), dtype=torch.bool, device=target.device)
     for batch in _batches(lengths, job.cfg.run.batch_tokens):
         T = int(lengths[batch[0]])
@@ -258,21 +283,22 @@ def fill_shard(
         outputs += [out.hidden_scale_NK] if out.hidden_scale_NK is not None else []
         outputs += [out.argmax_N, out.topk_ids_Nk, out.topk_logits_Nk, out.lse_N]
         outputs += [out.logits_NV] if out.logits_NV is not None else []
-        row = 0
-        for j in batch:
-            L, slot = int(lengths[j]), int(first_slot[j])
-            for dst, src in zip(buffers.device_arrays(), outputs, strict=True):
-                dst[slot : slot + L].copy_(src[row : row + L], non_blocking=True)
-            row += L
+        with _on_stream(target.copy_stream, compute, outputs):
+            row = 0
+            for j in batch:
+                L, slot = int(lengths[j]), int(first_slot[j])
+                for dst, src in zip(buffers.device_arrays(), outputs, strict=True):
+                    dst[slot : slot + L].copy_(src[row : row + L], non_blocking=True)
+                row += L
         progress(row)
 
     finite = torch.empty((), dtype=torch.bool, pin_memory=target.device.type == "cuda")
-    finite.copy_(finite_ok, non_blocking=True)
     ready = None
-    if target.device.type == "cuda":
-        ready = torch.cuda.Event()
-        # on the stream that ran the copies: the current device need not be target.device
-        ready.record(torch.cuda.current_stream(target.device))
+    with _on_stream(target.copy_stream, compute, [finite_ok]):
+        finite.copy_(finite_ok, non_blocking=True)
+        if target.copy_stream is not None:
+            ready = torch.cuda.Event()
+            ready.record(target.copy_stream)
     doc_length = job.lengths[rows]
     over = doc_length > S
     overlong = cfg.packing.overlong
@@ -281,7 +307,7 @@ def fill_shard(
         "num_sequences": n,
         "num_documents": len(pieces),
         "num_tokens": int(lengths.sum()),
-        "num_loss_tokens": int(buffers.loss_mask_M.sum()),
+        "num_loss_tokens": int(loss_mask_M.sum()),
         "split_documents": int((over & (plan.piece[pieces] == 0)).sum())
         if overlong == "split"
         else 0,
@@ -295,4 +321,4 @@ def fill_shard(
         "doc_start": plan.start[pieces].astype(np.int32),
         "doc_length": lengths.astype(np.int32),
     }
-    return ShardJob(index, n, buffers, documents, attrs, ready, finite)
+    return ShardJob(ShardTask(index, n, documents, attrs), buffers, ready, finite)

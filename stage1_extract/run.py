@@ -36,10 +36,12 @@ from common.distributed import (
 from common.logging import get_logger, init_logger
 from common.store import HEAD_FILE, committed_shards
 from stage1_extract.config import ExtractConfig
+from stage1_extract.host_buffers import BufferShape, ShardBuffers
 from stage1_extract.job import ExtractJob, fill_shard, plan_job
+from stage1_extract.shard_writer import ShardWriter
 from stage1_extract.store_root import finalize_store, prepare_store
 from stage1_extract.target import TappedTarget, load_target, save_target_head
-from stage1_extract.writer import ShardBuffers, ShardLayout, ShardWriter
+from stage1_extract.writer import ShardLayout
 
 
 def _extract_shards(job: ExtractJob, ctx: WorkerContext, devices: list[str]) -> None:
@@ -64,22 +66,22 @@ def _extract_shards(job: ExtractJob, ctx: WorkerContext, devices: list[str]) -> 
         cfg.verifier.store_full_logits,
         cfg.store.hidden_dtype,
     )
-    pin = target.device.type == "cuda"
-    slots = cfg.store.sequences_per_shard * cfg.packing.seq_len
-    vocab = job.vocab_size if cfg.verifier.store_full_logits else None
-
-    def make_buffers() -> ShardBuffers:
-        K, D, k = len(job.tapped), job.hidden_size, cfg.verifier.topk
-        fp8 = cfg.store.hidden_dtype == "float8_e4m3fn"
-        return ShardBuffers.allocate(slots, K, D, k, vocab, pin, fp8=fp8)
-
+    shape = BufferShape(
+        slots=cfg.store.sequences_per_shard * cfg.packing.seq_len,
+        num_tapped=len(job.tapped),
+        hidden_size=job.hidden_size,
+        topk=cfg.verifier.topk,
+        vocab=job.vocab_size if cfg.verifier.store_full_logits else None,
+        fp8=cfg.store.hidden_dtype == "float8_e4m3fn",
+    )
     writer = ShardWriter(
         job.store,
         ShardLayout(cfg.packing.seq_len, cfg.store.chunk_tokens, cfg.store.compression_level),
+        cfg.run.writer_processes,
         cfg.run.writer_threads,
         len(todo),
         job.shard_bytes,
-        make_buffers,
+        lambda: ShardBuffers.allocate(shape, pin=target.device.type == "cuda"),
     )
     total = sum(job.shard_tokens(i) for i in todo)
     bar = tqdm(

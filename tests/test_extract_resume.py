@@ -6,19 +6,23 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 import zarr
 from test_extract import DEBUG, SMALL, file_digests, make_config, write_data
 
-from common.store import committed_shards, open_store
+from common.store import StoreError, committed_shards, open_store
 from stage1_extract.run import run_extract
-from stage1_extract.writer import KILL_ENV
+from stage1_extract.shard_writer import KILL_ENV
 
 REPO = Path(__file__).parents[1]
 LAYERS = "target.tapped_layers=[0,1,3]"
@@ -79,6 +83,63 @@ def test_killed_run_resumes_to_the_same_store(reference, tiny_qwen3, data, tmp_p
     run_extract(make_config(tiny_qwen3, data, out, LAYERS))  # the same command again
     assert not stale.exists()
     assert_same_store(out, reference)
+
+
+def test_writer_processes_write_the_same_store(reference, tiny_qwen3, data, tmp_path):
+    out = tmp_path / "store"
+    run_extract(make_config(tiny_qwen3, data, out, LAYERS, "run.writer_processes=2"))
+    assert_same_store(out, reference)
+
+
+def _processes_marked(marker: str) -> list[int]:
+    """Live processes whose environment holds `marker` (the run and its writer processes)."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if marker.encode() in environ.read_bytes():
+                found.append(int(environ.parent.name))
+        except OSError:  # gone meanwhile, or not ours
+            continue
+    return found
+
+
+def test_killed_run_with_writer_processes_leaves_none_behind_and_resumes(
+    reference, tiny_qwen3, data, tmp_path
+):
+    out = tmp_path / "store"
+    sets = [arg for item in (*SMALL, LAYERS, "run.writer_processes=2") for arg in ("--set", item)]
+    command = [sys.executable, "-m", "common.cli", "extract", "--config", str(DEBUG)]
+    command += ["--model", str(tiny_qwen3), "--data", str(data), "--out", str(out), *sets]
+    marker = f"DFLASH_TEST_RUN={uuid.uuid4().hex}"
+    name, value = marker.split("=")
+    env = dict(os.environ, **{KILL_ENV: "2", name: value})
+    # a surviving writer would hold the output pipes open: run() would wait for it forever
+    killed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    deadline = time.monotonic() + 10
+    while _processes_marked(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_marked(marker) == [], "writer processes outlived the killed extraction"
+    assert 2 <= len(committed_shards(out)) < open_store(out).num_shards
+
+    run_extract(make_config(tiny_qwen3, data, out, LAYERS, "run.writer_processes=2"))
+    assert_same_store(out, reference)
+
+
+@pytest.mark.parametrize("writers", ["run.writer_processes=0", "run.writer_processes=2"])
+def test_nan_target_is_refused_by_either_kind_of_writer(writers, tiny_qwen3, data, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    broken = tmp_path / "nan-target"
+    shutil.copytree(tiny_qwen3, broken)
+    model = AutoModelForCausalLM.from_pretrained(broken)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.fill_(float("nan"))
+    model.save_pretrained(broken)
+    out = tmp_path / "store"
+    with pytest.raises(StoreError, match="NaN/Inf"):
+        run_extract(make_config(broken, data, out, LAYERS, writers))
+    assert committed_shards(out) == [] and not list((out / "shards").glob(".tmp-*"))
 
 
 def test_two_cpu_processes_write_the_same_store(reference, tiny_qwen3, data, tmp_path):

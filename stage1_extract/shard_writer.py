@@ -1,0 +1,136 @@
+"""Background shard writing: the bounded pool of shared buffers, the hand-off of filled buffers
+to writers once their device-to-host copies are done, and the bookkeeping of commits and errors.
+
+Writers are processes (`run.writer_processes`, each with its own interpreter and Zarr event
+loop, so encoding runs in parallel) or threads of this process (`run.writer_processes=0`). The
+pool of buffers is bounded (writers + 1), which is the backpressure: when every buffer waits
+for the disk, the producer blocks in `acquire`.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from common.store import StoreError
+from stage1_extract.host_buffers import ShardBuffers
+from stage1_extract.writer import ShardLayout, ShardTask, _is_disk_full
+from stage1_extract.writer_pools import ProcessPool, ThreadPool
+
+KILL_ENV = "DFLASH_TEST_KILL_AFTER_COMMITS"  # test hook: SIGKILL self after this many commits
+
+
+@dataclass
+class ShardJob:
+    """One filled shard waiting to be written."""
+
+    task: ShardTask
+    buffers: ShardBuffers
+    ready: torch.cuda.Event | None  # recorded after the last device-to-host copy
+    finite: torch.Tensor  # bool, on the host once `ready`
+
+
+class ShardWriter:
+    """Background writers (processes or threads) over a bounded pool of reusable buffers."""
+
+    def __init__(
+        self,
+        store: Path,
+        layout: ShardLayout,
+        processes: int,
+        threads: int,
+        num_todo: int,
+        shard_bytes: int,
+        make_buffers: Callable[[], ShardBuffers],
+    ) -> None:
+        self.store, self.layout = store, layout
+        writers = processes or threads
+        self.buffers = [make_buffers() for _ in range(min(writers + 1, max(num_todo, 1)))]
+        self.free: queue.Queue[int] = queue.Queue()
+        for slot in range(len(self.buffers)):
+            self.free.put(slot)
+        self.shards_left, self.shard_bytes = num_todo, shard_bytes
+        self.kill_after = int(os.environ.get(KILL_ENV, "0"))
+        self.commits = 0
+        self.errors: list[BaseException] = []
+        self.lock = threading.Lock()  # the counters and errors are updated from other threads
+        # jobs wait here for their copies before going to a writer, in submission order
+        self.pending: queue.Queue[ShardJob | None] = queue.Queue()
+        self.dispatcher = threading.Thread(target=self._dispatch, name="shard-dispatch")
+        self.pool: ProcessPool | ThreadPool = (
+            ProcessPool(store, layout, processes, self.buffers, self._done)
+            if processes
+            else ThreadPool(store, layout, threads, self.buffers, self._done)
+        )
+        self.dispatcher.start()
+
+    def acquire(self) -> ShardBuffers:
+        """A free buffer set; blocks while every set waits for the disk (backpressure)."""
+        while True:
+            self.raise_errors()
+            try:
+                return self.buffers[self.free.get(timeout=1.0)]
+            except queue.Empty:
+                continue
+
+    def submit(self, job: ShardJob) -> None:
+        self.pending.put(job)
+
+    def _dispatch(self) -> None:
+        while (job := self.pending.get()) is not None:
+            slot = next(i for i, b in enumerate(self.buffers) if b is job.buffers)
+            try:
+                if job.ready is not None:
+                    job.ready.synchronize()
+                job.task.finite = bool(job.finite)
+            except BaseException as err:  # a CUDA error surfaces here: report, free the slot
+                self._done(slot, job.task.index, err)
+                continue
+            self.pool.submit(slot, job.task)
+
+    def _done(self, slot: int, index: int, error: BaseException | None) -> None:
+        """Called by the pool when shard `index` in buffer `slot` is committed or failed."""
+        if error is not None and _is_disk_full(error):
+            free = shutil.disk_usage(self.store).free
+            need = self.shards_left * self.shard_bytes
+            error = StoreError(
+                f"disk full while writing shard {index} of store {self.store}: "
+                f"{free / 2**30:.2f} GiB free, the {self.shards_left} shard(s) left need up to "
+                f"{need / 2**30:.2f} GiB (uncompressed); free space (or move --out) and rerun "
+                "the same command to resume; committed shards are kept"
+            )
+        with self.lock:
+            if error is not None:
+                self.errors.append(error)
+            else:
+                self.shards_left -= 1
+                self.commits += 1
+            kill = error is None and self.kill_after and self.commits >= self.kill_after
+        self.free.put(slot)
+        if kill:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def raise_errors(self) -> None:
+        with self.lock:
+            if self.errors:
+                raise self.errors[0]
+        self.pool.check_alive()
+
+    def close(self) -> None:
+        """Wait for every submitted shard (committed ones stay committed on errors)."""
+        self.pending.put(None)
+        self.dispatcher.join()
+        try:
+            self.pool.close()
+        finally:
+            for buffers in self.buffers:
+                buffers.release()
+        self.raise_errors()

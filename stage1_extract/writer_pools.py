@@ -1,0 +1,166 @@
+"""The two kinds of shard writers behind `ShardWriter`: threads of this process, or processes
+that map the same shared buffers.
+
+Threads share one interpreter, and zarr runs every write's encoding through one event loop:
+measured on the 2-core build machine (bench/zarr_write.py --parallel), two writer threads wrote
+no faster than one, two processes twice as fast. Each writer process maps every buffer arena,
+takes (buffer slot, task) pairs from one queue and reports (slot, shard index, error) on another;
+it dies with its parent (PR_SET_PDEATHSIG), so a killed extraction leaves no writer behind, only
+temporary folders that the next run removes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import signal
+import threading
+import traceback
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from stage1_extract.host_buffers import BufferShape, HostArena, ShardBuffers
+from stage1_extract.writer import ShardLayout, ShardTask, _is_disk_full, write_shard
+
+Done = Callable[[int, int, BaseException | None], None]  # (slot, shard index, error or None)
+
+
+class ThreadPool:
+    def __init__(
+        self,
+        store: Path,
+        layout: ShardLayout,
+        threads: int,
+        buffers: list[ShardBuffers],
+        done: Done,
+    ) -> None:
+        self.store, self.layout, self.buffers, self.done = store, layout, buffers, done
+        self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="shard-writer")
+
+    def submit(self, slot: int, task: ShardTask) -> None:
+        self.executor.submit(self._write, slot, task)
+
+    def _write(self, slot: int, task: ShardTask) -> None:
+        error = None
+        try:
+            write_shard(self.store, task, self.buffers[slot], self.layout)
+        except BaseException as err:
+            error = err
+        self.done(slot, task.index, error)
+
+    def check_alive(self) -> None:
+        return
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True)
+
+
+class ProcessPool:
+    def __init__(
+        self,
+        store: Path,
+        layout: ShardLayout,
+        processes: int,
+        buffers: list[ShardBuffers],
+        done: Done,
+    ) -> None:
+        ctx = mp.get_context("spawn")  # never fork a process that holds CUDA state
+        self.tasks: mp.Queue = ctx.Queue()
+        self.results: mp.Queue = ctx.Queue()
+        self.done = done
+        arenas = [b.arena for b in buffers]
+        args = (store, layout, buffers[0].shape, arenas, self.tasks, self.results, os.getpid())
+        self.procs = [
+            ctx.Process(target=_writer_main, args=args, name=f"shard-writer-{i}", daemon=True)
+            for i in range(processes)
+        ]
+        for proc in self.procs:
+            proc.start()
+        self.in_flight = 0
+        self.lock = threading.Lock()
+        self.closing = False
+        self.collector = threading.Thread(target=self._collect, name="shard-collect")
+        self.collector.start()
+
+    def submit(self, slot: int, task: ShardTask) -> None:
+        with self.lock:
+            self.in_flight += 1
+        self.tasks.put((slot, task))
+
+    def _collect(self) -> None:
+        while True:
+            try:
+                slot, index, error = self.results.get(timeout=0.5)
+            except queue.Empty:
+                if self.closing and not any(p.is_alive() for p in self.procs):
+                    return
+                continue
+            with self.lock:
+                self.in_flight -= 1
+            self.done(slot, index, error)
+
+    def check_alive(self) -> None:
+        dead = [p for p in self.procs if p.exitcode not in (None, 0)]
+        if dead:
+            codes = ", ".join(f"{p.name}: {p.exitcode}" for p in dead)
+            raise RuntimeError(
+                f"shard writer process(es) died ({codes}; a negative code is the signal, -9 is "
+                "often the out-of-memory killer); rerun the same command to resume, with fewer "
+                "run.writer_processes if memory is short"
+            )
+
+    def close(self) -> None:
+        for _ in self.procs:
+            self.tasks.put(None)
+        for proc in self.procs:
+            proc.join()
+        self.closing = True
+        self.collector.join()
+        self.tasks.close()
+        self.results.close()
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    with contextlib.suppress(OSError, AttributeError):  # Linux: SIGKILL us when it dies
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _portable(err: BaseException) -> BaseException:
+    """`err` as it can cross to the parent: a disk-full error stays recognisable."""
+    if _is_disk_full(err):
+        return OSError(errno.ENOSPC, str(err))
+    try:
+        pickle.dumps(err)
+        return err
+    except Exception:
+        return RuntimeError(f"{type(err).__name__}: {err}")
+
+
+def _writer_main(
+    store: Path,
+    layout: ShardLayout,
+    shape: BufferShape,
+    arenas: list[HostArena],
+    tasks: mp.Queue,
+    results: mp.Queue,
+    parent_pid: int,
+) -> None:
+    _die_with_parent(parent_pid)
+    buffers = [ShardBuffers(shape, arena) for arena in arenas]
+    while (item := tasks.get()) is not None:
+        slot, task = item
+        error = None
+        try:
+            write_shard(store, task, buffers[slot], layout)
+        except Exception as err:
+            traceback.print_exc()  # the parent re-raises the error; the trace stays here
+            error = _portable(err)
+        results.put((slot, task.index, error))
