@@ -101,12 +101,15 @@ def _extract_shards(job: ExtractJob, ctx: WorkerContext, devices: list[str]) -> 
         bar.close()
     seconds = time.perf_counter() - start
     log.info(
-        "rank %d: %d shards, %d tokens in %.1f s (%.0f tokens/s, writes included)",
+        "rank %d: %d shards, %d tokens in %.1f s (%.0f tokens/s, writes included); waited "
+        "%.1f s for busy writers; writers busy %.1f s per shard",
         ctx.rank,
         len(todo),
         total,
         seconds,
         total / max(seconds, 1e-9),
+        writer.waited_s,
+        writer.write_s / max(len(todo), 1),
     )
 
 

@@ -14,6 +14,7 @@ import queue
 import shutil
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,8 @@ class ShardWriter:
         self.shards_left, self.shard_bytes = num_todo, shard_bytes
         self.kill_after = int(os.environ.get(KILL_ENV, "0"))
         self.commits = 0
+        self.waited_s = 0.0  # producer time blocked on busy writers: > 0 means IO-bound
+        self.write_s = 0.0  # writer time summed over shards (write, verify, commit)
         self.errors: list[BaseException] = []
         self.lock = threading.Lock()  # the counters and errors are updated from other threads
         # jobs wait here for their copies before going to a writer, in submission order
@@ -74,12 +77,16 @@ class ShardWriter:
 
     def acquire(self) -> ShardBuffers:
         """A free buffer set; blocks while every set waits for the disk (backpressure)."""
-        while True:
-            self.raise_errors()
-            try:
-                return self.buffers[self.free.get(timeout=1.0)]
-            except queue.Empty:
-                continue
+        start = time.perf_counter()
+        try:
+            while True:
+                self.raise_errors()
+                try:
+                    return self.buffers[self.free.get(timeout=1.0)]
+                except queue.Empty:
+                    continue
+        finally:
+            self.waited_s += time.perf_counter() - start
 
     def submit(self, job: ShardJob) -> None:
         self.pending.put(job)
@@ -92,11 +99,11 @@ class ShardWriter:
                     job.ready.synchronize()
                 job.task.finite = bool(job.finite)
             except BaseException as err:  # a CUDA error surfaces here: report, free the slot
-                self._done(slot, job.task.index, err)
+                self._done(slot, job.task.index, err, 0.0)
                 continue
             self.pool.submit(slot, job.task)
 
-    def _done(self, slot: int, index: int, error: BaseException | None) -> None:
+    def _done(self, slot: int, index: int, error: BaseException | None, seconds: float) -> None:
         """Called by the pool when shard `index` in buffer `slot` is committed or failed."""
         if error is not None and _is_disk_full(error):
             free = shutil.disk_usage(self.store).free
@@ -113,6 +120,7 @@ class ShardWriter:
             else:
                 self.shards_left -= 1
                 self.commits += 1
+                self.write_s += seconds
             kill = error is None and self.kill_after and self.commits >= self.kill_after
         self.free.put(slot)
         if kill:

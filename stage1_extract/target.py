@@ -246,9 +246,11 @@ class TappedTarget:
             # No attention mask: rows are right-padded and attention is causal, so a valid
             # token only ever sees earlier valid tokens of its own row. Without a padding
             # mask SDPA takes its fused causal kernel instead of the slower masked path.
-            out = self.base(
-                input_ids=input_ids_BT.to(self.device, non_blocking=True), use_cache=False
-            )
+            # from page-locked memory the copy is asynchronous; from pageable memory CUDA
+            # first waits for the stream, so the host could never run ahead of the GPU (and
+            # the GPU would idle while the host prepares the next shard)
+            ids_BT = input_ids_BT.pin_memory() if pin else input_ids_BT
+            out = self.base(input_ids=ids_BT.to(self.device, non_blocking=True), use_cache=False)
         finally:
             for hook in hooks:
                 hook.remove()

@@ -20,6 +20,7 @@ import pickle
 import queue
 import signal
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +29,8 @@ from pathlib import Path
 from stage1_extract.host_buffers import BufferShape, HostArena, ShardBuffers
 from stage1_extract.writer import ShardLayout, ShardTask, _is_disk_full, write_shard
 
-Done = Callable[[int, int, BaseException | None], None]  # (slot, shard index, error or None)
+# (slot, shard index, error or None, seconds spent writing)
+Done = Callable[[int, int, BaseException | None, float], None]
 
 
 class ThreadPool:
@@ -47,12 +49,12 @@ class ThreadPool:
         self.executor.submit(self._write, slot, task)
 
     def _write(self, slot: int, task: ShardTask) -> None:
-        error = None
+        error, start = None, time.perf_counter()
         try:
             write_shard(self.store, task, self.buffers[slot], self.layout)
         except BaseException as err:
             error = err
-        self.done(slot, task.index, error)
+        self.done(slot, task.index, error, time.perf_counter() - start)
 
     def check_alive(self) -> None:
         return
@@ -96,14 +98,14 @@ class ProcessPool:
     def _collect(self) -> None:
         while True:
             try:
-                slot, index, error = self.results.get(timeout=0.5)
+                slot, index, error, seconds = self.results.get(timeout=0.5)
             except queue.Empty:
                 if self.closing and not any(p.is_alive() for p in self.procs):
                     return
                 continue
             with self.lock:
                 self.in_flight -= 1
-            self.done(slot, index, error)
+            self.done(slot, index, error, seconds)
 
     def check_alive(self) -> None:
         dead = [p for p in self.procs if p.exitcode not in (None, 0)]
@@ -154,13 +156,18 @@ def _writer_main(
     parent_pid: int,
 ) -> None:
     _die_with_parent(parent_pid)
+    # Ctrl-C reaches the whole process group: the parent stops producing and closes the pool,
+    # which lets the writers finish and commit the shards they hold, as writer threads would
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # the extracting process feeds the GPU and must not wait for a core; writers have slack
+    os.nice(10)
     buffers = [ShardBuffers(shape, arena) for arena in arenas]
     while (item := tasks.get()) is not None:
         slot, task = item
-        error = None
+        error, start = None, time.perf_counter()
         try:
             write_shard(store, task, buffers[slot], layout)
         except Exception as err:
             traceback.print_exc()  # the parent re-raises the error; the trace stays here
             error = _portable(err)
-        results.put((slot, task.index, error))
+        results.put((slot, task.index, error, time.perf_counter() - start))
