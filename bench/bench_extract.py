@@ -165,6 +165,35 @@ def forward_ceilings(cfg: ExtractConfig) -> list[dict]:
     return records
 
 
+def loop_seconds(records: list[str]) -> float:
+    """The extraction loop's own time, from run_extract's summary line (setup excluded)."""
+    loop = [re.search(r"tokens in ([\d.]+) s", line) for line in records]
+    return next((float(m.group(1)) for m in loop if m), float("nan"))
+
+
+def no_writes_loop(cfg: ExtractConfig, records: list[str], bare: dict, tapped: dict) -> dict:
+    """run_extract with one writer thread whose shard write is a no-op (and no finalize)."""
+    import stage1_extract.run as run_module
+    import stage1_extract.writer_pools as pools
+
+    cfg.run.writer_processes, cfg.run.writer_threads = 0, 1
+    pools.write_shard = lambda *args: None  # type: ignore[assignment]
+    run_module._finalize = lambda job: None  # type: ignore[assignment]
+    run_extract(cfg)
+    loop_s = loop_seconds(records)
+    tokens = tapped["tokens"]
+    return {
+        "what": "extract_no_writes",
+        "tokens": tokens,
+        "loop_seconds": loop_s,
+        "loop_tokens_per_s": round(tokens / loop_s),
+        "ratio_to_bare_forward": round(tokens / loop_s / bare["tokens_per_s"], 3),
+        "ratio_to_tapped_forward": round(tokens / loop_s / tapped["tokens_per_s"], 3),
+        "peak_gpu_GB": round(torch.cuda.max_memory_allocated() / 1e9, 1),
+        "hidden_dtype": cfg.store.hidden_dtype,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
@@ -177,6 +206,13 @@ def main() -> None:
     parser.add_argument("--writer-processes", type=int, default=4, help="0: writer threads")
     parser.add_argument("--writer-threads", type=int, default=4)
     parser.add_argument("--keep", action="store_true", help="keep the store (for bench_train)")
+    parser.add_argument(
+        "--also-no-writes",
+        action="store_true",
+        help="diagnostic, after the real run: the extraction loop again with writers that drop "
+        "each shard (no zarr, no disk), to tell the cost of the copies and host work from that "
+        "of the IO",
+    )
     parser.add_argument("--hidden-dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn"])
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], help="extra config key=value"
@@ -232,8 +268,7 @@ def main() -> None:
     )
     raw_per_token = hidden_bytes + attrs["topk"] * 8 + 21
     # the extraction loop's own time, from run_extract's summary line (setup excluded)
-    loop = [re.search(r"tokens in ([\d.]+) s", line) for line in records]
-    loop_s = next((float(m.group(1)) for m in loop if m), float("nan"))
+    loop_s = loop_seconds(records)
     waits = [re.search(r"waited ([\d.]+) s .* busy ([\d.]+) s per shard", line) for line in records]
     waited_s, write_s = next(((float(m[1]), float(m[2])) for m in waits if m), (None, None))
     emit(
@@ -266,6 +301,13 @@ def main() -> None:
     )
     if not args.keep:
         shutil.rmtree(store, ignore_errors=True)
+    if args.also_no_writes:
+        records.clear()
+        torch.cuda.reset_peak_memory_stats()
+        cfg.store.out = str(work / "store-no-writes")
+        shutil.rmtree(cfg.store.out, ignore_errors=True)
+        emit(no_writes_loop(cfg, records, bare, tapped))
+        shutil.rmtree(cfg.store.out, ignore_errors=True)
 
 
 if __name__ == "__main__":
