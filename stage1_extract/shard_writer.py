@@ -23,7 +23,7 @@ import torch
 
 from common.store import StoreError
 from stage1_extract.host_buffers import ShardBuffers
-from stage1_extract.writer import ShardLayout, ShardTask, _is_disk_full
+from stage1_extract.writer import ShardLayout, ShardTask, is_disk_full
 from stage1_extract.writer_pools import ProcessPool, ThreadPool
 
 KILL_ENV = "DFLASH_TEST_KILL_AFTER_COMMITS"  # test hook: SIGKILL self after this many commits
@@ -53,8 +53,10 @@ class ShardWriter:
         make_buffers: Callable[[], ShardBuffers],
     ) -> None:
         self.store, self.layout = store, layout
+        # no more writers (nor buffers beyond one per writer + 1) than there are shards to write
+        processes, threads = min(processes, num_todo), min(threads, num_todo)
         writers = processes or threads
-        self.buffers = [make_buffers() for _ in range(min(writers + 1, max(num_todo, 1)))]
+        self.buffers = [make_buffers() for _ in range(writers + 1)]
         self.free: queue.Queue[int] = queue.Queue()
         for slot in range(len(self.buffers)):
             self.free.put(slot)
@@ -105,7 +107,7 @@ class ShardWriter:
 
     def _done(self, slot: int, index: int, error: BaseException | None, seconds: float) -> None:
         """Called by the pool when shard `index` in buffer `slot` is committed or failed."""
-        if error is not None and _is_disk_full(error):
+        if error is not None and is_disk_full(error):
             free = shutil.disk_usage(self.store).free
             need = self.shards_left * self.shard_bytes
             error = StoreError(

@@ -43,7 +43,7 @@ class ShardLayout:
     compression_level: int
 
 
-def _is_disk_full(err: BaseException | None) -> bool:
+def is_disk_full(err: BaseException | None) -> bool:
     while err is not None:
         if isinstance(err, OSError) and err.errno == errno.ENOSPC:
             return True

@@ -1,12 +1,12 @@
 """The two kinds of shard writers behind `ShardWriter`: threads of this process, or processes
 that map the same shared buffers.
 
-Threads share one interpreter, and zarr runs every write's encoding through one event loop:
-measured on the 2-core build machine (bench/zarr_write.py --parallel), two writer threads wrote
-no faster than one, two processes twice as fast. Each writer process maps every buffer arena,
-takes (buffer slot, task) pairs from one queue and reports (slot, shard index, error) on another;
-it dies with its parent (PR_SET_PDEATHSIG), so a killed extraction leaves no writer behind, only
-temporary folders that the next run removes.
+Threads share one interpreter, and zarr runs every write of a process through one event loop:
+on the 2-core build machine (`bench/zarr_write.py --parallel 2`) two writer threads together
+wrote slower than one alone, two processes about twice as fast as two threads. Each writer
+process maps every buffer arena, takes (buffer slot, task) pairs from one queue and reports
+(slot, shard index, error, seconds) on another. It dies with its parent (PR_SET_PDEATHSIG), so
+a killed extraction leaves no writer behind, only temporary folders that the next run removes.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from stage1_extract.host_buffers import BufferShape, HostArena, ShardBuffers
-from stage1_extract.writer import ShardLayout, ShardTask, _is_disk_full, write_shard
+from stage1_extract.writer import ShardLayout, ShardTask, is_disk_full, write_shard
 
 # (slot, shard index, error or None, seconds spent writing)
 Done = Callable[[int, int, BaseException | None, float], None]
@@ -84,15 +84,11 @@ class ProcessPool:
         ]
         for proc in self.procs:
             proc.start()
-        self.in_flight = 0
-        self.lock = threading.Lock()
         self.closing = False
         self.collector = threading.Thread(target=self._collect, name="shard-collect")
         self.collector.start()
 
     def submit(self, slot: int, task: ShardTask) -> None:
-        with self.lock:
-            self.in_flight += 1
         self.tasks.put((slot, task))
 
     def _collect(self) -> None:
@@ -103,8 +99,6 @@ class ProcessPool:
                 if self.closing and not any(p.is_alive() for p in self.procs):
                     return
                 continue
-            with self.lock:
-                self.in_flight -= 1
             self.done(slot, index, error, seconds)
 
     def check_alive(self) -> None:
@@ -137,7 +131,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def _portable(err: BaseException) -> BaseException:
     """`err` as it can cross to the parent: a disk-full error stays recognisable."""
-    if _is_disk_full(err):
+    if is_disk_full(err):
         return OSError(errno.ENOSPC, str(err))
     try:
         pickle.dumps(err)
