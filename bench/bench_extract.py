@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -160,9 +161,34 @@ def forward_ceilings(cfg: ExtractConfig) -> list[dict]:
                 "tokens_per_s": round(tokens / seconds),
             }
         )
+    records.append(profile_batches(target.forward, batches[:4]))
     del model, base, target
     torch.cuda.empty_cache()
     return records
+
+
+def profile_batches(run: Any, batches: list[list[int]], top: int = 15) -> dict:
+    """Where the GPU time of the extraction's forward goes: the `top` kernels by total CUDA
+    time over these batches, in ms per batch (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU  # CPU: to try the script
+
+    def spent(event: Any) -> float:
+        return event.device_time_total if cuda else event.self_cpu_time_total
+
+    with torch.inference_mode(), profile(activities=[activity]) as prof:
+        for lengths in batches:
+            run(torch.randint(0, 500, (len(lengths), lengths[0])), lengths)
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=spent, reverse=True)
+    per_batch = [
+        {"kernel": e.key[:90], "ms": round(spent(e) / 1e3 / len(batches), 2)}
+        for e in events
+        if spent(e) > 0
+    ]
+    return {"what": "tapped_forward_profile", "batches": len(batches), "top": per_batch[:top]}
 
 
 def loop_seconds(records: list[str]) -> float:
@@ -242,7 +268,8 @@ def main() -> None:
         ],
     )
     emit(disk_ceiling(work))
-    bare, tapped = forward_ceilings(cfg)
+    bare, tapped, profile = forward_ceilings(cfg)
+    emit(profile)
     emit(bare)
     emit(
         {**tapped, "ratio_to_bare_forward": round(tapped["tokens_per_s"] / bare["tokens_per_s"], 3)}
