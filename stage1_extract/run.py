@@ -102,7 +102,7 @@ def _extract_shards(job: ExtractJob, ctx: WorkerContext, devices: list[str]) -> 
     seconds = time.perf_counter() - start
     log.info(
         "rank %d: %d shards, %d tokens in %.1f s (%.0f tokens/s, writes included); waited "
-        "%.1f s for busy writers; writers busy %.1f s per shard",
+        "%.1f s for a free buffer (writers busy or starting); writers busy %.1f s per shard",
         ctx.rank,
         len(todo),
         total,
