@@ -142,9 +142,10 @@ def test_nan_target_is_refused_by_either_kind_of_writer(writers, tiny_qwen3, dat
     assert committed_shards(out) == [] and not list((out / "shards").glob(".tmp-*"))
 
 
-def test_two_cpu_processes_write_the_same_store(reference, tiny_qwen3, data, tmp_path):
+@pytest.mark.parametrize("writers", ["run.writer_processes=0", "run.writer_processes=2"])
+def test_two_cpu_processes_write_the_same_store(writers, reference, tiny_qwen3, data, tmp_path):
     out = tmp_path / "store"
-    run_extract(make_config(tiny_qwen3, data, out, LAYERS, "run.devices=cpu,cpu"))
+    run_extract(make_config(tiny_qwen3, data, out, LAYERS, "run.devices=cpu,cpu", writers))
     assert_same_store(out, reference)
 
 
