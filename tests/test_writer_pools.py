@@ -1,0 +1,95 @@
+"""The writer process pool on its own: a writer's error comes back to the parent with its
+message (a full disk stays recognisable), and a writer that dies is reported, not waited for."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from stage1_extract.host_buffers import BufferShape, ShardBuffers
+from stage1_extract.writer import ShardLayout, ShardTask, is_disk_full
+from stage1_extract.writer_pools import ProcessPool, _portable
+
+SHAPE = BufferShape(slots=8, num_tapped=2, hidden_size=4, topk=2, vocab=None, fp8=False)
+
+
+class Results:
+    def __init__(self) -> None:
+        self.got: list[tuple[int, int, BaseException | None]] = []
+        self.event = threading.Event()
+
+    def __call__(self, slot: int, index: int, error: BaseException | None, _s: float) -> None:
+        self.got.append((slot, index, error))
+        self.event.set()
+
+
+def test_a_writer_error_comes_back_with_its_message(tmp_path: Path) -> None:
+    buffers = [ShardBuffers.allocate(SHAPE, pin=False)]
+    results = Results()
+    pool = ProcessPool(tmp_path / "missing-store", ShardLayout(8, 8, 1), 1, buffers, results)
+    try:
+        pool.submit(0, ShardTask(index=3, num_sequences=1, documents={}, attrs={}, finite=False))
+        assert results.event.wait(60)
+    finally:
+        pool.close()
+        buffers[0].release()
+    slot, index, error = results.got[0]
+    assert (slot, index) == (0, 3) and "NaN/Inf" in str(error)
+
+
+def test_a_dead_writer_is_reported(tmp_path: Path) -> None:
+    buffers = [ShardBuffers.allocate(SHAPE, pin=False)]
+    pool = ProcessPool(tmp_path, ShardLayout(8, 8, 1), 1, buffers, Results())
+    try:
+        pool.check_alive()
+        os.kill(pool.procs[0].pid, signal.SIGKILL)
+        pool.procs[0].join(30)
+        with pytest.raises(RuntimeError, match=r"died \(shard-writer-0: -9"):
+            pool.check_alive()
+    finally:
+        pool.close()
+        buffers[0].release()
+
+
+def test_a_full_disk_stays_recognisable_across_processes() -> None:
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as inner:
+            raise RuntimeError("zarr failed") from inner
+    except RuntimeError as wrapped:
+        assert is_disk_full(_portable(wrapped))
+
+
+def test_buffers_seen_by_a_writer_process_are_the_parents(tmp_path: Path) -> None:
+    """What the parent writes into the shared arena is what the writer process stores."""
+    import zarr
+
+    buffers = [ShardBuffers.allocate(SHAPE, pin=False)]
+    host = buffers[0].tensors
+    host["tokens"][:] = torch.arange(8, dtype=torch.int32)
+    host["document_ids"][:] = 0
+    host["loss_mask"][:] = 1
+    host["hidden"].view(-1)[:] = 1.5
+    (tmp_path / "shards").mkdir()
+    documents = {"doc_length": np.array([8], np.int32)}
+    attrs = {"num_tokens": 8, "num_loss_tokens": 8, "num_documents": 1}
+    results = Results()
+    pool = ProcessPool(tmp_path, ShardLayout(8, 8, 1), 1, buffers, results)
+    try:
+        pool.submit(0, ShardTask(index=0, num_sequences=1, documents=documents, attrs=attrs))
+        assert results.event.wait(60)
+    finally:
+        pool.close()
+    assert results.got[0][2] is None
+    group = zarr.open_group(tmp_path / "shards" / "shard-000000", mode="r")
+    assert group["tokens"][0].tolist() == list(range(8))
+    assert np.all(group["hidden"][...] == np.uint16(0x3FC0))  # bf16 bits of 1.5
+    buffers[0].release()
