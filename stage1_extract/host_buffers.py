@@ -26,6 +26,18 @@ from common.store import bf16_to_bits
 ALIGN = 4096  # every array starts on its own page
 
 
+def available_memory_bytes() -> int | None:
+    """The kernel's estimate of memory available without swapping (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 class HostArena:
     """`nbytes` of shared anonymous memory; pickles (to a spawned process) as a mapping of the
     same memory."""

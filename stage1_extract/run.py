@@ -17,6 +17,7 @@ shard, K tapped layers, D hidden size.
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from datetime import timedelta
@@ -36,7 +37,7 @@ from common.distributed import (
 from common.logging import get_logger, init_logger
 from common.store import HEAD_FILE, committed_shards
 from stage1_extract.config import ExtractConfig
-from stage1_extract.host_buffers import BufferShape, ShardBuffers
+from stage1_extract.host_buffers import BufferShape, ShardBuffers, available_memory_bytes
 from stage1_extract.job import ExtractJob, fill_shard, plan_job
 from stage1_extract.shard_writer import ShardWriter
 from stage1_extract.store_root import finalize_store, prepare_store
@@ -66,14 +67,7 @@ def _extract_shards(job: ExtractJob, ctx: WorkerContext, devices: list[str]) -> 
         cfg.verifier.store_full_logits,
         cfg.store.hidden_dtype,
     )
-    shape = BufferShape(
-        slots=cfg.store.sequences_per_shard * cfg.packing.seq_len,
-        num_tapped=len(job.tapped),
-        hidden_size=job.hidden_size,
-        topk=cfg.verifier.topk,
-        vocab=job.vocab_size if cfg.verifier.store_full_logits else None,
-        fp8=cfg.store.hidden_dtype == "float8_e4m3fn",
-    )
+    shape = buffer_shape(job)
     writer = ShardWriter(
         job.store,
         ShardLayout(cfg.packing.seq_len, cfg.store.chunk_tokens, cfg.store.compression_level),
@@ -113,6 +107,39 @@ def _extract_shards(job: ExtractJob, ctx: WorkerContext, devices: list[str]) -> 
     )
 
 
+def buffer_shape(job: ExtractJob) -> BufferShape:
+    cfg = job.cfg
+    return BufferShape(
+        slots=cfg.store.sequences_per_shard * cfg.packing.seq_len,
+        num_tapped=len(job.tapped),
+        hidden_size=job.hidden_size,
+        topk=cfg.verifier.topk,
+        vocab=job.vocab_size if cfg.verifier.store_full_logits else None,
+        fp8=cfg.store.hidden_dtype == "float8_e4m3fn",
+    )
+
+
+def check_host_memory(job: ExtractJob, local_processes: int) -> None:
+    """Refuse, before anything is loaded, shard buffers that would not fit in host memory: the
+    out-of-memory killer would otherwise end the run mid-way without a word."""
+    available = available_memory_bytes()
+    if available is None:
+        return
+    run = job.cfg.run
+    writers = run.writer_processes or run.writer_threads
+    shards_each = -(-job.num_shards // local_processes)
+    buffers = min(writers, shards_each) + 1
+    arena = buffer_shape(job).offsets()[1]
+    need = local_processes * buffers * arena
+    if need > 0.9 * available:
+        raise ValueError(
+            f"extracting to {job.store} needs {need / 2**30:.1f} GiB of host memory for shard "
+            f"buffers ({local_processes} process(es) x {buffers} buffers (writers + 1) x "
+            f"{arena / 2**30:.2f} GiB), but {available / 2**30:.1f} GiB is available; lower "
+            "store.sequences_per_shard, or run.writer_processes / run.writer_threads"
+        )
+
+
 # Ranks wait at barriers while rank 0 tokenizes (minutes) and while the slowest rank
 # extracts its last shards (hours on a resume where others have nothing left to do).
 BARRIER_TIMEOUT = timedelta(hours=48)
@@ -127,6 +154,7 @@ def _worker(cfg: ExtractConfig, devices: list[str], error_dir: str | None, ready
             job = plan_job(cfg)
         elif ctx.is_main:  # rank 0 first: it fills the datasets cache the others then reuse
             job = plan_job(cfg)
+            check_host_memory(job, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
             prepare_store(job.store, job.attrs, cfg.store.overwrite)
             barrier()
         else:
@@ -171,6 +199,7 @@ def run_extract(cfg: ExtractConfig) -> None:
         return
     # several local processes: validate and prepare here, so user errors stay ValueErrors
     job = plan_job(cfg)
+    check_host_memory(job, procs)
     prepare_store(job.store, job.attrs, cfg.store.overwrite)
     with tempfile.TemporaryDirectory(prefix="dflash-extract-") as error_dir:
         try:

@@ -312,6 +312,18 @@ def test_full_disk_is_a_clear_error_and_keeps_committed_shards(
             assert np.array_equal(values, shard_arrays(out, index)[name]), (index, name)
 
 
+def test_shard_buffers_larger_than_host_memory_are_refused_up_front(
+    tiny_qwen3, tmp_path, monkeypatch
+):
+    monkeypatch.setattr("stage1_extract.run.available_memory_bytes", lambda: 1 << 20)
+    out = tmp_path / "store"
+    result = cli_extract(tiny_qwen3, write_data(tmp_path), out, "store.sequences_per_shard=64")
+    assert result.exit_code == 2
+    message = " ".join(result.output.split())
+    assert "GiB of host memory for shard buffers" in message
+    assert "store.sequences_per_shard" in message and not out.exists()
+
+
 def test_overwrite_never_deletes_a_folder_that_is_not_a_store(tiny_qwen3: Path, tmp_path: Path):
     folder = tmp_path / "precious"
     folder.mkdir()
