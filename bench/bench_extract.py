@@ -33,10 +33,10 @@ from common.config import build_config
 from common.logging import init_logger
 from common.tiny import build_tokenizer, example_texts
 from stage1_extract.config import ExtractConfig
-from stage1_extract.job import _batches, plan_job
+from stage1_extract.job import _batches, plan_job, tapped_target
 from stage1_extract.packing import shard_pieces
 from stage1_extract.run import run_extract
-from stage1_extract.target import TappedTarget, load_target
+from stage1_extract.target import load_target
 
 QWEN3_8B = dict(
     vocab_size=151936,
@@ -121,14 +121,7 @@ def forward_ceilings(cfg: ExtractConfig) -> list[dict]:
     job = plan_job(cfg)
     model = load_target(cfg.target, torch.device("cuda:0"))
     base = model.get_decoder()
-    target = TappedTarget(
-        model,
-        job.tapped,
-        cfg.verifier.topk,
-        cfg.verifier.head_chunk_tokens,
-        cfg.verifier.store_full_logits,
-        cfg.store.hidden_dtype,
-    )
+    target = tapped_target(job, model)
     batches = []
     for index in range(job.num_shards):
         pieces = shard_pieces(job.plan, index, cfg.store.sequences_per_shard)

@@ -207,6 +207,19 @@ def _batches(lengths: np.ndarray, budget: int) -> list[list[int]]:
     return batches
 
 
+def tapped_target(job: ExtractJob, model: torch.nn.Module) -> TappedTarget:
+    """The target wrapped as this job extracts it (tapped layers, top-k, head chunks, dtype)."""
+    cfg = job.cfg
+    return TappedTarget(
+        model,
+        job.tapped,
+        cfg.verifier.topk,
+        cfg.verifier.head_chunk_tokens,
+        cfg.verifier.store_full_logits,
+        cfg.store.hidden_dtype,
+    )
+
+
 @contextmanager
 def _on_stream(
     stream: torch.cuda.Stream | None, after: torch.cuda.Stream | None, sources: list[torch.Tensor]

@@ -38,10 +38,10 @@ from common.logging import get_logger, init_logger
 from common.store import HEAD_FILE, committed_shards
 from stage1_extract.config import ExtractConfig
 from stage1_extract.host_buffers import BufferShape, ShardBuffers, available_memory_bytes
-from stage1_extract.job import ExtractJob, fill_shard, plan_job
+from stage1_extract.job import ExtractJob, fill_shard, plan_job, tapped_target
 from stage1_extract.shard_writer import ShardWriter
 from stage1_extract.store_root import finalize_store, prepare_store
-from stage1_extract.target import TappedTarget, load_target, save_target_head
+from stage1_extract.target import load_target, save_target_head
 from stage1_extract.writer import ShardLayout
 
 
@@ -59,14 +59,7 @@ def _extract_shards(job: ExtractJob, ctx: WorkerContext, devices: list[str]) -> 
         save_target_head(model, job.store / HEAD_FILE)
     if not todo:
         return
-    target = TappedTarget(
-        model,
-        job.tapped,
-        cfg.verifier.topk,
-        cfg.verifier.head_chunk_tokens,
-        cfg.verifier.store_full_logits,
-        cfg.store.hidden_dtype,
-    )
+    target = tapped_target(job, model)
     shape = buffer_shape(job)
     writer = ShardWriter(
         job.store,

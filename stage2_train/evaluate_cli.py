@@ -7,7 +7,6 @@ prompts, and generates `new_tokens` greedily with each drafter; prints tau per m
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,7 +72,7 @@ def run_evaluate(cfg: EvaluateConfig) -> dict:
     """Measure tau for prompt lookup and, when given, the DFlash drafter; return the figures."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stage2_train.export import load_export
+    from stage2_train.export import load_export, read_export_config
 
     log = get_logger()
     dtype = getattr(torch, cfg.dtype)
@@ -94,8 +93,7 @@ def run_evaluate(cfg: EvaluateConfig) -> dict:
     log.info("prompt lookup: tau %.3f", lookup.tau)
 
     if drafter is not None:
-        config = json.loads((Path(cfg.drafter) / "config.json").read_text())
-        tapped = config["dflash_config"]["target_layer_ids"]
+        tapped = read_export_config(cfg.drafter)["dflash_config"]["target_layer_ids"]
         draft = dflash_draft_fn(
             drafter,
             model.get_input_embeddings().weight.detach(),

@@ -9,9 +9,7 @@ seed stream, labels = the stored target argmax), so the result is deterministic.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,7 +18,7 @@ from common.store import open_store
 from stage2_train.anchors import slot_weights
 from stage2_train.data import StoreSequences, collate
 from stage2_train.evaluate import evaluate
-from stage2_train.export import load_export
+from stage2_train.export import load_export, read_export_config
 from stage2_train.plan import EVAL_EPOCH
 from stage2_train.step import load_frozen_head
 
@@ -62,15 +60,7 @@ def check_fits(drafter_config: dict[str, Any], attrs: dict[str, Any], store: str
 def run_offline_eval(cfg: OfflineEvalConfig) -> dict[str, Any]:
     """Per-slot accuracy and implied tau of the drafter over the store's sequences."""
     info = open_store(cfg.store, require_complete=True)
-    missing = [
-        n for n in ("config.json", "model.safetensors") if not (Path(cfg.drafter) / n).is_file()
-    ]
-    if missing:
-        raise ValueError(
-            f"drafter {cfg.drafter}: {', '.join(missing)} missing; pass an export folder "
-            "(RUN/export, or `dflash export RUN`)"
-        )
-    drafter_config = json.loads((Path(cfg.drafter) / "config.json").read_text())
+    drafter_config = read_export_config(cfg.drafter)
     check_fits(drafter_config, info.attrs, cfg.store)
     device = torch.device(cfg.device)
     model = load_export(cfg.drafter).to(device)

@@ -88,8 +88,9 @@ def shape_from_export(config: dict) -> DrafterShape:
     )
 
 
-def load_export(folder: str | Path) -> DFlashDrafter:
-    """A DFlashDrafter rebuilt from an export folder (weights in the exported dtype)."""
+def read_export_config(folder: str | Path) -> dict:
+    """The config.json of an export folder; ValueError naming the fix when the folder is not
+    one (config.json or model.safetensors missing)."""
     folder = Path(folder)
     missing = [n for n in ("config.json", "model.safetensors") if not (folder / n).is_file()]
     if missing:
@@ -97,8 +98,13 @@ def load_export(folder: str | Path) -> DFlashDrafter:
             f"drafter {folder}: {', '.join(missing)} missing; pass an export folder "
             "(RUN/export, or `dflash export RUN`)"
         )
-    config = json.loads((folder / "config.json").read_text())
-    model = DFlashDrafter(shape_from_export(config))
+    return json.loads((folder / "config.json").read_text())
+
+
+def load_export(folder: str | Path) -> DFlashDrafter:
+    """A DFlashDrafter rebuilt from an export folder (weights in the exported dtype)."""
+    folder = Path(folder)
+    model = DFlashDrafter(shape_from_export(read_export_config(folder)))
     state = load_file(str(folder / "model.safetensors"))
     model.to(next(iter(state.values())).dtype)
     model.load_state_dict(state, strict=True)

@@ -65,14 +65,24 @@ def reference(tiny_qwen3: Path, data: Path, tmp_path_factory: pytest.TempPathFac
     return out
 
 
+def _extract_killed_after_two_commits(
+    model: Path, data: Path, out: Path, *extra: str, env: dict[str, str] | None = None
+) -> None:
+    """`dflash extract` in a subprocess that SIGKILLs itself after its second shard commit."""
+    sets = [arg for item in (*SMALL, LAYERS, *extra) for arg in ("--set", item)]
+    command = [sys.executable, "-m", "common.cli", "extract", "--config", str(DEBUG)]
+    command += ["--model", str(model), "--data", str(data), "--out", str(out), *sets]
+    full_env = dict(os.environ, **{KILL_ENV: "2"}, **(env or {}))
+    # a surviving writer would hold the output pipes open: run() would wait for it forever
+    killed = subprocess.run(
+        command, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=120
+    )
+    assert killed.returncode == -9, killed.stderr[-2000:]
+
+
 def test_killed_run_resumes_to_the_same_store(reference, tiny_qwen3, data, tmp_path):
     out = tmp_path / "store"
-    sets = [arg for item in (*SMALL, LAYERS) for arg in ("--set", item)]
-    command = [sys.executable, "-m", "common.cli", "extract", "--config", str(DEBUG)]
-    command += ["--model", str(tiny_qwen3), "--data", str(data), "--out", str(out), *sets]
-    env = dict(os.environ, **{KILL_ENV: "2"})
-    killed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
-    assert killed.returncode == -9, killed.stderr[-2000:]
+    _extract_killed_after_two_commits(tiny_qwen3, data, out)
     done = committed_shards(out)
     total = open_store(out).num_shards
     assert 2 <= len(done) < total and not open_store(out).complete
@@ -107,15 +117,11 @@ def test_killed_run_with_writer_processes_leaves_none_behind_and_resumes(
     reference, tiny_qwen3, data, tmp_path
 ):
     out = tmp_path / "store"
-    sets = [arg for item in (*SMALL, LAYERS, "run.writer_processes=2") for arg in ("--set", item)]
-    command = [sys.executable, "-m", "common.cli", "extract", "--config", str(DEBUG)]
-    command += ["--model", str(tiny_qwen3), "--data", str(data), "--out", str(out), *sets]
     marker = f"DFLASH_TEST_RUN={uuid.uuid4().hex}"
     name, value = marker.split("=")
-    env = dict(os.environ, **{KILL_ENV: "2", name: value})
-    # a surviving writer would hold the output pipes open: run() would wait for it forever
-    killed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert killed.returncode == -9, killed.stderr[-2000:]
+    _extract_killed_after_two_commits(
+        tiny_qwen3, data, out, "run.writer_processes=2", env={name: value}
+    )
     deadline = time.monotonic() + 10
     while _processes_marked(marker) and time.monotonic() < deadline:
         time.sleep(0.2)
