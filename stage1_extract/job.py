@@ -272,7 +272,8 @@ def fill_shard(
         document_ids_M[slot : slot + L] = j
     # buffers are reused shard after shard: padding slots must read as zeros
     padding = torch.from_numpy(np.flatnonzero(document_ids_M < 0))
-    for array in buffers.device_arrays():
+    device_arrays = buffers.device_arrays()
+    for array in device_arrays:
         array[padding] = 0
     if "hidden_scale" in host:  # padding is a zero row: scale 1, as quantize_fp8
         host["hidden_scale"][padding] = 1.0
@@ -300,7 +301,7 @@ def fill_shard(
             row = 0
             for j in batch:
                 L, slot = int(lengths[j]), int(first_slot[j])
-                for dst, src in zip(buffers.device_arrays(), outputs, strict=True):
+                for dst, src in zip(device_arrays, outputs, strict=True):
                     dst[slot : slot + L].copy_(src[row : row + L], non_blocking=True)
                 row += L
         progress(row)
