@@ -5,7 +5,6 @@
 #                              kept), then a full `dflash train` step from that store on disk
 #   bash bench/run_h200.sh B   the yardstick training step, then extraction with fp8 features
 #   bash bench/run_h200.sh E1  extraction with writer processes, bf16 then fp8 features
-#   bash bench/run_h200.sh E2  right after E1: the same with writer threads, and 8 processes
 #   bash bench/run_h200.sh E3  fp8 and bf16 with 8 writer processes, each also without writes
 #   bash bench/run_h200.sh X2  on a 2-GPU machine, all of it in one call: GPU 0 runs the
 #                              extractions (bf16 zstd kept, bf16 uncompressed, fp8) one after
@@ -58,14 +57,6 @@ case "$PART" in
       --hidden-dtype float8_e4m3fn > "$OUT/extract_fp8.log" 2>&1
     grep -h '^{' "$OUT"/*.log
     ;;
-  E2)
-    # the same with the previous writer (4 threads of the extracting process), for comparison
-    timeout 200 python3 bench/bench_extract.py --tokens 500000 --work /tmp/be \
-      --writer-processes 0 > "$OUT/extract_bf16_threads.log" 2>&1
-    timeout 200 python3 bench/bench_extract.py --tokens 500000 --work /tmp/be \
-      --writer-processes 8 > "$OUT/extract_bf16_p8.log" 2>&1
-    grep -h '^{' "$OUT"/*.log
-    ;;
   E3)
     # where the extraction loses to its own compute: fp8 and bf16 with 8 (nice'd) writer
     # processes, each followed by the same loop with no writes; GPU utilisation sampled
@@ -80,5 +71,5 @@ case "$PART" in
     kill %1 %2
     grep -h '^{' "$OUT"/*.log
     ;;
-  *) echo "usage: run_h200.sh A|B|X2|E1|E2|E3" >&2; exit 2 ;;
+  *) echo "usage: run_h200.sh A|B|X2|E1|E3" >&2; exit 2 ;;
 esac
