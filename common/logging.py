@@ -7,6 +7,7 @@ import os
 import sys
 
 LOGGER_NAME = "dflash"
+LEVEL_ENV = "DFLASH_LOG_LEVEL"  # e.g. DEBUG: adds the shard writers' timeline to the log
 
 
 def global_rank() -> int:
@@ -14,7 +15,13 @@ def global_rank() -> int:
 
 
 def init_logger(level: int = logging.INFO) -> logging.Logger:
-    """Configure the `dflash` logger: INFO on rank 0 to stderr, warnings only on other ranks."""
+    """Configure the `dflash` logger: INFO (or $DFLASH_LOG_LEVEL) on rank 0 to stderr, warnings
+    only on other ranks."""
+    if os.environ.get(LEVEL_ENV):
+        name = os.environ[LEVEL_ENV].upper()
+        if not isinstance(logging.getLevelName(name), int):
+            raise ValueError(f"{LEVEL_ENV}={name!r} is not a level; use DEBUG, INFO or WARNING")
+        level = logging.getLevelName(name)
     logger = logging.getLogger(LOGGER_NAME)
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)

@@ -53,14 +53,12 @@ def _extract_shards(job: ExtractJob, ctx: WorkerContext, devices: list[str]) -> 
     need_head = ctx.is_main and not (job.store / HEAD_FILE).is_file()
     if not todo and not need_head:
         return
-    model = load_target(cfg.target, ctx.device, devices)
-    assert model.get_output_embeddings().out_features == job.vocab_size
-    if need_head:
-        save_target_head(model, job.store / HEAD_FILE)
     if not todo:
+        model = load_target(cfg.target, ctx.device, devices)
+        save_target_head(model, job.store / HEAD_FILE)
         return
-    target = tapped_target(job, model)
     shape = buffer_shape(job)
+    # the writers start before the target loads, so their start-up overlaps the load
     writer = ShardWriter(
         job.store,
         ShardLayout(cfg.packing.seq_len, cfg.store.chunk_tokens, cfg.store.compression_level),
@@ -68,8 +66,17 @@ def _extract_shards(job: ExtractJob, ctx: WorkerContext, devices: list[str]) -> 
         cfg.run.writer_threads,
         len(todo),
         job.shard_bytes,
-        lambda: ShardBuffers.allocate(shape, pin=target.device.type == "cuda"),
+        lambda: ShardBuffers.allocate(shape, pin=ctx.device.type == "cuda"),
     )
+    try:
+        model = load_target(cfg.target, ctx.device, devices)
+        assert model.get_output_embeddings().out_features == job.vocab_size
+        if need_head:
+            save_target_head(model, job.store / HEAD_FILE)
+        target = tapped_target(job, model)
+    except BaseException:
+        writer.close()
+        raise
     total = sum(job.shard_tokens(i) for i in todo)
     bar = tqdm(
         total=total,
@@ -79,6 +86,7 @@ def _extract_shards(job: ExtractJob, ctx: WorkerContext, devices: list[str]) -> 
         desc=f"extract (rank {ctx.rank}/{ctx.world_size}, {len(todo)} shards)",
         disable=not (cfg.run.progress and ctx.is_main),
     )
+    log.debug("t=%.2f s: target loaded, the first shard starts", writer.clock())
     start = time.perf_counter()
     try:
         for index in todo:
@@ -87,9 +95,11 @@ def _extract_shards(job: ExtractJob, ctx: WorkerContext, devices: list[str]) -> 
         writer.close()
         bar.close()
     seconds = time.perf_counter() - start
+    ready = writer.ready_after_s
     log.info(
         "rank %d: %d shards, %d tokens in %.1f s (%.0f tokens/s, writes included); waited "
-        "%.1f s for a free buffer (writers busy or starting); writers busy %.1f s per shard",
+        "%.1f s for a free buffer; writers busy %.1f s per shard, ready %s after their start "
+        "(before the target loaded), the last shards drained in %.1f s",
         ctx.rank,
         len(todo),
         total,
@@ -97,6 +107,8 @@ def _extract_shards(job: ExtractJob, ctx: WorkerContext, devices: list[str]) -> 
         total / max(seconds, 1e-9),
         writer.waited_s,
         writer.write_s / max(len(todo), 1),
+        "?" if ready is None else f"{ready:.1f} s",
+        writer.drain_s,
     )
 
 

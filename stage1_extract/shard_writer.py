@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from common.logging import get_logger
 from common.store import StoreError
 from stage1_extract.host_buffers import ShardBuffers
 from stage1_extract.writer import ShardLayout, ShardTask, is_disk_full
@@ -64,6 +65,9 @@ class ShardWriter:
         self.kill_after = int(os.environ.get(KILL_ENV, "0"))
         self.commits = 0
         self.waited_s = 0.0  # producer time blocked on busy writers: > 0 means IO-bound
+        self.drain_s = 0.0  # time close() waited for the last shards
+        self.started = time.perf_counter()  # the timeline (debug log) counts from here
+        self.handed_at: dict[int, float] = {}
         self.write_s = 0.0  # writer time summed over shards (write, verify, commit)
         self.errors: list[BaseException] = []
         self.lock = threading.Lock()  # the counters and errors are updated from other threads
@@ -88,7 +92,21 @@ class ShardWriter:
                 except queue.Empty:
                     continue
         finally:
-            self.waited_s += time.perf_counter() - start
+            waited = time.perf_counter() - start
+            self.waited_s += waited
+            if waited > 0.01:
+                get_logger().debug(
+                    "t=%.2f s: waited %.2f s for a free buffer", self.clock(), waited
+                )
+
+    def clock(self) -> float:
+        """Seconds since the writers were created: the debug timeline's time."""
+        return time.perf_counter() - self.started
+
+    @property
+    def ready_after_s(self) -> float | None:
+        """When the last writer became ready (None: not all yet)."""
+        return self.pool.ready_after_s
 
     def submit(self, job: ShardJob) -> None:
         self.pending.put(job)
@@ -103,6 +121,7 @@ class ShardWriter:
             except BaseException as err:  # a CUDA error surfaces here: report, free the slot
                 self._done(slot, job.task.index, err, 0.0)
                 continue
+            self.handed_at[job.task.index] = self.clock()
             self.pool.submit(slot, job.task)
 
     def _done(self, slot: int, index: int, error: BaseException | None, seconds: float) -> None:
@@ -124,6 +143,14 @@ class ShardWriter:
                 self.commits += 1
                 self.write_s += seconds
             kill = error is None and self.kill_after and self.commits >= self.kill_after
+        get_logger().debug(
+            "t=%.2f s: shard %d %s, handed to a writer at t=%.2f s, %.2f s writing",
+            self.clock(),
+            index,
+            "failed" if error else "committed",
+            self.handed_at.get(index, float("nan")),
+            seconds,
+        )
         self.free.put(slot)
         if kill:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -136,6 +163,7 @@ class ShardWriter:
 
     def close(self) -> None:
         """Wait for every submitted shard (committed ones stay committed on errors)."""
+        start = time.perf_counter()
         self.pending.put(None)
         self.dispatcher.join()
         try:
@@ -143,4 +171,5 @@ class ShardWriter:
         finally:
             for buffers in self.buffers:
                 buffers.release()
+            self.drain_s = time.perf_counter() - start
         self.raise_errors()

@@ -5,19 +5,24 @@ Threads share one interpreter, and zarr runs every write of a process through on
 on the 2-core build machine (`bench/zarr_write.py --parallel 2`) two writer threads together
 wrote slower than one alone, two processes about twice as fast as two threads. Each writer
 process maps every buffer arena, takes (buffer slot, task) pairs from one queue and reports
-(slot, shard index, error, seconds) on another. It dies with its parent (PR_SET_PDEATHSIG), so
-a killed extraction leaves no writer behind, only temporary folders that the next run removes.
+(slot, shard index, error, seconds) on another. It exits when the extracting process does (a
+pidfd watch), so a killed extraction leaves no writer behind, only temporary folders that the
+next run removes.
+
+Writers are forked from a forkserver that imported this module once: a spawned writer would
+import torch, zarr and the caller's whole main module (a bench or a user script that imports
+transformers) before its first write, eight at a time. The forkserver never touches CUDA, so
+forking from it is safe; it exits once the extracting process and the writers have.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import errno
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import select
 import signal
 import threading
 import time
@@ -30,6 +35,7 @@ from stage1_extract.host_buffers import BufferShape, HostArena, ShardBuffers
 from stage1_extract.writer import ShardLayout, ShardTask, is_disk_full, write_shard
 
 # (slot, shard index, error or None, seconds spent writing)
+READY = -1  # the slot of the message a writer process sends once it is ready to write
 Done = Callable[[int, int, BaseException | None, float], None]
 
 
@@ -44,6 +50,7 @@ class ThreadPool:
     ) -> None:
         self.store, self.layout, self.buffers, self.done = store, layout, buffers, done
         self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="shard-writer")
+        self.ready_after_s: float | None = 0.0
 
     def submit(self, slot: int, task: ShardTask) -> None:
         self.executor.submit(self._write, slot, task)
@@ -72,10 +79,15 @@ class ProcessPool:
         buffers: list[ShardBuffers],
         done: Done,
     ) -> None:
-        ctx = mp.get_context("spawn")  # never fork a process that holds CUDA state
+        # never fork a process that holds CUDA state: fork from a clean server instead
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload([__name__])
         self.tasks: mp.Queue = ctx.Queue()
         self.results: mp.Queue = ctx.Queue()
         self.done = done
+        self.started_at = time.perf_counter()
+        self.ready_after_s: float | None = None  # set by the collector once all are ready
+        self.not_ready = processes
         arenas = [b.arena for b in buffers]
         args = (store, layout, buffers[0].shape, arenas, self.tasks, self.results, os.getpid())
         self.procs = [
@@ -98,6 +110,11 @@ class ProcessPool:
             except queue.Empty:
                 if self.closing and not any(p.is_alive() for p in self.procs):
                     return
+                continue
+            if slot == READY:
+                self.not_ready -= 1
+                if not self.not_ready:
+                    self.ready_after_s = time.perf_counter() - self.started_at
                 continue
             self.done(slot, index, error, seconds)
 
@@ -122,11 +139,35 @@ class ProcessPool:
         self.results.close()
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    with contextlib.suppress(OSError, AttributeError):  # Linux: SIGKILL us when it dies
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+def _die_with_extraction(extracting_pid: int) -> None:
+    """Exit the moment the extracting process ends, however it ends. Not PR_SET_PDEATHSIG: this
+    writer's parent is the forkserver, which lives as long as any of its children do."""
+    try:
+        pidfd: int | None = os.pidfd_open(extracting_pid)  # Linux 5.3+: readable once it exits
+    except ProcessLookupError:  # already gone
         os._exit(1)
+    except (OSError, AttributeError):
+        pidfd = None
+
+    def watch() -> None:
+        if pidfd is not None:
+            select.select([pidfd], [], [])
+        else:
+            while _alive(extracting_pid):
+                time.sleep(1.0)
+        os._exit(1)  # from any thread: ends the whole process, mid-write or not
+
+    threading.Thread(target=watch, name="watch-extraction", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _portable(err: BaseException) -> BaseException:
@@ -147,15 +188,16 @@ def _writer_main(
     arenas: list[HostArena],
     tasks: mp.Queue,
     results: mp.Queue,
-    parent_pid: int,
+    extracting_pid: int,
 ) -> None:
-    _die_with_parent(parent_pid)
+    _die_with_extraction(extracting_pid)
     # Ctrl-C reaches the whole process group: the parent stops producing and closes the pool,
     # which lets the writers finish and commit the shards they hold, as writer threads would
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # the extracting process feeds the GPU and must not wait for a core; writers have slack
     os.nice(10)
     buffers = [ShardBuffers(shape, arena) for arena in arenas]
+    results.put((READY, -1, None, 0.0))
     while (item := tasks.get()) is not None:
         slot, task = item
         error, start = None, time.perf_counter()
