@@ -7,7 +7,6 @@
 #   bash bench/run_h200.sh E1  extraction with writer processes, bf16 then fp8 features
 #   bash bench/run_h200.sh E3  fp8 and bf16 with 8 writer processes, each also without writes
 #   bash bench/run_h200.sh E4  fp8 and bf16 with 8 writer processes, 1.25M tokens, timeline
-#   bash bench/run_h200.sh E5  bf16 with 8 writer processes over 2.5M tokens
 #   bash bench/run_h200.sh X2  on a 2-GPU machine, all of it in one call: GPU 0 runs the
 #                              extractions (bf16 zstd kept, bf16 uncompressed, fp8) one after
 #                              the other; GPU 1 runs the yardstick step, then the train step
@@ -85,11 +84,5 @@ case "$PART" in
     kill %1
     grep -h '^{' "$OUT"/*.log
     ;;
-  E5)
-    # bf16, the larger store, over 2.5M tokens: the one-time drain weighs half as much
-    timeout 480 python3 bench/bench_extract.py --tokens 1000000 --work /tmp/be \
-      --writer-processes 8 > "$OUT/extract_bf16_p8_2.5M.log" 2>&1
-    grep -h '^{' "$OUT"/*.log
-    ;;
-  *) echo "usage: run_h200.sh A|B|X2|E1|E3|E4|E5" >&2; exit 2 ;;
+  *) echo "usage: run_h200.sh A|B|X2|E1|E3|E4" >&2; exit 2 ;;
 esac
