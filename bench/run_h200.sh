@@ -7,6 +7,7 @@
 #   bash bench/run_h200.sh E1  extraction with writer processes, bf16 then fp8 features
 #   bash bench/run_h200.sh E3  fp8 and bf16 with 8 writer processes, each also without writes
 #   bash bench/run_h200.sh E4  fp8 and bf16 with 8 writer processes, 1.25M tokens, timeline
+#   bash bench/run_h200.sh E6  bf16 as in E4, also against the causal LM's forward (with head)
 #   bash bench/run_h200.sh X2  on a 2-GPU machine, all of it in one call: GPU 0 runs the
 #                              extractions (bf16 zstd kept, bf16 uncompressed, fp8) one after
 #                              the other; GPU 1 runs the yardstick step, then the train step
@@ -84,5 +85,12 @@ case "$PART" in
     kill %1
     grep -h '^{' "$OUT"/*.log
     ;;
-  *) echo "usage: run_h200.sh A|B|X2|E1|E3|E4" >&2; exit 2 ;;
+  E6)
+    # bf16 with 8 writer processes over 1.25M tokens, with the causal LM's own forward (decoder
+    # and LM head) measured as a second yardstick
+    timeout 330 python3 bench/bench_extract.py --tokens 500000 --work /tmp/be \
+      --writer-processes 8 > "$OUT/extract_bf16_p8.log" 2>&1
+    grep -h '^{' "$OUT"/*.log
+    ;;
+  *) echo "usage: run_h200.sh A|B|X2|E1|E3|E4|E6" >&2; exit 2 ;;
 esac
