@@ -39,7 +39,7 @@ def available_memory_bytes() -> int | None:
 
 
 class HostArena:
-    """`nbytes` of shared anonymous memory; pickles (to a spawned process) as a mapping of the
+    """`nbytes` of shared anonymous memory; pickles (to a writer process) as a mapping of the
     same memory."""
 
     def __init__(self, nbytes: int, fd: int | None = None) -> None:
@@ -74,7 +74,7 @@ class HostArena:
         os.close(self.fd)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        # DupFd hands the descriptor to the child (only while it is being spawned)
+        # DupFd hands the descriptor to the child (only while it is being started)
         return _attach_arena, (reduction.DupFd(self.fd), self.nbytes)
 
 
