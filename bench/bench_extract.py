@@ -215,7 +215,7 @@ def writer_timeline(records: list[str]) -> dict:
         if (m := re.search(r"t=([\d.]+) s: waited ([\d.]+) s", r))
     ]
     return {
-        "writers_ready_s": (times(r"ready ([\d.]+) s after")[:1] or [None])[0],
+        "writers_ready_s": (times(r"ready after ([\d.]+) s")[:1] or [None])[0],
         "target_load_s": loop_start,
         "first_commit_after_loop_start_s": round(first_commit - loop_start, 2),
         "waited_before_first_commit_s": round(sum(w for t, w in waits if t - w <= first_commit), 2),

@@ -98,8 +98,8 @@ def _extract_shards(job: ExtractJob, ctx: WorkerContext, devices: list[str]) -> 
     ready = writer.ready_after_s
     log.info(
         "rank %d: %d shards, %d tokens in %.1f s (%.0f tokens/s, writes included); waited "
-        "%.1f s for a free buffer; writers busy %.1f s per shard, ready %s after their start "
-        "(before the target loaded), the last shards drained in %.1f s",
+        "%.1f s for a free buffer; writers busy %.1f s per shard, ready after %s (started "
+        "before the target load), the last shards drained in %.1f s",
         ctx.rank,
         len(todo),
         total,

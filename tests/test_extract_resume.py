@@ -5,7 +5,9 @@ bit: a run SIGKILLed after its second shard commit then rerun, a run over two CP
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,6 +22,7 @@ import torch
 import zarr
 from test_extract import DEBUG, SMALL, file_digests, make_config, write_data
 
+from common.logging import LEVEL_ENV, get_logger, init_logger
 from common.store import StoreError, committed_shards, open_store
 from stage1_extract.run import run_extract
 from stage1_extract.shard_writer import KILL_ENV
@@ -95,10 +98,39 @@ def test_killed_run_resumes_to_the_same_store(reference, tiny_qwen3, data, tmp_p
     assert_same_store(out, reference)
 
 
-def test_writer_processes_write_the_same_store(reference, tiny_qwen3, data, tmp_path):
+def test_writer_processes_write_the_same_store_and_log_its_timeline(
+    reference, tiny_qwen3, data, tmp_path, monkeypatch
+):
     out = tmp_path / "store"
-    run_extract(make_config(tiny_qwen3, data, out, LAYERS, "run.writer_processes=2"))
+    monkeypatch.setenv(LEVEL_ENV, "debug")
+    messages: list[str] = []
+    collect = logging.Handler()
+    collect.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    get_logger().addHandler(collect)
+    try:
+        run_extract(make_config(tiny_qwen3, data, out, LAYERS, "run.writer_processes=2"))
+    finally:
+        get_logger().removeHandler(collect)
+        init_logger(logging.INFO)
     assert_same_store(out, reference)
+    # the debug timeline: the target loads while the writers start, then each shard is
+    # committed once; the summary says when the writers were ready and how long the drain took
+    loaded = [i for i, m in enumerate(messages) if "target loaded, the first shard" in m]
+    commits = [
+        (i, int(m.split("shard ")[1].split()[0]))
+        for i, m in enumerate(messages)
+        if " committed, handed to a writer at t=" in m
+    ]
+    assert len(loaded) == 1 and all(i > loaded[0] for i, _ in commits)
+    assert sorted(shard for _, shard in commits) == committed_shards(out)
+    summary = next(m for m in messages if m.startswith("rank 0:"))
+    assert re.search(r"ready after \d+\.\d s", summary) and "drained in" in summary
+
+
+def test_a_log_level_that_does_not_exist_is_refused(monkeypatch):
+    monkeypatch.setenv(LEVEL_ENV, "LOUD")
+    with pytest.raises(ValueError, match="DFLASH_LOG_LEVEL='LOUD' is not a level"):
+        init_logger()
 
 
 def _processes_marked(marker: str) -> list[int]:
