@@ -148,7 +148,7 @@ class ShardWriter:
             self.clock(),
             index,
             "failed" if error else "committed",
-            self.handed_at.get(index, float("nan")),
+            self.handed_at.pop(index, float("nan")),
             seconds,
         )
         self.free.put(slot)
