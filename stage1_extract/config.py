@@ -37,6 +37,10 @@ class TargetConfig:
             self.tapped_layers
         ):
             out.append(f"tapped_layers has duplicates: {self.tapped_layers}")
+        if self.tapped_layers is not None and not self.tapped_layers:
+            out.append(
+                "tapped_layers is empty: list at least one layer id, or null for the default"
+            )
         return out
 
 

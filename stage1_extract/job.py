@@ -27,6 +27,7 @@ from common.config import to_dict
 from common.store import FORMAT_NAME, FORMAT_VERSION
 from stage1_extract.config import ExtractConfig
 from stage1_extract.data import PreparedData, prepare_documents
+from stage1_extract.fingerprints import documents_sha256, weights_fingerprint
 from stage1_extract.host_buffers import ShardBuffers
 from stage1_extract.packing import PackingPlan, num_shards, plan_packing, shard_pieces
 from stage1_extract.shard_writer import ShardJob
@@ -117,9 +118,17 @@ def document_lengths(prepared: PreparedData) -> np.ndarray:
 def plan_job(cfg: ExtractConfig) -> ExtractJob:
     """Check the target, tokenize, plan the packing and build the root attributes; the same
     result in every process (raises ValueError on bad input before anything is written)."""
+    out = Path(cfg.store.out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; pass a folder for the store (new or existing)")
     config = load_target_config(cfg.target)
     text = text_config(config)
     tapped = resolve_tapped_layers(cfg.target, text.num_hidden_layers)
+    if cfg.verifier.topk > text.vocab_size:
+        raise ValueError(
+            f"verifier.topk={cfg.verifier.topk} is more than {cfg.target.model}'s vocabulary "
+            f"of {text.vocab_size}; lower verifier.topk (32 is the default)"
+        )
     tokenizer = load_tokenizer(cfg)
     prepared = prepare_documents(cfg.data, tokenizer)
     lengths = document_lengths(prepared)
@@ -180,6 +189,10 @@ def plan_job(cfg: ExtractConfig) -> ExtractJob:
     }
     digest = hashlib.sha256(lengths.tobytes()).hexdigest()
     attrs["content_key"] = content_key(key_parts(attrs, digest, prepared.skipped))
+    attrs["fingerprints"] = {
+        "documents_sha256": documents_sha256(prepared),
+        "target_weights_sha256": weights_fingerprint(cfg.target.model),
+    }
     return ExtractJob(
         cfg,
         Path(cfg.store.out),

@@ -130,6 +130,37 @@ def _explain_mismatch(old: dict[str, Any], new: dict[str, Any]) -> str:
     return ", ".join(changed) if changed else "the dataset contents (document lengths)"
 
 
+# fingerprint -> what differs when it does, and what the user can do about it
+_FINGERPRINTS = {
+    "documents_sha256": "the tokenized documents differ (the data were edited, or the tokenizer "
+    "or its chat template changed)",
+    "target_weights_sha256": "the target's weights differ (its folder now holds other weights)",
+}
+
+
+def check_fingerprints(store: Path, stored: dict[str, Any], current: dict[str, Any]) -> None:
+    """Refuse to resume a store whose data or target weights changed under the same settings:
+    new shards would silently mix with the old. Stores from before fingerprints resume as
+    they did, unchecked."""
+    old, new = stored.get("fingerprints"), current.get("fingerprints", {})
+    if old is None:
+        get_logger().info(
+            "store %s predates content fingerprints: the data and weights are not checked", store
+        )
+        return
+    changed = [
+        why
+        for key, why in _FINGERPRINTS.items()
+        if old.get(key) is not None and new.get(key) is not None and old[key] != new[key]
+    ]
+    if changed:
+        raise StoreError(
+            f"store {store} was written from other inputs under the same settings: "
+            f"{'; '.join(changed)}. Resuming would mix shards of both; rerun with --overwrite "
+            "to start over, or choose another --out"
+        )
+
+
 def prepare_store(store: Path, attrs: dict[str, Any], overwrite: bool) -> list[int]:
     """Create the store or check it for resuming; return the shards already committed."""
     log = get_logger()
@@ -145,6 +176,7 @@ def prepare_store(store: Path, attrs: dict[str, Any], overwrite: bool) -> list[i
                 f"({_explain_mismatch(info.attrs, attrs)} differ); rerun with --overwrite to "
                 "replace it, or choose another --out"
             )
+        check_fingerprints(store, info.attrs, attrs)
         for entry in shards_dir(store).glob(f"{TMP_PREFIX}*"):
             log.info("removing interrupted shard %s", entry.name)
             shutil.rmtree(entry, ignore_errors=True)

@@ -284,6 +284,68 @@ def test_store_of_another_format_version_is_refused(existing_store, tiny_qwen3, 
     assert file_digests(existing_store) == before
 
 
+BAD_SETTINGS = {
+    "target.tapped_layers=[]": "tapped_layers is empty",
+    "target.tapped_layers=[1,1]": "tapped_layers has duplicates",
+    "verifier.topk=100000": "more than",
+}
+
+
+@pytest.mark.parametrize("setting", sorted(BAD_SETTINGS))
+def test_bad_settings_exit_2_before_a_store_exists(setting, tiny_qwen3, tmp_path):
+    result = cli_extract(tiny_qwen3, write_data(tmp_path), tmp_path / "s", setting)
+    assert result.exit_code == 2 and BAD_SETTINGS[setting] in result.output, result.output
+    assert not (tmp_path / "s").exists()
+
+
+def test_out_that_is_a_file_exit_2(tiny_qwen3, tmp_path):
+    (tmp_path / "s").write_text("not a store")
+    result = cli_extract(tiny_qwen3, write_data(tmp_path), tmp_path / "s")
+    assert result.exit_code == 2 and "is a file" in result.output
+    assert (tmp_path / "s").read_text() == "not a store"
+
+
+def _reverse_all_but_first_word(text: str) -> str:
+    """Other tokens, same count: byte-level BPE tokenizes each space-led word alone."""
+    first, *rest = text.split(" ")
+    return " ".join([first, *reversed(rest)])
+
+
+def test_changed_data_or_weights_under_the_same_settings_are_refused(tiny_qwen3, tmp_path):
+    from common.tiny import build_tiny_target
+
+    model = Path(shutil.copytree(tiny_qwen3, tmp_path / "model"))
+    data, out = write_data(tmp_path), tmp_path / "store"
+    settings = ("target.tapped_layers=[0,1,3]", "data.max_samples=3")
+    assert cli_extract(model, data, out, *settings).exit_code == 0
+    committed = file_digests(out)
+
+    original = data.read_text()
+    rows = [json.loads(line) for line in original.splitlines()]
+    answer = rows[0]["messages"][1]
+    answer["content"] = _reverse_all_but_first_word(answer["content"])
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    result = cli_extract(model, data, out, *settings)
+    assert result.exit_code == 2, result.output
+    assert "tokenized documents differ" in result.output and "--overwrite" in result.output
+
+    data.write_text(original)
+    build_tiny_target(model, seed=1)  # other weights in the same folder
+    result = cli_extract(model, data, out, *settings)
+    assert result.exit_code == 2 and "weights differ" in result.output, result.output
+    assert file_digests(out) == committed
+
+
+def test_store_from_before_fingerprints_still_resumes(existing_store, qwen3_store, tiny_qwen3):
+    meta = existing_store / "zarr.json"
+    doc = json.loads(meta.read_text())
+    del doc["attributes"]["dflash"]["fingerprints"]
+    meta.write_text(json.dumps(doc))
+    data = qwen3_store.parent / "data.jsonl"  # the fixture's data: the same content key
+    result = cli_extract(tiny_qwen3, data, existing_store, "target.tapped_layers=[0,1,3]")
+    assert result.exit_code == 0, result.output
+
+
 def test_full_disk_is_a_clear_error_and_keeps_committed_shards(
     tiny_qwen3, tmp_path, monkeypatch, qwen3_store
 ):
