@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import zarr
-from zarr.codecs import ZstdCodec
+from zarr.codecs import Crc32cCodec, ZstdCodec
 
 from common.durable import commit_folder
 from common.store import SHARD_ATTR, StoreError, shard_name, shards_dir
@@ -61,7 +61,9 @@ def write_shard(store: Path, task: ShardTask, buffers: ShardBuffers, layout: Sha
             "target.dtype and the model weights"
         )
     arrays = buffers.sequence_arrays(task.num_sequences, layout.seq_len)
-    compressors = ZstdCodec(level=layout.compression_level) if layout.compression_level else None
+    # every chunk checksummed: a flipped bit on disk must fail to decode, not train silently
+    level = layout.compression_level
+    compressors = ZstdCodec(level=level, checksum=True) if level else Crc32cCodec()
     tok_chunk = min(layout.chunk_tokens, layout.seq_len)
     shard_tokens = -(-layout.seq_len // tok_chunk) * tok_chunk
     try:

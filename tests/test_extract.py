@@ -346,6 +346,25 @@ def test_store_from_before_fingerprints_still_resumes(existing_store, qwen3_stor
     assert result.exit_code == 0, result.output
 
 
+@pytest.mark.parametrize("level", [1, 0])
+def test_a_flipped_byte_in_a_shard_fails_to_decode(level, tiny_qwen3, tmp_path):
+    out = tmp_path / "store"
+    extra = ("target.tapped_layers=[0,1,3]", "data.max_samples=2")
+    run_extract(
+        make_config(
+            tiny_qwen3, write_data(tmp_path), out, *extra, f"store.compression_level={level}"
+        )
+    )
+    hidden = out / "shards" / "shard-000000" / "hidden"
+    zarr.open_array(hidden, mode="r")[...]  # intact: decodes
+    (chunk_file,) = [p for p in (hidden / "c").rglob("*") if p.is_file()]
+    data = bytearray(chunk_file.read_bytes())
+    data[len(data) // 3] ^= 0x10  # inside a chunk's bytes (the shard index is at the end)
+    chunk_file.write_bytes(bytes(data))
+    with pytest.raises((RuntimeError, ValueError), match="checksum"):
+        zarr.open_array(hidden, mode="r")[...]
+
+
 def test_full_disk_is_a_clear_error_and_keeps_committed_shards(
     tiny_qwen3, tmp_path, monkeypatch, qwen3_store
 ):
