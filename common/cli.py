@@ -125,24 +125,44 @@ def train(
         _fail(err)
 
 
+INSPECT_USAGE = (
+    "dflash inspect STORE [--sample N] [--json]  or  dflash inspect verify STORE [--json]"
+)
+
+
 @main.command(name="inspect")
 @click.argument("args", nargs=-1, required=True, metavar="[verify] STORE")
 @click.option("--sample", type=int, default=0, help="decode N sequences with loss spans marked")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def inspect_cmd(args: tuple[str, ...], sample: int, as_json: bool) -> None:
-    """Summarise a store, decode samples, or `verify` every shard (exit 1 on problems)."""
+    """Summarise a store, decode samples, or `verify` every shard (exit 1 on problems).
+
+    \b
+    dflash inspect STORE [--sample N] [--json]   summary (and N decoded sequences)
+    dflash inspect verify STORE [--json]         check every shard against FORMAT.md
+
+    `verify` comes before the store.
+    """
     from common.inspect_store import run_inspect, run_verify
 
     try:
         if args[0] == "verify":
             if len(args) != 2:
-                raise ValueError("usage: dflash inspect verify STORE")
+                raise ValueError("usage: dflash inspect verify STORE [--json] (one store)")
             sys.exit(0 if run_verify(args[1], as_json=as_json) else 1)
         if len(args) != 1:
-            raise ValueError("usage: dflash inspect STORE [--sample N] [--json]")
+            raise ValueError(_inspect_misuse(args))
         run_inspect(args[0], num_samples=sample, as_json=as_json)
     except ValueError as err:
         _fail(err)
+
+
+def _inspect_misuse(args: tuple[str, ...]) -> str:
+    """The error for arguments that fit neither form: the command meant when it is clear
+    (`inspect STORE verify` is a common slip), else both forms."""
+    if len(args) == 2 and args[1] == "verify":
+        return f"`verify` goes before the store: run `dflash inspect verify {args[0]}`"
+    return f"expected one store, got {' '.join(args)!r}; usage: {INSPECT_USAGE}"
 
 
 @main.command()

@@ -3,7 +3,8 @@
 A shard is read in blocks of sequences of at most `chunk_bytes` (and bf16/fp8-bits arrays too
 big for one sequence, such as full logits, in blocks of tokens), so memory stays constant
 whatever the shard size. Bad values are counted across blocks and reported once per kind, with
-the first place they occur.
+the first place they occur. Bytes that no longer decode (a truncated or overwritten chunk, broken
+array metadata) are reported on their shard and array, and the other shards are still checked.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import zarr
 from tqdm import tqdm
 
+from common.inspect_damage import REEXTRACT, Undecodable, missing_bytes, read_array
 from common.store import (
     DOCUMENT_ARRAYS,
     SHARD_ATTR,
@@ -72,8 +74,29 @@ class _Tally:
         ]
 
 
+def _members(group: zarr.Group, info: StoreInfo, tally: _Tally) -> tuple[dict[str, Any], set[str]]:
+    """The FORMAT.md arrays present in the shard, and the names whose metadata does not parse
+    (reported here, so that `_open_arrays` does not call them missing too)."""
+    found, unreadable = {}, set()
+    # full_logits=True: a logits array the root attributes do not announce is reported too
+    for name in [*sequence_array_specs(info.hidden_dtype, True), *DOCUMENT_ARRAYS]:
+        try:
+            found[name] = group[name]
+        except KeyError:
+            continue  # absent: `_open_arrays` reports it where FORMAT.md requires it
+        except Exception as err:  # zarr raises many types for damaged metadata
+            tally.note(name, f"metadata unreadable ({type(err).__name__}: {err}); {REEXTRACT}")
+            unreadable.add(name)
+    return found, unreadable
+
+
 def _open_arrays(
-    group: zarr.Group, info: StoreInfo, n: int, num_docs: int, tally: _Tally
+    members: dict[str, Any],
+    unreadable: set[str],
+    info: StoreInfo,
+    n: int,
+    num_docs: int,
+    tally: _Tally,
 ) -> dict[str, zarr.Array]:
     """The arrays present with the FORMAT.md dtype and shape; reports the others."""
     specs = sequence_array_specs(info.hidden_dtype, info.attrs["full_logits"])
@@ -81,9 +104,11 @@ def _open_arrays(
     expected |= {k: (d, (num_docs,)) for k, d in DOCUMENT_ARRAYS.items()}
     found: dict[str, zarr.Array] = {}
     for name, (dtype, shape) in expected.items():
-        if name not in group:
+        if name in unreadable:
+            continue
+        if name not in members:
             tally.note(name, "array missing")
-        elif not isinstance(array := group[name], zarr.Array):
+        elif not isinstance(array := members[name], zarr.Array):
             tally.note(name, "is a group, not an array")
         elif array.dtype != np.dtype(dtype):
             tally.note(name, f"dtype {array.dtype}, expected {dtype}")
@@ -91,7 +116,7 @@ def _open_arrays(
             tally.note(name, f"shape {array.shape}, expected {shape}")
         else:
             found[name] = array
-    if not info.attrs["full_logits"] and "logits" in group:
+    if not info.attrs["full_logits"] and "logits" in members:
         tally.note("logits", "stored but the root attrs say full_logits is false")
     return found
 
@@ -196,7 +221,7 @@ def _check_bits(
     toks = seq_len if rows > 1 else max(1, min(seq_len, chunk_bytes // per_token))
     for a in range(r0, r1, rows):
         for t in range(0, seq_len, toks):
-            bits = array[a : min(a + rows, r1), t : t + toks]
+            bits = read_array(array, np.s_[a : min(a + rows, r1), t : t + toks])
             if fp8:  # decoded without the scale: a bad scale is hidden_scale's own problem
                 bad = torch.from_numpy(bits).view(torch.float8_e4m3fn).float().isnan().numpy()
             else:
@@ -213,27 +238,55 @@ def check_shard(
 ) -> tuple[list[Problem], dict[str, int] | None]:
     """Problems of one committed shard, and its counts measured from the arrays (None if unknown)."""
     name = shard_name(index)
-    tally = _Tally(name)
     try:
         group = zarr.open_group(str(shards_dir(info.path) / name), mode="r")
     except Exception as err:  # zarr raises many types for damaged metadata; all mean unreadable
-        return [Problem(name, "-", f"group unreadable ({type(err).__name__}: {err})")], None
+        what = f"group unreadable ({type(err).__name__}: {err}); {REEXTRACT}"
+        return [Problem(name, "-", what)], None
     attrs = group.attrs.get(SHARD_ATTR, {})
     if missing := [k for k in SHARD_KEYS if k not in attrs]:
         return [
             Problem(name, "attrs", f"missing shard attributes {missing} under {SHARD_ATTR!r}")
         ], None
+    tally, start = _Tally(name), bar.n
+    try:
+        return _check_arrays(info, index, group, attrs, tally, bar, chunk_bytes)
+    except Undecodable as err:
+        # The shard must be re-extracted anyway: stop reading it, keep what was found so far.
+        bar.update(start + 1 - bar.n)
+        cause = f"{type(err.err).__name__}: {err.err}"
+        return [
+            *tally.problems(),
+            Problem(name, err.array, f"cannot decode ({cause}); {REEXTRACT}"),
+        ], None
+
+
+def _check_arrays(
+    info: StoreInfo,
+    index: int,
+    group: zarr.Group,
+    attrs: dict[str, Any],
+    tally: _Tally,
+    bar: tqdm,
+    chunk_bytes: int,
+) -> tuple[list[Problem], dict[str, int] | None]:
+    """`check_shard` past the shard attributes: every array's metadata, then its values."""
+    name = tally.shard
+    members, unreadable = _members(group, info, tally)
     # The arrays are the truth; attributes that disagree with them are reported, not trusted.
-    n = group["tokens"].shape[0] if "tokens" in group else attrs["num_sequences"]
-    num_docs = group["doc_start"].shape[0] if "doc_start" in group else attrs["num_documents"]
+    n = members["tokens"].shape[0] if "tokens" in members else attrs["num_sequences"]
+    num_docs = members["doc_start"].shape[0] if "doc_start" in members else attrs["num_documents"]
     per_shard, last = int(info.attrs["sequences_per_shard"]), index == info.num_shards - 1
     if attrs["index"] != index:
         tally.note("attrs", f"index is {attrs['index']}, expected {index}")
     if not (0 < n <= per_shard if last else n == per_shard):
         what = f"holds {n} sequences; the plan puts {per_shard} in every shard but the last"
         tally.note("tokens", what)
-    arrays = _open_arrays(group, info, n, num_docs, tally)
-    docs = {k: arrays[k][:] for k in DOCUMENT_ARRAYS if k in arrays}
+    arrays = _open_arrays(members, unreadable, info, n, num_docs, tally)
+    for array in arrays:
+        if missing := missing_bytes(shards_dir(info.path) / name / array, array):
+            tally.note(array, f"{missing} (it would read as zeros); {REEXTRACT}")
+    docs = {k: read_array(arrays[k], np.s_[:]) for k in DOCUMENT_ARRAYS if k in arrays}
     layout = len(docs) == len(DOCUMENT_ARRAYS) and _check_documents(docs, n, info.seq_len, tally)
     small = [k for k in arrays if k not in DOCUMENT_ARRAYS and k not in BITS_ARRAYS]
     per_seq = sum(arrays[k].nbytes // max(n, 1) for k in small) or 1
@@ -242,7 +295,7 @@ def check_shard(
     fp8 = info.hidden_dtype == "float8_e4m3fn"
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
-        block = {k: arrays[k][r0:r1] for k in small}
+        block = {k: read_array(arrays[k], np.s_[r0:r1]) for k in small}
         if layout and "document_ids" in block:
             doc_ids, positions = _expected_layout(docs, r0, r1, info.seq_len)
             what = "tokens whose document id disagrees with doc_sequence/doc_start/doc_length"

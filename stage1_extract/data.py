@@ -13,7 +13,6 @@ its result is cached by fingerprint and a rerun of the same data and tokenizer i
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,15 +23,8 @@ from transformers import PreTrainedTokenizerBase
 
 from stage1_extract.chat import InvalidRow, normalize_conversation, tokenize_conversations
 from stage1_extract.config import DataConfig
+from stage1_extract.data_files import LOCAL_BUILDERS, load_local, looks_local
 
-# file suffix -> `datasets` builder; longest suffixes first so ".jsonl.gz" wins over ".gz"
-LOCAL_BUILDERS = {
-    ".jsonl.gz": "json",
-    ".json.gz": "json",
-    ".jsonl": "json",
-    ".json": "json",
-    ".parquet": "parquet",
-}
 DEFAULT_FIELDS = {"messages": "messages", "sharegpt": "conversations"}
 FEATURES = datasets.Features(
     {
@@ -52,56 +44,12 @@ class PreparedData:
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> rows; on_invalid="skip"
 
 
-def _builder_for(path: Path) -> str | None:
-    name = path.name.lower()
-    return next((b for suffix, b in LOCAL_BUILDERS.items() if name.endswith(suffix)), None)
-
-
-def _local_data_files(path: Path) -> tuple[str, list[str]]:
-    """The `datasets` builder and the sorted data files of a local file or folder."""
-    accepted = ", ".join(LOCAL_BUILDERS)
-    if path.is_file():
-        builder = _builder_for(path)
-        if builder is None:
-            raise ValueError(f"data file {path}: unsupported file type; use one of {accepted}")
-        return builder, [str(path)]
-    files = sorted(
-        p
-        for p in path.rglob("*")
-        if p.is_file()
-        and _builder_for(p)
-        and not any(s.startswith(".") for s in p.relative_to(path).parts)
-    )
-    if not files:
-        raise ValueError(f"data folder {path} holds no {accepted} files; point --data at one")
-    builders = {_builder_for(p) for p in files}
-    if len(builders) > 1:
-        raise ValueError(
-            f"data folder {path} mixes JSON and Parquet files; keep one kind per folder"
-        )
-    return builders.pop(), [str(p) for p in files]
-
-
-def _looks_local(path: str) -> bool:
-    """A path that can only mean a local file: hub names are `name` or `org/name`, no suffix."""
-    return (
-        os.path.isabs(path)
-        or path.startswith((".", "~"))
-        or path.count("/") > 1
-        or _builder_for(Path(path)) is not None
-    )
-
-
 def load_raw_dataset(cfg: DataConfig) -> datasets.Dataset:
     """The raw rows of `cfg.path` (local file/folder or hub dataset), cut to `max_samples`."""
     path = Path(cfg.path).expanduser()
     if path.exists():
-        builder, files = _local_data_files(path)
-        try:
-            ds = datasets.load_dataset(builder, data_files={cfg.split: files}, split=cfg.split)
-        except Exception as err:  # malformed JSON/Parquet surfaces as many exception types
-            raise ValueError(f"could not read data {path}: {err}") from err
-    elif _looks_local(cfg.path):
+        ds = load_local(path, cfg.split)
+    elif looks_local(cfg.path):
         raise ValueError(
             f"data file {cfg.path} does not exist; pass an existing "
             f"{'/'.join(LOCAL_BUILDERS)} file or folder of them with --data"

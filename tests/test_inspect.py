@@ -371,3 +371,58 @@ def test_unreadable_shard_is_reported_not_fatal(store: Path) -> None:
     problems = verify_store(store)["problems"]
     assert [(p["shard"], p["array"]) for p in problems] == [(SHARD0, "-")]
     assert problems[0]["problem"].startswith("group unreadable")
+
+
+def truncate(path: Path, size: int = 100) -> None:
+    with path.open("r+b") as f:
+        f.truncate(size)
+
+
+def test_damaged_chunk_is_reported_and_other_shards_still_checked(store: Path) -> None:
+    """A chunk whose bytes no longer decode names its shard and array, and the fix; the other
+    shard is still checked (its NaN is found) and verify exits 1, not with an error."""
+    truncate(store / S0 / "hidden" / "c" / "0" / "0" / "0" / "0")
+    write(store / "shards" / "shard-000001" / "logsumexp", (0, 2), np.inf)
+    problems = verify_store(store)["problems"]
+    assert [(p["shard"], p["array"]) for p in problems] == [
+        (SHARD0, "hidden"),
+        ("shard-000001", "logsumexp"),
+    ]
+    assert problems[0]["problem"].startswith("cannot decode (ValueError: Stored and computed")
+    assert "delete the shard folder and rerun the same `dflash extract`" in problems[0]["problem"]
+    result = invoke("verify", store)
+    assert result.exit_code == 1, result.output
+    assert re.search(rf"{SHARD0}\s+hidden\s+cannot decode", result.stdout)
+    report = json.loads(invoke("verify", store, "--json").stdout)
+    assert report["ok"] is False and report["problems"] == problems
+
+
+def test_damaged_array_metadata_is_reported(store: Path) -> None:
+    (store / S0 / "hidden" / "zarr.json").write_text("{ broken")
+    problems = verify_store(store)["problems"]
+    assert [(p["shard"], p["array"]) for p in problems] == [(SHARD0, "hidden")]
+    assert problems[0]["problem"].startswith("metadata unreadable (JSONDecodeError")
+    assert "re-extract" in problems[0]["problem"]
+    assert invoke("verify", store).exit_code == 1
+
+
+def test_verify_after_the_store_names_the_right_order(store: Path) -> None:
+    result = invoke(store, "verify")
+    assert result.exit_code == 2
+    assert f"dflash inspect verify {store}" in result.output
+    help_text = invoke("--help").output
+    assert "dflash inspect verify STORE" in help_text and "dflash inspect STORE" in help_text
+
+
+def test_empty_or_missing_data_file_is_reported(store: Path) -> None:
+    """zarr reads an empty or absent shard file as zeros without an error: verify must not."""
+    truncate(store / S0 / "hidden" / "c" / "0" / "0" / "0" / "0", 0)
+    shutil.rmtree(store / "shards" / "shard-000001" / "tokens" / "c")
+    problems = verify_store(store)["problems"]
+    found = {(p["shard"], p["array"]): p["problem"] for p in problems}
+    assert found[(SHARD0, "hidden")].startswith(
+        "empty data file c/0/0/0/0 (it would read as zeros)"
+    )
+    assert found[("shard-000001", "tokens")].startswith("no data file")
+    assert all("re-extract" in problem for problem in found.values())
+    assert invoke("verify", store).exit_code == 1

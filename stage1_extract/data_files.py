@@ -1,0 +1,119 @@
+"""Local data files: which `datasets` builder reads them, and errors that name the file, the
+line and the fix (the `datasets` errors name neither: "An error occurred while generating the
+dataset", or a message that ends in a colon for an empty file).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from pathlib import Path
+
+import datasets
+
+# file suffix -> `datasets` builder; longest suffixes first so ".jsonl.gz" wins over ".gz"
+LOCAL_BUILDERS = {
+    ".jsonl.gz": "json",
+    ".json.gz": "json",
+    ".jsonl": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+}
+EMPTY_FIX = "it holds no rows; remove it, or point --data at a file or folder with rows"
+READ_FIX = {
+    "json": "fix or remove the file (JSON Lines: one object per line; .json: one array of "
+    "objects), then rerun",
+    "parquet": "rewrite or remove the file (it is not a readable Parquet file), then rerun",
+}
+
+
+def _builder_for(path: Path) -> str | None:
+    name = path.name.lower()
+    return next((b for suffix, b in LOCAL_BUILDERS.items() if name.endswith(suffix)), None)
+
+
+def local_data_files(path: Path) -> tuple[str, list[str]]:
+    """The `datasets` builder and the sorted data files of a local file or folder."""
+    accepted = ", ".join(LOCAL_BUILDERS)
+    if path.is_file():
+        builder = _builder_for(path)
+        if builder is None:
+            raise ValueError(f"data file {path}: unsupported file type; use one of {accepted}")
+        return builder, [str(path)]
+    files = sorted(
+        p
+        for p in path.rglob("*")
+        if p.is_file()
+        and _builder_for(p)
+        and not any(s.startswith(".") for s in p.relative_to(path).parts)
+    )
+    if not files:
+        raise ValueError(f"data folder {path} holds no {accepted} files; point --data at one")
+    builders = {_builder_for(p) for p in files}
+    if len(builders) > 1:
+        raise ValueError(
+            f"data folder {path} mixes JSON and Parquet files; keep one kind per folder"
+        )
+    return builders.pop(), [str(p) for p in files]
+
+
+def looks_local(path: str) -> bool:
+    """A path that can only mean a local file: hub names are `name` or `org/name`, no suffix."""
+    return (
+        os.path.isabs(path)
+        or path.startswith((".", "~"))
+        or path.count("/") > 1
+        or _builder_for(Path(path)) is not None
+    )
+
+
+def _json_lines_problem(files: list[str]) -> str | None:
+    """The error for the first empty .jsonl(.gz) file or bad line among `files`, read with the
+    stdlib: the errors of `datasets` name neither the file nor the line (Arrow counts rows per
+    block)."""
+    for name in files:
+        if not name.lower().endswith((".jsonl", ".jsonl.gz")):
+            continue
+        opener = gzip.open if name.lower().endswith(".gz") else open
+        rows = 0
+        with opener(name, "rt", encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    json.loads(line)
+                except json.JSONDecodeError as err:
+                    return (
+                        f"data file {name} line {number}, column {err.colno}: {err.msg}; fix or "
+                        "remove that line (each line must be one JSON object), then rerun"
+                    )
+                rows += 1
+        if not rows:
+            return f"data file {name} is empty: {EMPTY_FIX}"
+    return None
+
+
+def _cause(err: BaseException) -> str:
+    """The most specific message of an exception chain: `datasets` wraps the parser's error in
+    a generic DatasetGenerationError, and an empty compressed file ends in a bare StopIteration."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if str(seen) and not isinstance(seen, datasets.exceptions.DatasetGenerationError):
+            return f"{type(seen).__name__}: {seen}"
+        seen = seen.__cause__ or seen.__context__
+    return type(err).__name__
+
+
+def load_local(path: Path, split: str) -> datasets.Dataset:
+    """`datasets.load_dataset` of a local file or folder; a failure names the file, the reason
+    and the fix."""
+    builder, files = local_data_files(path)
+    if empty := [f for f in files if os.path.getsize(f) == 0]:
+        raise ValueError(f"data file {empty[0]} is empty: {EMPTY_FIX}")
+    try:
+        return datasets.load_dataset(builder, data_files={split: files}, split=split)
+    except Exception as err:  # malformed JSON/Parquet surfaces as many exception types
+        problem = _json_lines_problem(files) if builder == "json" else None
+        fix = READ_FIX[builder]
+        raise ValueError(problem or f"could not read data {path}: {_cause(err)}; {fix}") from err
