@@ -130,7 +130,7 @@ def _explain_mismatch(old: dict[str, Any], new: dict[str, Any]) -> str:
     return ", ".join(changed) if changed else "the dataset contents (document lengths)"
 
 
-# fingerprint -> what differs when it does, and what the user can do about it
+# fingerprint -> what differs when it does (the error adds the way out: --overwrite)
 _FINGERPRINTS = {
     "documents_sha256": "the tokenized documents differ (the data were edited, or the tokenizer "
     "or its chat template changed)",
