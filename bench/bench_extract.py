@@ -332,6 +332,10 @@ def main() -> None:
     waits = [re.search(r"waited ([\d.]+) s .* busy ([\d.]+) s per shard", line) for line in records]
     waited_s, write_s = next(((float(m[1]), float(m[2])) for m in waits if m), (None, None))
     timeline = writer_timeline(records)
+    # one-time costs left out: the waits before the first commit (writers starting) and the
+    # drain of the last shards; what a run of thousands of shards sees
+    one_time_s = timeline["waited_before_first_commit_s"] + timeline["drain_s"]
+    steady_tok_s = tokens / (loop_s - one_time_s)
     emit(
         {
             "what": "extract",
@@ -344,20 +348,8 @@ def main() -> None:
             "ratio_to_tapped_forward": round(tokens / loop_s / tapped["tokens_per_s"], 3),
             "producer_waited_s": waited_s,
             **timeline,
-            # one-time costs left out: the waits before the first commit (writers starting) and
-            # the drain of the last shards; what a run of thousands of shards sees
-            "ratio_to_bare_forward_steady": round(
-                tokens
-                / (loop_s - timeline["waited_before_first_commit_s"] - timeline["drain_s"])
-                / bare["tokens_per_s"],
-                3,
-            ),
-            "ratio_to_causal_lm_forward_steady": round(
-                tokens
-                / (loop_s - timeline["waited_before_first_commit_s"] - timeline["drain_s"])
-                / causal_lm["tokens_per_s"],
-                3,
-            ),
+            "ratio_to_bare_forward_steady": round(steady_tok_s / bare["tokens_per_s"], 3),
+            "ratio_to_causal_lm_forward_steady": round(steady_tok_s / causal_lm["tokens_per_s"], 3),
             "writer_s_per_shard": write_s,
             "written_GB_per_s": round(on_disk / loop_s / 1e9, 2),
             "padding_share": round(

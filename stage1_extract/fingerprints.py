@@ -18,28 +18,23 @@ import pyarrow as pa
 import torch
 from safetensors import safe_open
 
-from stage1_extract.data import PreparedData
-
 # weight files that are fingerprinted by their bytes' samples (safetensors) or their size
 SAFETENSORS = ".safetensors"
 OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".gguf")
 
 
-def documents_sha256(prepared: PreparedData) -> str:
-    """sha256 of every document's token ids and loss mask, in order (int32 and uint8 bytes,
-    whatever integer type the datasets cache holds them in)."""
-    table = prepared.dataset.with_format("arrow")[:]
+def documents_sha256(table: pa.Table) -> str:
+    """sha256 of every document's token ids and loss mask (the tokenized table's input_ids and
+    loss_mask columns), in order, as int32 and uint8 bytes whatever integer type the datasets
+    cache holds them in."""
     digest = hashlib.sha256()
     for column, dtype in (("input_ids", np.int32), ("loss_mask", np.uint8)):
         digest.update(column.encode())
         for chunk in table[column].chunks:
             values = chunk.flatten()  # respects the chunk's offset, unlike .values
-            digest.update(_as_numpy(values).astype(dtype, copy=False).tobytes())
+            numbers = values.to_numpy(zero_copy_only=False)
+            digest.update(numbers.astype(dtype, copy=False).tobytes())
     return digest.hexdigest()
-
-
-def _as_numpy(values: pa.Array) -> np.ndarray:
-    return values.to_numpy(zero_copy_only=False)
 
 
 def _sample_rows(rows: int) -> list[int]:

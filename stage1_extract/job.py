@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 import transformers
@@ -110,8 +111,8 @@ def reserved_token_id(tokenizer: PreTrainedTokenizerBase) -> int | None:
     return None
 
 
-def document_lengths(prepared: PreparedData) -> np.ndarray:
-    table = prepared.dataset.with_format("arrow")[:]
+def document_lengths(table: pa.Table) -> np.ndarray:
+    """Token count of every document of the tokenized table (input_ids column)."""
     return pc.list_value_length(table["input_ids"]).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
@@ -131,7 +132,10 @@ def plan_job(cfg: ExtractConfig) -> ExtractJob:
         )
     tokenizer = load_tokenizer(cfg)
     prepared = prepare_documents(cfg.data, tokenizer)
-    lengths = document_lengths(prepared)
+    # one read of the tokenized documents (a copy when rows were filtered) for the lengths
+    # and the fingerprint
+    documents = prepared.dataset.with_format("arrow")[:]
+    lengths = document_lengths(documents)
     if len(lengths) == 0:
         raise ValueError(
             f"data {cfg.data.path}: no documents to extract ({prepared.num_rows} rows read, "
@@ -190,7 +194,7 @@ def plan_job(cfg: ExtractConfig) -> ExtractJob:
     digest = hashlib.sha256(lengths.tobytes()).hexdigest()
     attrs["content_key"] = content_key(key_parts(attrs, digest, prepared.skipped))
     attrs["fingerprints"] = {
-        "documents_sha256": documents_sha256(prepared),
+        "documents_sha256": documents_sha256(documents),
         "target_weights_sha256": weights_fingerprint(cfg.target.model),
     }
     return ExtractJob(
