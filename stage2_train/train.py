@@ -29,11 +29,11 @@ from tqdm import tqdm
 
 from common.distributed import WorkerContext, finish_worker, init_worker, launch, parse_devices
 from common.logging import get_logger, init_logger
+from evaluation.heldout import evaluate
 from stage2_train.anchors import training_slot_weights
 from stage2_train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from stage2_train.config import TrainConfig
 from stage2_train.data import StoreSequences, make_loader
-from stage2_train.evaluate import evaluate
 from stage2_train.export import export_drafter
 from stage2_train.inputs import check_inputs, check_same_run
 from stage2_train.metrics import MetricsWriter, format_line, memory_gb

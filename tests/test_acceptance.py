@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from stage2_train.acceptance import (
+from evaluation.acceptance import (
     TappedTarget,
     dflash_draft_fn,
     measure_acceptance,
@@ -88,7 +88,7 @@ def test_evaluate_command_reports_both_methods(tiny_qwen3: Path, tmp_path: Path)
 
     from click.testing import CliRunner
 
-    from common.cli import main
+    from dflash_offline.cli import main
     from stage2_train.export import export_drafter
 
     target = AutoModelForCausalLM.from_pretrained(tiny_qwen3)
@@ -138,7 +138,7 @@ def test_evaluate_command_reports_both_methods(tiny_qwen3: Path, tmp_path: Path)
     chat.write_text(json.dumps({"messages": conversation}) + "\n")
     from transformers import AutoTokenizer
 
-    from stage2_train.evaluate_cli import EvaluateConfig, load_prompts
+    from evaluation.online import EvaluateConfig, load_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
     (prompt,) = load_prompts(EvaluateConfig(str(tiny_qwen3), str(chat)), tokenizer)

@@ -18,10 +18,10 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from common.cli import main as cli
 from common.config import build_config
 from common.store import HEAD_FILE, bits_to_bf16, committed_shards, open_store
 from common.tiny import EXAMPLE_DATA
+from dflash_offline.cli import main as cli
 from stage1_extract.config import ExtractConfig
 from stage1_extract.run import run_extract
 

@@ -73,7 +73,7 @@ def _extract_killed_after_two_commits(
 ) -> None:
     """`dflash extract` in a subprocess that SIGKILLs itself after its second shard commit."""
     sets = [arg for item in (*SMALL, LAYERS, *extra) for arg in ("--set", item)]
-    command = [sys.executable, "-m", "common.cli", "extract", "--config", str(DEBUG)]
+    command = [sys.executable, "-m", "dflash_offline.cli", "extract", "--config", str(DEBUG)]
     command += ["--model", str(model), "--data", str(data), "--out", str(out), *sets]
     full_env = dict(os.environ, **{KILL_ENV: "2"}, **(env or {}))
     # a surviving writer would hold the output pipes open: run() would wait for it forever

@@ -18,11 +18,11 @@ from store_factory import FactorySpec, build_store
 from test_extract import cli_extract, fresh_forwards, make_config, shard_arrays, write_data
 from transformers import AutoModelForCausalLM
 
-from common.cli import main as cli
 from common.config import build_config
 from common.inspect_store import summarize
 from common.inspect_verify import verify_store
 from common.store import StoreError, dequantize_fp8, open_store, quantize_fp8
+from dflash_offline.cli import main as cli
 from stage1_extract.run import run_extract
 from stage2_train.config import TrainConfig
 from stage2_train.data import StoreSequences, collate

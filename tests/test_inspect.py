@@ -19,9 +19,9 @@ import zarr
 from click.testing import CliRunner, Result
 from inspect_fixtures import DEFAULT_SEQUENCES, Doc, build_store
 
-from common.cli import main
 from common.inspect_verify import verify_store
 from common.store import SHARD_ATTR
+from dflash_offline.cli import main
 
 SHARD0 = "shard-000000"
 

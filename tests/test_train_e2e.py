@@ -13,9 +13,9 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 from store_factory import FactorySpec, build_store
 
-from common.cli import main as cli
 from common.config import build_config
 from common.store import HEAD_FILE, open_store
+from dflash_offline.cli import main as cli
 from stage2_train.config import TrainConfig
 from stage2_train.export import export_checkpoint, load_export
 from stage2_train.model import DFlashDrafter, DrafterShape

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from common.store import open_store
+from evaluation.heldout import evaluate
 from stage2_train.anchors import slot_weights
 from stage2_train.data import StoreSequences, collate
-from stage2_train.evaluate import evaluate
 from stage2_train.export import load_export, read_export_config
 from stage2_train.plan import EVAL_EPOCH
 from stage2_train.step import load_frozen_head

@@ -197,7 +197,7 @@ def export(run: str, step: int | None, out: str | None) -> None:
 @click.option("--json-out", default=None, help="also write the figures to this JSON file")
 def evaluate(json_out: str | None, **kwargs: Any) -> None:
     """Online acceptance length (tau) of a drafter vs prompt lookup, greedy verification."""
-    from stage2_train.evaluate_cli import EvaluateConfig, run_evaluate
+    from evaluation.online import EvaluateConfig, run_evaluate
 
     init_logger()
     try:
@@ -229,7 +229,7 @@ def evaluate_offline(json_out: str | None, **kwargs: Any) -> None:
     """Offline acceptance estimate (per-slot accuracy vs the stored target argmax, implied
     tau) of an exported drafter over every sequence of a store: extract the prompts that
     `dflash evaluate` uses into a store to compare offline and online on the same text."""
-    from stage2_train.evaluate_store import OfflineEvalConfig, run_offline_eval
+    from evaluation.offline import OfflineEvalConfig, run_offline_eval
 
     init_logger()
     try:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from common.logging import get_logger
-from stage2_train.acceptance import (
+from evaluation.acceptance import (
     TappedTarget,
     dflash_draft_fn,
     measure_acceptance,

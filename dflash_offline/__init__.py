@@ -1,0 +1,1 @@
+"""The `dflash` command line, above both stages (it imports them)."""

@@ -1,0 +1,1 @@
+"""Measuring drafters: online acceptance under greedy verification, and the offline estimate."""
