@@ -19,13 +19,18 @@ import numpy as np
 import torch
 
 FORMAT_NAME = "dflash-offline-store"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Version 2 added each shard's recorded file sizes (`files`, below); the values are unchanged,
+# so version-1 stores are still read (their shards' files unchecked) and resumed.
+READABLE_VERSIONS = (1, 2)
 ROOT_ATTR = "dflash"
 SHARD_ATTR = "dflash_shard"
 HEAD_FILE = "target_head.safetensors"
 SHARDS_DIR = "shards"
 SHARD_RE = re.compile(r"^shard-(\d{6})$")
 TMP_PREFIX = ".tmp-"
+FILES_KEY = "files"  # under SHARD_ATTR: {path in the shard folder: bytes}, recorded at commit
+REEXTRACT = "delete the shard folder and rerun the same `dflash extract` command to rebuild it"
 
 # Per-token arrays of a shard, [num_sequences, seq_len, ...]: name -> (zarr dtype, trailing dims)
 # Trailing dims are names resolved from the root attributes.
@@ -203,11 +208,11 @@ def open_store(store: str | Path, *, require_complete: bool = False) -> StoreInf
     if attrs.get("format") != FORMAT_NAME:
         raise StoreError(f"{store}: format {attrs.get('format')!r} is not {FORMAT_NAME!r}")
     version = attrs.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise StoreError(
             f"{store}: store format version {version} is not supported by this dflash-offline "
-            f"(reads version {FORMAT_VERSION}); re-extract it with this version or use the "
-            "dflash-offline release that wrote it"
+            f"(reads versions {', '.join(map(str, READABLE_VERSIONS))}); re-extract it with "
+            "this version or use the dflash-offline release that wrote it"
         )
     hidden_dtype = attrs.get("hidden_dtype")
     if hidden_dtype not in HIDDEN_DTYPES:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from contextlib import ExitStack
 from datetime import timedelta
 from pathlib import Path
 
@@ -40,7 +41,7 @@ from stage1_extract.config import ExtractConfig
 from stage1_extract.host_buffers import BufferShape, ShardBuffers, available_memory_bytes
 from stage1_extract.job import ExtractJob, fill_shard, plan_job, tapped_target
 from stage1_extract.shard_writer import ShardWriter
-from stage1_extract.store_root import finalize_store, prepare_store
+from stage1_extract.store_root import finalize_store, prepare_store, writer_lock
 from stage1_extract.target import load_target, save_target_head
 from stage1_extract.writer import ShardLayout
 
@@ -154,12 +155,14 @@ def _worker(cfg: ExtractConfig, devices: list[str], error_dir: str | None, ready
     """One process. `ready`: the launcher already prepared the store and will finalize it."""
     init_logger()
     ctx = init_worker(devices, timeout=BARRIER_TIMEOUT)
+    lock = ExitStack()  # rank 0 holds the store's writer lock for the whole run
     try:
         if ready:
             job = plan_job(cfg)
         elif ctx.is_main:  # rank 0 first: it fills the datasets cache the others then reuse
             job = plan_job(cfg)
             check_host_memory(job, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+            lock.enter_context(writer_lock(job.store))
             prepare_store(job.store, job.attrs, cfg.store.overwrite)
             barrier()
         else:
@@ -175,6 +178,7 @@ def _worker(cfg: ExtractConfig, devices: list[str], error_dir: str | None, ready
             Path(error_dir, f"rank-{ctx.rank}.txt").write_text(str(err))
         raise
     finally:
+        lock.close()
         finish_worker()
 
 
@@ -205,13 +209,15 @@ def run_extract(cfg: ExtractConfig) -> None:
     # several local processes: validate and prepare here, so user errors stay ValueErrors
     job = plan_job(cfg)
     check_host_memory(job, procs)
-    prepare_store(job.store, job.attrs, cfg.store.overwrite)
-    with tempfile.TemporaryDirectory(prefix="dflash-extract-") as error_dir:
-        try:
-            launch(_worker, devices, cfg, devices, error_dir, True)
-        except Exception as err:
-            messages = sorted(Path(error_dir).glob("rank-*.txt"))
-            if messages:
-                raise ValueError("; ".join(p.read_text() for p in messages)) from err
-            raise
-    _finalize(job)
+    # this process holds the writer lock for its ranks, which never take it
+    with writer_lock(job.store):
+        prepare_store(job.store, job.attrs, cfg.store.overwrite)
+        with tempfile.TemporaryDirectory(prefix="dflash-extract-") as error_dir:
+            try:
+                launch(_worker, devices, cfg, devices, error_dir, True)
+            except Exception as err:
+                messages = sorted(Path(error_dir).glob("rank-*.txt"))
+                if messages:
+                    raise ValueError("; ".join(p.read_text() for p in messages)) from err
+                raise
+        _finalize(job)

@@ -9,8 +9,10 @@ for the disk, the producer blocks in `acquire`.
 
 from __future__ import annotations
 
+import errno
 import os
 import queue
+import resource
 import shutil
 import signal
 import threading
@@ -22,9 +24,9 @@ from pathlib import Path
 import torch
 
 from common.logging import get_logger
-from common.store import StoreError
+from common.store import StoreError, shards_dir
 from stage1_extract.host_buffers import ShardBuffers
-from stage1_extract.writer import ShardLayout, ShardTask, is_disk_full
+from stage1_extract.writer import ShardLayout, ShardTask, no_space_errno
 from stage1_extract.writer_pools import ProcessPool, ThreadPool
 
 KILL_ENV = "DFLASH_TEST_KILL_AFTER_COMMITS"  # test hook: SIGKILL self after this many commits
@@ -62,6 +64,10 @@ class ShardWriter:
         for slot in range(len(self.buffers)):
             self.free.put(slot)
         self.shards_left, self.shard_bytes = num_todo, shard_bytes
+        if threading.current_thread() is threading.main_thread():
+            # past `ulimit -f`, SIGXFSZ would kill the run without a word; ignored, a write
+            # raises EFBIG instead, which is reported with the fix (writer processes do the same)
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         self.kill_after = int(os.environ.get(KILL_ENV, "0"))
         self.commits = 0
         self.waited_s = 0.0  # producer time blocked on busy writers: > 0 means IO-bound
@@ -126,15 +132,8 @@ class ShardWriter:
 
     def _done(self, slot: int, index: int, error: BaseException | None, seconds: float) -> None:
         """Called by the pool when shard `index` in buffer `slot` is committed or failed."""
-        if error is not None and is_disk_full(error):
-            free = shutil.disk_usage(self.store).free
-            need = self.shards_left * self.shard_bytes
-            error = StoreError(
-                f"disk full while writing shard {index} of store {self.store}: "
-                f"{free / 2**30:.2f} GiB free, the {self.shards_left} shard(s) left need up to "
-                f"{need / 2**30:.2f} GiB (uncompressed); free space (or move --out) and rerun "
-                "the same command to resume; committed shards are kept"
-            )
+        if error is not None and (code := no_space_errno(error)) is not None:
+            error = self._no_space(index, code)
         with self.lock:
             if error is not None:
                 self.errors.append(error)
@@ -154,6 +153,29 @@ class ShardWriter:
         self.free.put(slot)
         if kill:
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def _no_space(self, index: int, code: int) -> StoreError:
+        """The one-line error of a shard write that ran out of room (the shard is not
+        committed: its temporary folder is removed, and a rerun writes it again)."""
+        folder, shard = shards_dir(self.store), self.shard_bytes / 2**30
+        if code == errno.EFBIG:
+            limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+            shown = "unlimited" if limit == resource.RLIM_INFINITY else f"{limit / 2**30:.2f} GiB"
+            return StoreError(
+                f"file-size limit hit while writing shard {index} into {folder}: a shard "
+                f"needs up to {shard:.2f} GiB (uncompressed), the limit (`ulimit -f`) is "
+                f"{shown}; raise it or lower store.sequences_per_shard, then rerun the same "
+                "command to resume; committed shards are kept"
+            )
+        free = shutil.disk_usage(self.store).free
+        need = self.shards_left * self.shard_bytes
+        return StoreError(
+            f"disk full while writing shard {index} of store {self.store} into {folder}: "
+            f"{free / 2**30:.2f} GiB free, a shard needs up to {shard:.2f} GiB and the "
+            f"{self.shards_left} shard(s) left up to {need / 2**30:.2f} GiB (uncompressed); "
+            "free space (or move --out) and rerun the same command to resume; committed "
+            "shards are kept"
+        )
 
     def raise_errors(self) -> None:
         with self.lock:

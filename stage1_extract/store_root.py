@@ -6,14 +6,24 @@ it creates the root with `complete: false`, or checks that an existing store was
 same format version and the same content key (else refuses, naming `--overwrite`), and removes
 the temporary folders of shards that were interrupted. `finalize_store` runs once after every
 shard is committed: it sums the shards' own counts and sets `complete: true`.
+
+`writer_lock` is held by one process of a run (the launching process, or rank 0) from before
+`prepare_store` until after `finalize_store`: an OS lock (flock) on `STORE/.dflash-writer.lock`,
+which the kernel releases when its holder dies, even by `kill -9`. A second `dflash extract` into
+the same store is refused with the holder's pid and host; readers never take it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import shutil
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +31,6 @@ import zarr
 
 from common.logging import get_logger
 from common.store import (
-    FORMAT_VERSION,
     HEAD_FILE,
     ROOT_ATTR,
     SHARD_ATTR,
@@ -74,15 +83,22 @@ def key_parts(
     """What decides the content: the root attributes (without bookkeeping such as `complete`
     or `created_by`), the skipped rows and a digest of the tokenized documents' lengths."""
     cfg = attrs["extract_config"]
-    # num_proc changes how fast rows are tokenized, never what is stored
-    data = {k: v for k, v in cfg["data"].items() if k != "num_proc"}
+    # num_proc changes how fast rows are tokenized, never what is stored; empty template
+    # kwargs (the default) are left out so stores made before the option existed still resume
+    data = {
+        k: v
+        for k, v in cfg["data"].items()
+        if k != "num_proc" and not (k == "chat_template_kwargs" and not v)
+    }
     data["path"] = _canonical_path(data["path"])
     target = dict(attrs["target"], name_or_path=_canonical_path(attrs["target"]["name_or_path"]))
     tokenizer = dict(
         attrs["tokenizer"], name_or_path=_canonical_path(attrs["tokenizer"]["name_or_path"])
     )
     parts = {
-        "format_version": FORMAT_VERSION,
+        # Version 2 only records file sizes, the stored values are those of version 1: the
+        # key stays, so a version-1 store resumes (its new shards get the record)
+        "format_version": 1,
         "target": target,
         "target_dtype": cfg["target"]["dtype"],
         "tokenizer": tokenizer,
@@ -161,14 +177,65 @@ def check_fingerprints(store: Path, stored: dict[str, Any], current: dict[str, A
         )
 
 
+LOCK_FILE = ".dflash-writer.lock"
+
+
+def _has_content(store: Path) -> bool:
+    """Whether `store` exists with anything in it besides the writer lock file."""
+    return store.is_dir() and any(p.name != LOCK_FILE for p in store.iterdir())
+
+
+@contextmanager
+def writer_lock(store: Path) -> Iterator[None]:
+    """Hold the store's writer lock (see the module docstring), creating the folder if needed;
+    StoreError naming the holder if another process holds it."""
+    if _has_content(store):
+        read_root_attrs(store)  # never put a lock file into a folder that is not a dflash store
+    store.mkdir(parents=True, exist_ok=True)
+    fd = os.open(store / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace")
+            try:
+                who = json.loads(holder)
+                named = f"pid {who['pid']} on host {who['host']}, since {who['since']}"
+            except (ValueError, KeyError, TypeError):  # the holder has not written it yet
+                named = "pid and host not yet written"
+            raise StoreError(
+                f"store {store} is being written by another `dflash extract` ({named}); two "
+                "writers would delete each other's shards: wait for that run to end (or stop "
+                "it), then rerun this command to resume"
+            ) from None
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.ctime()}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+        try:
+            yield
+        finally:
+            # emptied, not removed: removing a lock file lets a waiting process lock a file
+            # that a third one then replaces (two holders); empty, finished stores stay equal
+            os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)  # releases the lock (as the kernel does when a holder dies)
+
+
 def prepare_store(store: Path, attrs: dict[str, Any], overwrite: bool) -> list[int]:
-    """Create the store or check it for resuming; return the shards already committed."""
+    """Create the store or check it for resuming; return the shards already committed. The
+    caller holds `writer_lock(store)`, so --overwrite never deletes a store another run writes."""
     log = get_logger()
-    if overwrite and store.exists() and any(store.iterdir()):
+    if overwrite and _has_content(store):
         read_root_attrs(store)  # never delete a folder that is not a dflash store
         log.info("--overwrite: deleting %s", store)
-        shutil.rmtree(store)
-    if store.exists() and any(store.iterdir()):
+        for entry in store.iterdir():
+            if entry.name == LOCK_FILE:  # the lock this run holds stays
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+    if _has_content(store):
         info = open_store(store)  # format and version checks, with their own messages
         if info.attrs.get("content_key") != attrs["content_key"]:
             raise StoreError(
@@ -184,7 +251,8 @@ def prepare_store(store: Path, attrs: dict[str, Any], overwrite: bool) -> list[i
         log.info("resuming %s: %d/%d shards committed", store, len(done), attrs["num_shards"])
         return done
     store.mkdir(parents=True, exist_ok=True)
-    zarr.create_group(store, zarr_format=3, attributes={ROOT_ATTR: attrs}, overwrite=True)
+    # not overwrite=True: zarr would delete the folder's contents, the held lock file included
+    zarr.create_group(store, zarr_format=3, attributes={ROOT_ATTR: attrs})
     shards_dir(store).mkdir(exist_ok=True)
     return []
 

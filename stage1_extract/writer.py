@@ -2,7 +2,9 @@
 
 A writer (stage1_extract.shard_writer runs them in the background) writes a shard's buffers
 into `shards/.tmp-shard-NNNNNN-<pid>/`, reads them back, checks them, and renames the folder
-to `shards/shard-NNNNNN/`, so a shard is visible only once it is complete.
+to `shards/shard-NNNNNN/`, so a shard is visible only once it is complete. Just before the rename
+it records the size of every file of the shard in the shard's attributes (common/store_files.py),
+which readers check: zarr would read a deleted file as zeros.
 
 Legend: P documents (pieces) of a shard.
 """
@@ -22,6 +24,7 @@ from zarr.codecs import Crc32cCodec, ZstdCodec
 
 from common.durable import commit_folder
 from common.store import SHARD_ATTR, StoreError, shard_name, shards_dir
+from common.store_files import record_shard_files
 from stage1_extract.host_buffers import ShardBuffers
 
 
@@ -43,12 +46,22 @@ class ShardLayout:
     compression_level: int
 
 
-def is_disk_full(err: BaseException | None) -> bool:
+# A disk full, a quota, or a file-size limit (`ulimit -f`; SIGXFSZ is ignored so that it shows
+# as EFBIG instead of killing the process): no rerun succeeds until the user makes room.
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def no_space_errno(err: BaseException | None) -> int | None:
+    """The NO_SPACE_ERRNOS errno of `err` or of an error it was raised from, else None."""
     while err is not None:
-        if isinstance(err, OSError) and err.errno == errno.ENOSPC:
-            return True
+        if isinstance(err, OSError) and err.errno in NO_SPACE_ERRNOS:
+            return err.errno
         err = err.__cause__ or err.__context__
-    return False
+    return None
+
+
+def is_disk_full(err: BaseException | None) -> bool:
+    return no_space_errno(err) is not None
 
 
 def write_shard(store: Path, task: ShardTask, buffers: ShardBuffers, layout: ShardLayout) -> Path:
@@ -83,6 +96,7 @@ def write_shard(store: Path, task: ShardTask, buffers: ShardBuffers, layout: Sha
         for name, data in task.documents.items():
             group.create_array(name, data=data, chunks=data.shape, compressors=compressors)
         _verify(tmp, arrays, task)
+        record_shard_files(tmp)
         commit_folder(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

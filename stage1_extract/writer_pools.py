@@ -17,7 +17,6 @@ forking from it is safe; it exits once the extracting process and the writers ha
 
 from __future__ import annotations
 
-import errno
 import multiprocessing as mp
 import os
 import pickle
@@ -32,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from stage1_extract.host_buffers import BufferShape, HostArena, ShardBuffers
-from stage1_extract.writer import ShardLayout, ShardTask, is_disk_full, write_shard
+from stage1_extract.writer import ShardLayout, ShardTask, no_space_errno, write_shard
 
 # (slot, shard index, error or None, seconds spent writing)
 READY = -1  # the slot of the message a writer process sends once it is ready to write
@@ -171,9 +170,9 @@ def _alive(pid: int) -> bool:
 
 
 def _portable(err: BaseException) -> BaseException:
-    """`err` as it can cross to the parent: a disk-full error stays recognisable."""
-    if is_disk_full(err):
-        return OSError(errno.ENOSPC, str(err))
+    """`err` as it can cross to the parent: a disk-full or file-size error stays recognisable."""
+    if (code := no_space_errno(err)) is not None:
+        return OSError(code, str(err))
     try:
         pickle.dumps(err)
         return err
@@ -194,6 +193,8 @@ def _writer_main(
     # Ctrl-C reaches the whole process group: the parent stops producing and closes the pool,
     # which lets the writers finish and commit the shards they hold, as writer threads would
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # past `ulimit -f`, SIGXFSZ would kill this writer silently: ignored, the write raises EFBIG
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     # the extracting process feeds the GPU and must not wait for a core; writers have slack
     os.nice(10)
     buffers = [ShardBuffers(shape, arena) for arena in arenas]

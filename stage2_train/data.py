@@ -5,6 +5,12 @@ Global sequence `g` lives in shard `g // sequences_per_shard`, row `g % sequence
 a worker first reads from it, and each worker keeps the arrays it opened. Which sequences a rank
 reads, in which order, is stage2_train.plan's business; a key names (sequence, epoch, padding).
 
+A sequence whose bytes cannot be read (a chunk that fails to decode or to checksum, a file
+missing or of another size than recorded at commit: zarr would read it as zeros) becomes a blank
+item (no anchors, zero weights) that carries one line naming the shard, the array and the fix;
+`DamageGuard` turns it into one StoreError in the training process (`data.on_damaged=error`),
+however many loader workers there are, or logs and counts it (`skip`).
+
 fp8 stores (FORMAT.md) travel as their uint8 bits plus the fp32 scales, and are decoded on the
 training device (stage2_train/step.py): half the host-to-device bytes, no host CPU spent on it.
 
@@ -18,22 +24,28 @@ size, k top-k, A anchors, B block size.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import zarr
 
+from common.logging import get_logger
 from common.store import (
     HIDDEN_DTYPES,
+    REEXTRACT,
     StoreError,
     StoreInfo,
     bits_to_bf16,
+    sequence_array_specs,
     shard_name,
     shards_dir,
 )
+from common.store_files import file_problems, recorded_files
 from stage2_train.anchors import (
     block_gather,
     block_labels,
@@ -73,6 +85,7 @@ class Batch:
     topk_ids_ABk: torch.Tensor | None = None
     topk_logprobs_ABk: torch.Tensor | None = None
     hidden_scale_TK: torch.Tensor | None = None  # float32, fp8 stores only
+    damaged: tuple[str, ...] = ()  # one line per unreadable sequence, read as a blank item
 
     def pin_memory(self) -> Batch:
         return Batch(**{f.name: _apply(getattr(self, f.name), "pin_memory") for f in fields(self)})
@@ -87,6 +100,10 @@ class Batch:
 
 def _apply(value: Any, method: str, *args: Any, **kwargs: Any) -> Any:
     return getattr(value, method)(*args, **kwargs) if isinstance(value, torch.Tensor) else value
+
+
+class Damaged(Exception):
+    """A sequence that cannot be read; the message names the shard, the array and the fix."""
 
 
 class StoreSequences(torch.utils.data.Dataset):
@@ -109,29 +126,79 @@ class StoreSequences(torch.utils.data.Dataset):
         self.block_size, self.label_target = block_size, label_target
         self.distill, self.seed = distill, seed
         self.scaled = HIDDEN_DTYPES[info.hidden_dtype][1]
+        self.names = [*SEQUENCE_FIELDS, *(DISTILL_FIELDS if distill else ())]
+        self.names += ["hidden_scale"] if self.scaled else []
+        # what a blank item (a damaged sequence) is made of: zeros of each array's row shape
+        specs = sequence_array_specs(info.hidden_dtype, False)
+        self.blank_rows = {
+            name: (specs[name][0], (info.seq_len, *map(info.dim, specs[name][1])))
+            for name in self.names
+        }
         self._shards: dict[int, dict[str, zarr.Array]] = {}
+        self._files: dict[int, dict[str, int]] = {}  # recorded sizes of the files read
 
     def __getstate__(self) -> dict[str, Any]:
         # Workers open their own shard handles; never ship open ones across processes.
-        return {**self.__dict__, "_shards": {}}
+        return {**self.__dict__, "_shards": {}, "_files": {}}
+
+    def _damaged(self, index: int, array: str, what: str) -> Damaged:
+        folder = shards_dir(self.root) / shard_name(index)
+        return Damaged(f"store {self.root}: {folder.name} array {array}: {what}; {REEXTRACT}")
 
     def _shard(self, index: int) -> dict[str, zarr.Array]:
         """The arrays this dataset reads from shard `index`, opened on first use and kept."""
         if index not in self._shards:
             path = shards_dir(self.root) / shard_name(index)
             if not path.is_dir():
-                raise StoreError(f"{self.root}: shard {path.name} is missing; re-run extract")
-            group = zarr.open_group(path, mode="r", zarr_format=3)
-            names = [*SEQUENCE_FIELDS, *(DISTILL_FIELDS if self.distill else ())]
-            names += ["hidden_scale"] if self.scaled else []
-            self._shards[index] = {name: group[name] for name in names}
+                raise self._damaged(index, "-", f"shard folder {path} is missing")
+            try:
+                recorded = recorded_files(path) or {}  # {} for shards from before format v2
+                group = zarr.open_group(path, mode="r", zarr_format=3)
+            except Exception as err:  # zarr raises many types for damaged metadata
+                raise self._damaged(
+                    index, "-", f"unreadable ({type(err).__name__}: {err})"
+                ) from err
+            arrays = {}
+            for name in self.names:
+                try:
+                    arrays[name] = group[name]
+                except Exception as err:
+                    what = f"unreadable ({type(err).__name__}: {err})"
+                    raise self._damaged(index, name, what) from err
+            self._shards[index] = arrays
+            self._files[index] = {
+                rel: size for rel, size in recorded.items() if rel.split("/")[0] in arrays
+            }
         return self._shards[index]
+
+    def _read(self, index: int) -> dict[str, np.ndarray]:
+        """Row `index` of every array read; Damaged when its bytes cannot be trusted."""
+        shard_index, row = divmod(index, self.per_shard)
+        arrays = {}
+        for name, array in self._shard(shard_index).items():
+            try:
+                arrays[name] = np.asarray(array[row])
+            except Exception as err:  # checksum, codec and short-file errors come as many types
+                what = f"cannot be decoded ({type(err).__name__}: {err})"
+                raise self._damaged(shard_index, name, what) from err
+        # after the read: a file deleted or cut since the pre-check read as zeros, silently
+        folder = shards_dir(self.root) / shard_name(shard_index)
+        if problems := file_problems(folder, self._files[shard_index]):
+            raise self._damaged(shard_index, *problems[0][:2])
+        return arrays
+
+    def _blank(self) -> dict[str, np.ndarray]:
+        rows = {name: np.zeros(shape, dtype) for name, (dtype, shape) in self.blank_rows.items()}
+        rows["document_ids"] -= 1  # padding everywhere: no anchors, no labels
+        return rows
 
     def __getitem__(self, key: ItemKey) -> dict[str, Any]:
         index, epoch, is_pad = key
-        shard = self._shard(index // self.per_shard)
-        row = index % self.per_shard
-        arrays = {name: np.asarray(a[row]) for name, a in shard.items()}
+        damaged = None
+        try:
+            arrays = self._read(index)
+        except Damaged as err:
+            arrays, damaged, is_pad = self._blank(), str(err), True
         hidden = arrays.pop("hidden")
         hidden_SKD = torch.from_numpy(hidden) if self.scaled else bits_to_bf16(hidden)
         arrays = {name: torch.from_numpy(a) for name, a in arrays.items()}
@@ -160,6 +227,7 @@ class StoreSequences(torch.utils.data.Dataset):
             "anchors_A": anchors_A,
             "labels_AB": labels_AB,
             "weights_AB": weights_AB.float() * (0.0 if is_pad else 1.0),
+            "damaged": damaged,
         }
         if self.scaled:
             item["hidden_scale_SK"] = arrays["hidden_scale"]
@@ -208,7 +276,40 @@ def collate(items: list[dict[str, Any]]) -> Batch:
         topk_ids_ABk=blocks("topk_ids_ABk") if distill else None,
         topk_logprobs_ABk=blocks("topk_logprobs_ABk") if distill else None,
         hidden_scale_TK=torch.cat([item["hidden_scale_SK"] for item in items]) if scaled else None,
+        damaged=tuple(item["damaged"] for item in items if item.get("damaged")),
     )
+
+
+class DamageGuard:
+    """A loader's batches, checked in the training process for damaged sequences: with
+    on_damaged="error" the first one is raised as one StoreError line (not the worker's
+    traceback); with "skip" each is logged and the blank item trains nothing."""
+
+    def __init__(self, loader: torch.utils.data.DataLoader, on_damaged: str) -> None:
+        self.loader, self.on_damaged = loader, on_damaged
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Batch]:
+        for batch in self.loader:
+            if batch.damaged and self.on_damaged == "error":
+                raise StoreError(
+                    f"{batch.damaged[0]} (or set data.on_damaged=skip to train without it)"
+                )
+            for line in batch.damaged:
+                get_logger().warning("skipped a damaged sequence: %s", line)
+            yield batch
+
+
+def count_damaged(batches: list[Batch], device: torch.device) -> int:
+    """Damaged sequences skipped in `batches`, summed over every rank (all ranks call this)."""
+    count = sum(len(b.damaged) for b in batches)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        total = torch.tensor([count], device=device)
+        dist.all_reduce(total)
+        count = int(total.item())
+    return count
 
 
 def make_loader(
@@ -217,12 +318,14 @@ def make_loader(
     num_workers: int,
     prefetch: int,
     pin_memory: bool,
-) -> torch.utils.data.DataLoader:
-    """A DataLoader over `sampler`'s micro-batches; workers persist across epochs."""
+    on_damaged: str = "error",
+) -> DamageGuard:
+    """A DataLoader over `sampler`'s micro-batches (workers persist across epochs), behind a
+    DamageGuard applying `on_damaged`."""
     extra: dict[str, Any] = {}
     if num_workers > 0:
         extra = {"prefetch_factor": prefetch, "persistent_workers": True}
-    return torch.utils.data.DataLoader(
+    loader = torch.utils.data.DataLoader(
         dataset,
         batch_sampler=sampler,
         collate_fn=collate,
@@ -230,3 +333,4 @@ def make_loader(
         pin_memory=pin_memory,
         **extra,
     )
+    return DamageGuard(loader, on_damaged)

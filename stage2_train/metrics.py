@@ -59,6 +59,8 @@ def format_line(record: dict[str, Any], total_steps: int) -> str:
         f"gnorm {record['grad_norm']:.3f} tok/s {record['tokens_per_s']:.0f} "
         f"mem {record['mem_gb']:.2f}GB"
     )
+    if record.get("skipped_damaged"):  # data.on_damaged=skip
+        line += f" skipped-damaged {record['skipped_damaged']}"
     if "eval_tau" in record:
         line += (
             f" | eval loss {record['eval_loss']:.4f} acc {_slots(record['eval_acc'])} "
