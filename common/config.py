@@ -1,6 +1,6 @@
 """Typed configs: YAML files in `configs/` mapped onto dataclasses, with `key.sub=value` overrides.
 
-A config file holds one section per command (`extract:`, `train:`); each command loads its own
+A config file holds one section per command (`generate:`, `extract:`, `train:`); each command loads its own
 section into its dataclass. Every field can be overridden from the command line with
 `--set section_field.sub_field=value` (the value is parsed as YAML, so `[1, 2]`, `true`, `null`
 work). Unknown keys are errors, never ignored.
@@ -141,7 +141,7 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_section(path: str | Path | None, section: str) -> dict[str, Any]:
-    """Read one section (`extract`, `train`) of a YAML config file; {} when no file is given."""
+    """Read one section (`generate`, `extract`, `train`) of a YAML config file; {} when no file is given."""
     if path is None:
         return {}
     path = Path(path)
@@ -150,9 +150,11 @@ def load_section(path: str | Path | None, section: str) -> dict[str, Any]:
     data = yaml.safe_load(path.read_text()) or {}
     if not isinstance(data, dict):
         raise ValueError(f"config file {path}: expected a mapping with sections, got {type(data)}")
-    unknown = sorted(set(data) - {"extract", "train"})
+    unknown = sorted(set(data) - {"generate", "extract", "train"})
     if unknown:
-        raise ValueError(f"config file {path}: unknown section(s) {unknown}; use extract/train")
+        raise ValueError(
+            f"config file {path}: unknown section(s) {unknown}; use generate/extract/train"
+        )
     return data.get(section) or {}
 
 

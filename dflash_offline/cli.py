@@ -15,7 +15,8 @@ from typing import Any
 import click
 
 from common.config import build_config, describe
-from common.logging import init_logger
+from common.errors import cli_errors
+from common.logging import init_logger, quiet_launcher_logs
 
 
 def _config_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -38,6 +39,8 @@ def _config_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _fail(err: Exception) -> None:
+    """The one-line error of a ValueError (cli_errors, on every command, does the same for
+    every exception; this remains for commands that catch their own)."""
     click.echo(f"error: {err}", err=True)
     sys.exit(2)
 
@@ -55,11 +58,71 @@ def main() -> None:
 @main.command()
 @_config_options
 @click.option("--model", help="target model: local folder or hub id (target.model)")
+@click.option("--data", help="dataset file/folder or hub name, as for extract (data.path)")
+@click.option("--out", help="folder of generated rows to write (output.out)")
+@click.option("--devices", help="GPU ids like 0,1, or cpu (run.devices; default 0,1)")
+@click.option(
+    "--endpoint",
+    help="OpenAI-compatible server URL, e.g. http://localhost:8000/v1: generate through it "
+    "instead of loading the target (endpoint.url; sets run.backend=openai)",
+)
+@click.option("--overwrite", is_flag=True, help="delete an existing output folder first")
+@click.option("--help-config", is_flag=True, help="list every config field and exit")
+@cli_errors
+def generate(
+    config_path: str | None,
+    overrides: tuple[str, ...],
+    model: str | None,
+    data: str | None,
+    out: str | None,
+    devices: str | None,
+    endpoint: str | None,
+    overwrite: bool,
+    help_config: bool,
+) -> None:
+    """Let the target write its own training text: rewrite every assistant turn of chat rows
+    (turn by turn, through its chat template), continue windows of text rows.
+
+    The output folder is a dataset `dflash extract --data` reads, with the provenance (target
+    fingerprint, sampling settings, source row ids) that extract copies into the store.
+    Rerunning the same command after an interruption resumes it, chunk by chunk.
+    """
+    from stage1_generate.config import GenerateConfig
+
+    if help_config:
+        click.echo("\n".join(describe(GenerateConfig)))
+        return
+    flags = {
+        "target.model": model,
+        "data.path": data,
+        "output.out": out,
+        "run.devices": devices,
+        "endpoint.url": endpoint,
+    }
+    extra = [f"{k}={v}" for k, v in flags.items() if v is not None]
+    if endpoint:
+        extra.append("run.backend=openai")
+    if overwrite:
+        extra.append("output.overwrite=true")
+    init_logger()
+    try:
+        cfg = build_config(GenerateConfig, config_path, "generate", [*overrides, *extra])
+        from stage1_generate.run import run_generate
+
+        run_generate(cfg)
+    except ValueError as err:
+        _fail(err)
+
+
+@main.command()
+@_config_options
+@click.option("--model", help="target model: local folder or hub id (target.model)")
 @click.option("--data", help="dataset file/folder or hub name (data.path)")
 @click.option("--out", help="store folder to write (store.out)")
 @click.option("--devices", help="GPU ids like 0,1, or cpu (run.devices; default 0,1)")
 @click.option("--overwrite", is_flag=True, help="delete an existing store at --out first")
 @click.option("--help-config", is_flag=True, help="list every config field and exit")
+@cli_errors
 def extract(
     config_path: str | None,
     overrides: tuple[str, ...],
@@ -84,13 +147,11 @@ def extract(
     if overwrite:
         extra.append("store.overwrite=true")
     init_logger()
-    try:
-        cfg = build_config(ExtractConfig, config_path, "extract", [*overrides, *extra])
-        from stage1_extract.run import run_extract
+    quiet_launcher_logs()
+    cfg = build_config(ExtractConfig, config_path, "extract", [*overrides, *extra])
+    from stage1_extract.run import run_extract
 
-        run_extract(cfg)
-    except ValueError as err:
-        _fail(err)
+    run_extract(cfg)
 
 
 @main.command()
@@ -98,13 +159,21 @@ def extract(
 @click.option("--store", help="store folder written by `dflash extract` (data.store)")
 @click.option("--out", help="run folder for checkpoints, metrics and the export (run.out)")
 @click.option("--devices", help="GPU ids like 2,3, or cpu (run.devices; default 2,3)")
+@click.option(
+    "--allow-config-change",
+    is_flag=True,
+    help="on a resume, apply settings that differ from the checkpoint's (lr, schedule, steps, "
+    "loss) instead of refusing (run.allow_config_change)",
+)
 @click.option("--help-config", is_flag=True, help="list every config field and exit")
+@cli_errors
 def train(
     config_path: str | None,
     overrides: tuple[str, ...],
     store: str | None,
     out: str | None,
     devices: str | None,
+    allow_config_change: bool,
     help_config: bool,
 ) -> None:
     """Train the DFlash drafter from a store; resumes from the newest checkpoint in --out."""
@@ -115,14 +184,14 @@ def train(
         return
     flags = {"data.store": store, "run.out": out, "run.devices": devices}
     extra = [f"{k}={v}" for k, v in flags.items() if v is not None]
+    if allow_config_change:
+        extra.append("run.allow_config_change=true")
     init_logger()
-    try:
-        cfg = build_config(TrainConfig, config_path, "train", [*overrides, *extra])
-        from stage2_train.train import run_train
+    quiet_launcher_logs()
+    cfg = build_config(TrainConfig, config_path, "train", [*overrides, *extra])
+    from stage2_train.train import run_train
 
-        run_train(cfg)
-    except ValueError as err:
-        _fail(err)
+    run_train(cfg)
 
 
 INSPECT_USAGE = (
@@ -134,6 +203,7 @@ INSPECT_USAGE = (
 @click.argument("args", nargs=-1, required=True, metavar="[verify] STORE")
 @click.option("--sample", type=int, default=0, help="decode N sequences with loss spans marked")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@cli_errors
 def inspect_cmd(args: tuple[str, ...], sample: int, as_json: bool) -> None:
     """Summarise a store, decode samples, or `verify` every shard (exit 1 on problems).
 
@@ -145,16 +215,13 @@ def inspect_cmd(args: tuple[str, ...], sample: int, as_json: bool) -> None:
     """
     from common.inspect_store import run_inspect, run_verify
 
-    try:
-        if args[0] == "verify":
-            if len(args) != 2:
-                raise ValueError("usage: dflash inspect verify STORE [--json] (one store)")
-            sys.exit(0 if run_verify(args[1], as_json=as_json) else 1)
-        if len(args) != 1:
-            raise ValueError(_inspect_misuse(args))
-        run_inspect(args[0], num_samples=sample, as_json=as_json)
-    except ValueError as err:
-        _fail(err)
+    if args[0] == "verify":
+        if len(args) != 2:
+            raise ValueError("usage: dflash inspect verify STORE [--json] (one store)")
+        sys.exit(0 if run_verify(args[1], as_json=as_json) else 1)
+    if len(args) != 1:
+        raise ValueError(_inspect_misuse(args))
+    run_inspect(args[0], num_samples=sample, as_json=as_json)
 
 
 def _inspect_misuse(args: tuple[str, ...]) -> str:
@@ -169,14 +236,19 @@ def _inspect_misuse(args: tuple[str, ...]) -> str:
 @click.argument("run", type=click.Path(file_okay=False))
 @click.option("--step", type=int, default=None, help="checkpoint step (default: the newest)")
 @click.option("--out", default=None, help="export folder (default: RUN/export)")
-def export(run: str, step: int | None, out: str | None) -> None:
+@click.option(
+    "--dtype",
+    default="bfloat16",
+    show_default=True,
+    type=click.Choice(["bfloat16", "float32", "float16"]),
+    help="dtype of the exported weights",
+)
+@cli_errors
+def export(run: str, step: int | None, out: str | None, dtype: str) -> None:
     """Export a checkpoint of a training run as a transformers-style drafter folder."""
     from stage2_train.export import export_checkpoint
 
-    try:
-        click.echo(f"exported to {export_checkpoint(run, step, out)}")
-    except ValueError as err:
-        _fail(err)
+    click.echo(f"exported to {export_checkpoint(run, step, out, dtype)}")
 
 
 @main.command()
@@ -195,15 +267,13 @@ def export(run: str, step: int | None, out: str | None) -> None:
     "--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"])
 )
 @click.option("--json-out", default=None, help="also write the figures to this JSON file")
+@cli_errors
 def evaluate(json_out: str | None, **kwargs: Any) -> None:
     """Online acceptance length (tau) of a drafter vs prompt lookup, greedy verification."""
     from evaluation.online import EvaluateConfig, run_evaluate
 
     init_logger()
-    try:
-        results = run_evaluate(EvaluateConfig(**kwargs))
-    except ValueError as err:
-        _fail(err)
+    results = run_evaluate(EvaluateConfig(**kwargs))
     _echo_json(results, json_out)
 
 
@@ -225,6 +295,7 @@ def _echo_json(results: dict[str, Any], json_out: str | None) -> None:
 @click.option("--num-anchors", default=512, show_default=True, type=int, help="per sequence")
 @click.option("--max-sequences", default=None, type=int, help="only the first N sequences")
 @click.option("--json-out", default=None, help="also write the figures to this JSON file")
+@cli_errors
 def evaluate_offline(json_out: str | None, **kwargs: Any) -> None:
     """Offline acceptance estimate (per-slot accuracy vs the stored target argmax, implied
     tau) of an exported drafter over every sequence of a store: extract the prompts that
@@ -232,10 +303,7 @@ def evaluate_offline(json_out: str | None, **kwargs: Any) -> None:
     from evaluation.offline import OfflineEvalConfig, run_offline_eval
 
     init_logger()
-    try:
-        results = run_offline_eval(OfflineEvalConfig(**kwargs))
-    except ValueError as err:
-        _fail(err)
+    results = run_offline_eval(OfflineEvalConfig(**kwargs))
     _echo_json(results, json_out)
 
 

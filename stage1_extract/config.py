@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from common.config import doc
 
@@ -63,6 +63,11 @@ class DataConfig:
     on_invalid: Literal["error", "skip"] = doc(
         "error",
         "empty/assistant-less rows: stop with an error, or skip and count them in the store",
+    )
+    chat_template_kwargs: dict[str, Any] = doc(
+        factory=dict,
+        help="extra arguments to the chat template, e.g. {enable_thinking: false} for Qwen3; "
+        "give `dflash generate` and `dflash extract` the same",
     )
     text_loss: Literal["all"] = doc("all", "plain text documents: every token is a loss token")
 

@@ -1,0 +1,153 @@
+"""Typed config of `dflash generate`; each component gets its own sub-config.
+
+The data section is extract's own (`stage1_extract.config.DataConfig`): generate reads every
+input extract reads, in the same row shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from common.config import doc
+from stage1_extract.config import DataConfig, TargetConfig
+
+
+@dataclass
+class GenTargetConfig:
+    model: str = doc("", "target causal LM: local folder or hub id (the local backend loads it)")
+    revision: str | None = doc(None, "hub revision (branch, tag or commit); recorded")
+    tokenizer: str | None = doc(None, "tokenizer folder or hub id; default: the model's")
+    dtype: Literal["bfloat16", "float32"] = doc(
+        "bfloat16", "weights and activations dtype: generate in the dtype the target serves in"
+    )
+    attn_implementation: str = doc("sdpa", "transformers attention backend of the target")
+    trust_remote_code: bool = doc(False, "allow custom model code from the hub")
+
+    def problems(self) -> list[str]:
+        return [] if self.model else ["model is required: a local folder or hub id (--model)"]
+
+    def as_target_config(self) -> TargetConfig:
+        """The same settings as extract's target config, for its loaders."""
+        return TargetConfig(
+            model=self.model,
+            revision=self.revision,
+            tokenizer=self.tokenizer,
+            dtype=self.dtype,
+            attn_implementation=self.attn_implementation,
+            trust_remote_code=self.trust_remote_code,
+        )
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = doc(0.0, "0: greedy (what a greedy-verified drafter must predict)")
+    top_p: float = doc(1.0, "nucleus sampling mass when temperature > 0")
+    max_new_tokens: int = doc(1024, "longest reply per assistant turn (chat rows)")
+    seed: int = doc(0, "sampling seed; each chunk seeds seed + chunk index, so resumes agree")
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.temperature < 0:
+            out.append(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            out.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            out.append(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        return out
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class TextWindowConfig:
+    prompt_tokens: int = doc(256, "text rows: tokens of each window used as the prompt")
+    new_tokens: int = doc(384, "text rows: tokens the target writes after each prompt")
+    stride: int = doc(1024, "text rows: one window starts every `stride` tokens of a document")
+
+    def problems(self) -> list[str]:
+        return [
+            f"{name} must be >= 1, got {value}"
+            for name, value in vars(self).items()
+            if isinstance(value, int) and value < 1
+        ]
+
+
+@dataclass
+class EndpointConfig:
+    url: str | None = doc(
+        None,
+        "OpenAI-compatible server (`vllm serve`, SGLang), e.g. http://localhost:8000/v1; "
+        "used when run.backend=openai",
+    )
+    model: str | None = doc(None, "model name the server serves; default: target.model")
+    api_key_env: str = doc("OPENAI_API_KEY", "environment variable holding the API key, if any")
+    concurrency: int = doc(64, "requests in flight at once")
+    timeout_s: float = doc(600.0, "seconds one request may take")
+    max_retries: int = doc(3, "retries of a failed request (connection errors, 5xx, 429)")
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.concurrency < 1:
+            out.append(f"concurrency must be >= 1, got {self.concurrency}")
+        if self.max_retries < 0:
+            out.append(f"max_retries must be >= 0, got {self.max_retries}")
+        return out
+
+
+@dataclass
+class OutputConfig:
+    out: str = doc("", "output folder: part-*.jsonl.gz files that `dflash extract --data` reads")
+    rows_per_chunk: int = doc(
+        512, "source rows per output file: the unit of resume (a killed run redoes one chunk)"
+    )
+    overwrite: bool = doc(False, "delete an existing output folder at `out` first")
+
+    def problems(self) -> list[str]:
+        out = []
+        if not self.out:
+            out.append("out is required: the folder to write (--out)")
+        if self.rows_per_chunk < 1:
+            out.append(f"rows_per_chunk must be >= 1, got {self.rows_per_chunk}")
+        return out
+
+
+@dataclass
+class GenerateRunConfig:
+    devices: str = doc("0,1", "GPU ids (one process each, data parallel), or 'cpu'")
+    backend: Literal["local", "openai"] = doc(
+        "local",
+        "local: transformers generate with a KV cache on --devices; openai: requests to "
+        "endpoint.url (for targets too large for transformers' generate)",
+    )
+    batch_size: int = doc(256, "local backend: most prompts generated together")
+    batch_tokens: int = doc(
+        1_048_576, "local backend: most (prompt + new) tokens of one batch (bounds the KV cache)"
+    )
+    progress: bool = doc(True, "show a progress bar")
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.batch_size < 1:
+            out.append(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.batch_tokens < 1:
+            out.append(f"batch_tokens must be >= 1, got {self.batch_tokens}")
+        return out
+
+
+@dataclass
+class GenerateConfig:
+    target: GenTargetConfig = doc(factory=GenTargetConfig, help="the target model")
+    data: DataConfig = doc(factory=DataConfig, help="the input dataset (as in extract)")
+    sampling: SamplingConfig = doc(factory=SamplingConfig, help="how the target samples")
+    text: TextWindowConfig = doc(factory=TextWindowConfig, help="continuation windows of text rows")
+    endpoint: EndpointConfig = doc(factory=EndpointConfig, help="the openai backend's server")
+    output: OutputConfig = doc(factory=OutputConfig, help="the output folder")
+    run: GenerateRunConfig = doc(factory=GenerateRunConfig, help="devices, backend, batching")
+
+    def problems(self) -> list[str]:
+        if self.run.backend == "openai" and not self.endpoint.url:
+            return ["run.backend=openai needs endpoint.url (e.g. http://localhost:8000/v1)"]
+        return []

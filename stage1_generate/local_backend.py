@@ -1,0 +1,126 @@
+"""The local backend of `dflash generate`: transformers' `generate` with a KV cache, batched.
+
+Prompts are sorted by length and cut into batches of at most `batch_size` prompts and
+`batch_tokens` (prompt + new) tokens, left-padded, so a batch wastes little padding and its
+KV cache stays bounded. Generation stops at the stop ids (the tokenizer's end of sequence and
+the chat template's end-of-turn token); the stop id itself is not part of the reply.
+
+Legend: B batch rows, T prompt length (padded), N new tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from stage1_generate.config import SamplingConfig
+
+
+@dataclass
+class Completion:
+    """One reply: its text, its token ids when the backend knows them, and whether it ended
+    at a stop id (False: cut at the token limit)."""
+
+    text: str
+    num_tokens: int
+    finished: bool
+    token_ids: list[int] | None = None
+
+
+def plan_batches(
+    lengths: list[int], max_new: int, batch_size: int, batch_tokens: int
+) -> list[list[int]]:
+    """Indices of the prompts, longest first, grouped so that each group holds at most
+    `batch_size` prompts and (longest prompt + max_new) x rows <= batch_tokens (one prompt
+    always fits)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        width = (lengths[current[0]] if current else lengths[i]) + max_new
+        if current and (len(current) >= batch_size or width * (len(current) + 1) > batch_tokens):
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+class LocalBackend:
+    """Greedy or sampled generation from a loaded causal LM on one device."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        sampling: SamplingConfig,
+        stop_ids: list[int],
+        batch_size: int,
+        batch_tokens: int,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.sampling = sampling
+        self.stop_ids = stop_ids
+        self.batch_size = batch_size
+        self.batch_tokens = batch_tokens
+        self.device = next(model.parameters()).device
+        pad = tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else stop_ids[0]
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        on_batch: Callable[[int, int], None] | None = None,
+    ) -> list[Completion]:
+        """Replies to `prompts` (token ids), in their order. `on_batch(prompts, new_tokens)`
+        is called after each batch (progress)."""
+        out: list[Completion | None] = [None] * len(prompts)
+        lengths = [len(p) for p in prompts]
+        for batch in plan_batches(lengths, max_new_tokens, self.batch_size, self.batch_tokens):
+            rows = self._generate_batch([prompts[i] for i in batch], max_new_tokens)
+            for i, completion in zip(batch, rows, strict=True):
+                out[i] = completion
+            if on_batch is not None:
+                on_batch(len(batch), sum(c.num_tokens for c in rows))
+        return [c for c in out if c is not None]
+
+    @torch.inference_mode()
+    def _generate_batch(self, prompts: list[list[int]], max_new: int) -> list[Completion]:
+        width = max(len(p) for p in prompts)
+        ids_BT = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask_BT = torch.zeros((len(prompts), width), dtype=torch.long)
+        for b, prompt in enumerate(prompts):  # left padding: every row ends at the same column
+            ids_BT[b, width - len(prompt) :] = torch.tensor(prompt)
+            mask_BT[b, width - len(prompt) :] = 1
+        sampling = self.sampling
+        kwargs = (
+            {"do_sample": False}
+            if sampling.greedy
+            else {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p}
+        )
+        seq_BX = self.model.generate(
+            input_ids=ids_BT.to(self.device),
+            attention_mask=mask_BT.to(self.device),
+            max_new_tokens=max_new,
+            min_new_tokens=0,
+            eos_token_id=self.stop_ids,
+            pad_token_id=self.pad_id,
+            top_k=None,
+            use_cache=True,
+            **kwargs,
+        )
+        new_BN = seq_BX[:, width:].tolist()
+        stops = set(self.stop_ids)
+        completions = []
+        for row in new_BN:
+            end = next((j for j, t in enumerate(row) if t in stops), None)
+            reply = row if end is None else row[:end]
+            text = self.tokenizer.decode(reply, skip_special_tokens=True)
+            completions.append(Completion(text, len(reply), end is not None, reply))
+        return completions

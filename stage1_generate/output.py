@@ -1,0 +1,118 @@
+"""The output folder of `dflash generate`: chunk files, their bookkeeping, and resume.
+
+    OUT/part-000000.jsonl.gz ...      the rows (what `dflash extract --data OUT` reads)
+    OUT/.dflash-generate/manifest.json  provenance: settings, target fingerprint, counts
+    OUT/.dflash-generate/chunk-000000.json  one chunk's counts, written after its rows
+
+Chunk c holds the output rows of source rows [c * R, (c + 1) * R). Its data file is written to
+a temporary name, synced and renamed, then its counts file likewise: a chunk is done exactly
+when its counts file exists, so a killed run redoes at most the chunks in flight, and never
+keeps half a file (a chunk whose rows were all skipped has a counts file and no data file).
+The folder's hidden entries are skipped by extract's data loader.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from common.generated import META_DIR, manifest_path, read_manifest
+
+
+def content_key(parts: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _differences(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return out
+
+
+def prepare_output(out: Path, manifest: dict[str, Any], overwrite: bool) -> None:
+    """Create the folder with `manifest`, or check that an existing one was made by the same
+    settings (then the run resumes it)."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; pass a folder path")
+    if overwrite and out.exists():
+        shutil.rmtree(out)
+    old = read_manifest(out) if out.exists() else None
+    if old is None and out.exists() and any(out.iterdir()):
+        raise ValueError(
+            f"--out {out} exists and is not a `dflash generate` folder; pass an empty or new "
+            "folder (or --overwrite to replace it)"
+        )
+    if old is not None:
+        if old["key"] != manifest["key"]:
+            changed = _differences(old["content"], manifest["content"])
+            raise ValueError(
+                f"--out {out} was generated with other settings ({'; '.join(changed)}); rerun "
+                "with the same settings to resume, pick another --out, or --overwrite"
+            )
+        return
+    (out / META_DIR).mkdir(parents=True, exist_ok=True)
+    _write_atomic(manifest_path(out), json.dumps(manifest, indent=2).encode())
+
+
+def chunk_file(out: Path, chunk: int) -> Path:
+    return out / f"part-{chunk:06d}.jsonl.gz"
+
+
+def _stats_file(out: Path, chunk: int) -> Path:
+    return out / META_DIR / f"chunk-{chunk:06d}.json"
+
+
+def done_chunks(out: Path) -> set[int]:
+    return {int(p.stem.split("-")[1]) for p in (out / META_DIR).glob("chunk-*.json")}
+
+
+def write_chunk(out: Path, chunk: int, rows: list[dict[str, Any]], stats: dict[str, Any]) -> None:
+    """Commit one chunk: its rows (if any), then its counts (which mark it done)."""
+    if rows:
+        lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        # mtime=0: the same rows give the same bytes, so a resumed folder equals a fresh one
+        _write_atomic(chunk_file(out, chunk), gzip.compress(lines.encode(), mtime=0))
+    else:
+        chunk_file(out, chunk).unlink(missing_ok=True)
+    _write_atomic(_stats_file(out, chunk), json.dumps(stats, sort_keys=True).encode())
+
+
+def chunk_stats(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(_stats_file(out, c).read_text()) for c in sorted(done_chunks(out))]
+
+
+def finalize_output(out: Path, counts: dict[str, Any]) -> dict[str, Any]:
+    """Record the totals and `complete: true` in the manifest; return it."""
+    manifest = read_manifest(out)
+    assert manifest is not None
+    manifest.update(counts=counts, complete=True)
+    _write_atomic(manifest_path(out), json.dumps(manifest, indent=2).encode())
+    return manifest

@@ -1,0 +1,220 @@
+"""Source rows in, target-written rows out: what `dflash generate` asks the target, per row shape.
+
+- Chat rows (`messages` or ShareGPT `conversations`): every assistant turn is rewritten by the
+  target from the conversation so far, rendered by its own chat template with the generation
+  prompt, turn by turn: the reply to turn 2 is written after the target's own reply to turn 1.
+  System and user turns are kept verbatim. The output row is `messages` [{role, content}].
+- Text rows: continuation windows. For every `stride` tokens of a document, the `prompt_tokens`
+  tokens there are a prompt and the target writes `new_tokens` after them; the output row's
+  `text` is the prompt followed by the continuation. A document shorter than one prompt is one
+  window with all its tokens.
+
+All prompts of one round (chat: the r-th assistant turn of every conversation in the chunk;
+text: every window) go to the backend together, so it can batch them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from transformers import PreTrainedTokenizerBase
+
+from stage1_extract.chat import SENTINEL, InvalidRow, normalize_conversation
+from stage1_generate.config import GenerateConfig
+from stage1_generate.local_backend import Completion
+
+
+class Backend(Protocol):
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        on_batch: Callable[[int, int], None] | None = None,
+    ) -> list[Completion]: ...
+
+
+@dataclass
+class ChunkResult:
+    """The output rows of one chunk of source rows and what happened to them."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    skipped: Counter = field(default_factory=Counter)  # reason -> source rows
+    prompts: int = 0
+    new_tokens: int = 0
+    truncated: int = 0  # replies cut at the token limit instead of ending by themselves
+    empty: int = 0  # replies with no text (the target ended the turn at once)
+
+    def count(self, completions: list[Completion]) -> None:
+        self.prompts += len(completions)
+        self.new_tokens += sum(c.num_tokens for c in completions)
+        self.truncated += sum(not c.finished for c in completions)
+        self.empty += sum(not c.text.strip() for c in completions)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "rows_out": len(self.rows),
+            "skipped": dict(self.skipped),
+            "prompts": self.prompts,
+            "new_tokens": self.new_tokens,
+            "truncated": self.truncated,
+            "empty_replies": self.empty,
+        }
+
+
+def end_of_turn_text(tokenizer: PreTrainedTokenizerBase, template_kwargs: dict[str, Any]) -> str:
+    """What the chat template writes right after an assistant's content (e.g. `<|im_end|>`)."""
+    probe = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": SENTINEL}],
+        tokenize=False,
+        **template_kwargs,
+    )
+    return probe[probe.index(SENTINEL) + len(SENTINEL) :].strip() if SENTINEL in probe else ""
+
+
+def stop_token_ids(
+    tokenizer: PreTrainedTokenizerBase, generation_eos: Any, template_kwargs: dict[str, Any]
+) -> list[int]:
+    """Ids that end a reply: the tokenizer's and the generation config's end of sequence, and
+    the first token of the chat template's end-of-turn text when it is a special token."""
+    ids: list[int] = []
+    for value in (tokenizer.eos_token_id, generation_eos):
+        ids += value if isinstance(value, list) else [] if value is None else [value]
+    if tokenizer.chat_template:
+        end = end_of_turn_text(tokenizer, template_kwargs)
+        end_ids = tokenizer(end, add_special_tokens=False)["input_ids"] if end else []
+        if end_ids and end_ids[0] in tokenizer.all_special_ids + list(
+            tokenizer.added_tokens_decoder
+        ):
+            ids.append(end_ids[0])
+    if not ids:
+        raise ValueError(
+            f"tokenizer {tokenizer.name_or_path}: no end-of-sequence token and no chat template "
+            "end-of-turn token: generation could not stop; set eos_token in its "
+            "tokenizer_config.json"
+        )
+    return sorted(set(ids))
+
+
+def _render(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], kwargs: dict[str, Any]
+) -> list[int]:
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **kwargs
+        )
+    except Exception as err:  # the template's raise_exception, or a Jinja error
+        raise InvalidRow("template_error", f"the chat template failed: {err}") from err
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _invalid(cfg: GenerateConfig, index: int, err: InvalidRow, result: ChunkResult) -> None:
+    if cfg.data.on_invalid != "skip":
+        raise ValueError(
+            f"data {cfg.data.path} row {index}: {err.detail}; fix or remove the row, or pass "
+            "--set data.on_invalid=skip to skip such rows (finished chunks are kept)"
+        )
+    result.skipped[err.reason] += 1
+
+
+def generate_chat(
+    raw_rows: list[Any],
+    indices: list[int],
+    fmt: str,
+    cfg: GenerateConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    backend: Backend,
+    on_batch: Callable[[int, int], None] | None = None,
+) -> ChunkResult:
+    """Rewrite every assistant turn of the chunk's conversations, round by round."""
+    result = ChunkResult()
+    kwargs = cfg.data.chat_template_kwargs
+    convs: dict[int, list[dict[str, Any]]] = {}
+    turns: dict[int, list[int]] = {}
+    for k, raw in enumerate(raw_rows):
+        try:
+            messages = normalize_conversation(raw, fmt)
+            positions = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+            if not positions:
+                raise InvalidRow("no_assistant_turn", "the conversation has no assistant turn")
+        except InvalidRow as err:
+            _invalid(cfg, indices[k], err, result)
+            continue
+        convs[k], turns[k] = messages, positions
+    truncated: Counter = Counter()
+    for r in range(max((len(t) for t in turns.values()), default=0)):
+        active, prompts = [], []
+        for k in list(convs):
+            if len(turns[k]) <= r:
+                continue
+            try:
+                prompts.append(_render(tokenizer, convs[k][: turns[k][r]], kwargs))
+            except InvalidRow as err:
+                _invalid(cfg, indices[k], err, result)
+                del convs[k]
+                continue
+            active.append(k)
+        completions = backend.generate(prompts, cfg.sampling.max_new_tokens, on_batch)
+        result.count(completions)
+        for k, completion in zip(active, completions, strict=True):
+            # only role and content: a rewritten turn's old tool calls or reasoning no
+            # longer belong to it
+            convs[k][turns[k][r]] = {"role": "assistant", "content": completion.text}
+            truncated[k] += not completion.finished
+    for k, messages in convs.items():
+        result.rows.append(
+            {
+                "messages": [{"role": m["role"], "content": m["content"]} for m in messages],
+                "source_index": indices[k],
+                "generated_turns": len(turns[k]),
+                "truncated_turns": truncated[k],
+            }
+        )
+    return result
+
+
+def text_windows(ids: list[int], prompt_tokens: int, stride: int) -> list[int]:
+    """Start offsets of the prompt windows of one document's token ids."""
+    if len(ids) <= prompt_tokens:
+        return [0] if ids else []
+    return list(range(0, len(ids) - prompt_tokens + 1, stride))
+
+
+def generate_text(
+    raw_rows: list[Any],
+    indices: list[int],
+    cfg: GenerateConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    backend: Backend,
+    on_batch: Callable[[int, int], None] | None = None,
+) -> ChunkResult:
+    """Continue every window of the chunk's text documents."""
+    result = ChunkResult()
+    windows: list[tuple[int, int, list[int]]] = []  # (source index, start, prompt ids)
+    valid = [(k, t) for k, t in enumerate(raw_rows) if isinstance(t, str) and t.strip()]
+    for k, text in enumerate(raw_rows):
+        if not (isinstance(text, str) and text.strip()):
+            err = InvalidRow("empty_text", f"{cfg.data.text_field!r} is empty or not a string")
+            _invalid(cfg, indices[k], err, result)
+    encoded = tokenizer([t for _, t in valid], add_special_tokens=False)["input_ids"]
+    for (k, _), ids in zip(valid, encoded, strict=True):
+        for start in text_windows(ids, cfg.text.prompt_tokens, cfg.text.stride):
+            windows.append((indices[k], start, ids[start : start + cfg.text.prompt_tokens]))
+    completions = backend.generate([w[2] for w in windows], cfg.text.new_tokens, on_batch)
+    result.count(completions)
+    for (index, start, prompt), completion in zip(windows, completions, strict=True):
+        if completion.token_ids is not None:  # one decode: no seam inside a split character
+            text = tokenizer.decode(prompt + completion.token_ids, skip_special_tokens=True)
+        else:
+            text = tokenizer.decode(prompt, skip_special_tokens=True) + completion.text
+        result.rows.append(
+            {
+                "text": text,
+                "source_index": index,
+                "window_start": start,
+                "new_tokens": completion.num_tokens,
+            }
+        )
+    return result

@@ -1,0 +1,292 @@
+"""`dflash generate`: the target writes the training text itself.
+
+    dflash generate --config configs/pystd.yaml --model M --data train.jsonl.gz --out gen/
+    dflash extract  --config configs/pystd.yaml --model M --data gen/ --out store/
+
+A drafter must predict what the target will say; trained on the target's own text it accepts
+far more than on a dataset's text (see BENCHMARKS.md). Chat rows get every assistant turn
+rewritten by the target, text rows get continuation windows (`stage1_generate/rows.py`).
+
+Flow: the source rows are cut into chunks of `output.rows_per_chunk`; the launching process
+checks the inputs and prepares the output folder (or checks that it resumes one made by the
+same settings); each process (one per GPU, data parallel through torchrun's launcher) generates
+the chunks `c % world == rank` not done yet and commits each as one file; once all are done the
+manifest gets the totals and `complete: true`. Rerunning the same command resumes.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections import Counter
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import datasets
+from tqdm import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from common.config import to_dict
+from common.distributed import (
+    WorkerContext,
+    barrier,
+    finish_worker,
+    init_worker,
+    launch,
+    parse_devices,
+    under_torchrun,
+)
+from common.generated import FORMAT, VERSION, read_manifest
+from common.logging import get_logger, init_logger
+from stage1_extract.data import detect_format, load_raw_dataset
+from stage1_extract.fingerprints import weights_fingerprint
+from stage1_extract.store_root import _canonical_path
+from stage1_generate.config import GenerateConfig
+from stage1_generate.output import (
+    chunk_stats,
+    content_key,
+    done_chunks,
+    finalize_output,
+    prepare_output,
+    write_chunk,
+)
+from stage1_generate.rows import Backend, generate_chat, generate_text, stop_token_ids
+
+# a rank that finished its chunks waits at the final barrier for the slowest one
+BARRIER_TIMEOUT = timedelta(hours=48)
+
+
+def load_tokenizer(cfg: GenerateConfig) -> PreTrainedTokenizerBase:
+    from stage1_extract.job import load_tokenizer as load_extract_tokenizer
+
+    return load_extract_tokenizer(_as_extract_config(cfg))
+
+
+def _as_extract_config(cfg: GenerateConfig) -> Any:
+    from stage1_extract.config import ExtractConfig
+
+    return ExtractConfig(target=cfg.target.as_target_config(), data=cfg.data)
+
+
+def _check_inputs(
+    cfg: GenerateConfig, tokenizer: PreTrainedTokenizerBase
+) -> tuple[datasets.Dataset, str, str]:
+    """The raw rows, their format and column; ValueError for what cannot be generated."""
+    raw = load_raw_dataset(cfg.data)
+    fmt, column = detect_format(cfg.data, raw.features)
+    if fmt != "text" and not tokenizer.chat_template:
+        name = tokenizer.name_or_path or type(tokenizer).__name__
+        raise ValueError(
+            f"tokenizer {name} has no chat_template, but data {cfg.data.path} holds "
+            f"conversations ({column!r}): the target's replies are rendered by its own "
+            "template; use a tokenizer that has one (--set target.tokenizer=...) or give "
+            "plain text (--set data.format=text)"
+        )
+    if len(raw) == 0:
+        raise ValueError(f"data {cfg.data.path} has no rows")
+    return raw, fmt, column
+
+
+def build_manifest(cfg: GenerateConfig, raw: datasets.Dataset, fmt: str) -> dict[str, Any]:
+    """Provenance and the settings that decide the rows (hashed into `key`)."""
+    config = to_dict(cfg)
+    data = {k: v for k, v in config["data"].items() if k != "num_proc"}
+    data["path"] = _canonical_path(data["path"])
+    backend = cfg.run.backend
+    content = {
+        "target": {
+            "model": _canonical_path(cfg.target.model),
+            "revision": cfg.target.revision,
+            "tokenizer": cfg.target.tokenizer,
+            "dtype": cfg.target.dtype if backend == "local" else None,
+            "weights_sha256": weights_fingerprint(cfg.target.model),
+        },
+        "backend": backend,
+        "served_model": cfg.endpoint.model or cfg.target.model if backend == "openai" else None,
+        "data": data,
+        "data_fingerprint": raw._fingerprint,
+        "format": fmt,
+        "sampling": config["sampling"],
+        "text": config["text"] if fmt == "text" else None,
+        "rows_per_chunk": cfg.output.rows_per_chunk,
+    }
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "key": content_key(content),
+        "content": content,
+        "target": content["target"],
+        "source": {"path": cfg.data.path, "format": fmt, "num_rows": len(raw)},
+        "backend": {"kind": backend, "endpoint": cfg.endpoint.url if backend == "openai" else None},
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "num_chunks": -(-len(raw) // cfg.output.rows_per_chunk),
+        "complete": False,
+    }
+
+
+def _make_backend(
+    cfg: GenerateConfig, tokenizer: PreTrainedTokenizerBase, ctx: WorkerContext, devices: list[str]
+) -> Backend:
+    if cfg.run.backend == "openai":
+        from stage1_generate.openai_backend import OpenAIBackend
+
+        stops = stop_token_ids(tokenizer, None, cfg.data.chat_template_kwargs)
+        return OpenAIBackend(cfg.endpoint, cfg.sampling, stops, cfg.target.model)
+    from stage1_extract.target import load_target
+    from stage1_generate.local_backend import LocalBackend
+
+    model = load_target(cfg.target.as_target_config(), ctx.device, devices)
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    stops = stop_token_ids(tokenizer, eos, cfg.data.chat_template_kwargs)
+    return LocalBackend(
+        model, tokenizer, cfg.sampling, stops, cfg.run.batch_size, cfg.run.batch_tokens
+    )
+
+
+def _generate_chunks(cfg: GenerateConfig, ctx: WorkerContext, devices: list[str]) -> None:
+    """Generate and commit this process's chunks that are not done yet."""
+    log = get_logger()
+    out = Path(cfg.output.out).expanduser()
+    tokenizer = load_tokenizer(cfg)
+    raw, fmt, column = _check_inputs(cfg, tokenizer)
+    per_chunk = cfg.output.rows_per_chunk
+    num_chunks = -(-len(raw) // per_chunk)
+    done = done_chunks(out)
+    todo = [c for c in range(num_chunks) if c % ctx.world_size == ctx.rank and c not in done]
+    if not todo:
+        return
+    backend = _make_backend(cfg, tokenizer, ctx, devices)
+    rows_total = sum(min(per_chunk, len(raw) - c * per_chunk) for c in todo)
+    bar = tqdm(
+        total=rows_total,
+        unit="row",
+        dynamic_ncols=True,
+        desc=f"generate (rank {ctx.rank}/{ctx.world_size}, {len(todo)} chunks)",
+        disable=not (cfg.run.progress and ctx.is_main),
+    )
+    start, new_tokens = time.perf_counter(), 0
+
+    def on_batch(_prompts: int, tokens: int) -> None:
+        nonlocal new_tokens
+        new_tokens += tokens
+        rate = new_tokens / max(time.perf_counter() - start, 1e-9)
+        bar.set_postfix_str(f"{new_tokens} new tokens, {rate:.0f} tok/s", refresh=True)
+
+    try:
+        for chunk in todo:
+            lo, hi = chunk * per_chunk, min((chunk + 1) * per_chunk, len(raw))
+            rows = raw.select(range(lo, hi))[column]
+            if not cfg.sampling.greedy:  # each chunk its own seed: a resumed chunk agrees
+                import torch
+
+                torch.manual_seed(cfg.sampling.seed + chunk)
+            indices = list(range(lo, hi))
+            if fmt == "text":
+                result = generate_text(rows, indices, cfg, tokenizer, backend, on_batch)
+            else:
+                result = generate_chat(rows, indices, fmt, cfg, tokenizer, backend, on_batch)
+            write_chunk(
+                out, chunk, result.rows, {"chunk": chunk, "rows_in": hi - lo, **result.stats()}
+            )
+            bar.update(hi - lo)
+    finally:
+        bar.close()
+    seconds = time.perf_counter() - start
+    log.info(
+        "rank %d: %d chunks, %d new tokens in %.1f s (%.0f new tokens/s)",
+        ctx.rank,
+        len(todo),
+        new_tokens,
+        seconds,
+        new_tokens / max(seconds, 1e-9),
+    )
+
+
+def _worker(cfg: GenerateConfig, devices: list[str], error_dir: str, prepared: bool) -> None:
+    """One process. `prepared`: the launcher prepared the folder and will finalize it; else
+    (under torchrun) rank 0 does both, around barriers."""
+    init_logger()
+    ctx = init_worker(devices, timeout=BARRIER_TIMEOUT)
+    try:
+        if not prepared:
+            if ctx.is_main:
+                _prepare(cfg)
+            barrier()
+        _generate_chunks(cfg, ctx, devices)
+        if not prepared:
+            barrier()
+            if ctx.is_main:
+                _finalize(cfg)
+    except ValueError as err:
+        Path(error_dir, f"rank-{ctx.rank}.txt").write_text(str(err))
+        raise
+    finally:
+        finish_worker()
+
+
+def summarize(out: Path, num_chunks: int) -> dict[str, Any]:
+    """Totals over the committed chunks' counts."""
+    stats = chunk_stats(out)
+    missing = sorted(set(range(num_chunks)) - {s["chunk"] for s in stats})
+    if missing:
+        raise ValueError(
+            f"--out {out}: chunks {missing[:10]} were not generated; rerun the same command"
+        )
+    skipped: Counter = Counter()
+    totals: Counter = Counter()
+    for s in stats:
+        skipped.update(s["skipped"])
+        totals.update({k: v for k, v in s.items() if k not in ("chunk", "skipped")})
+    return {**dict(totals), "skipped": dict(skipped)}
+
+
+def _prepare(cfg: GenerateConfig) -> None:
+    tokenizer = load_tokenizer(cfg)
+    raw, fmt, _ = _check_inputs(cfg, tokenizer)
+    manifest = build_manifest(cfg, raw, fmt)
+    prepare_output(Path(cfg.output.out).expanduser(), manifest, cfg.output.overwrite)
+
+
+def _finalize(cfg: GenerateConfig) -> dict[str, Any]:
+    out = Path(cfg.output.out).expanduser()
+    manifest = read_manifest(out)
+    assert manifest is not None
+    counts = summarize(out, manifest["num_chunks"])
+    final = finalize_output(out, counts)
+    get_logger().info(
+        "generated %s: %d rows from %d source rows (skipped: %s), %d prompts, %d new tokens, "
+        "%d replies cut at the token limit, %d empty replies",
+        out,
+        counts.get("rows_out", 0),
+        counts.get("rows_in", 0),
+        counts["skipped"] or "none",
+        counts.get("prompts", 0),
+        counts.get("new_tokens", 0),
+        counts.get("truncated", 0),
+        counts.get("empty_replies", 0),
+    )
+    return final
+
+
+def run_generate(cfg: GenerateConfig) -> dict[str, Any] | None:
+    """Generate (or resume generating) `cfg.output.out`; return its final manifest (None on
+    the ranks other than 0 under torchrun)."""
+    devices = ["cpu"] if cfg.run.backend == "openai" else parse_devices(cfg.run.devices)
+    with tempfile.TemporaryDirectory(prefix="dflash-generate-") as error_dir:
+        if under_torchrun():
+            _worker(cfg, devices, error_dir, prepared=False)
+            return read_manifest(Path(cfg.output.out).expanduser())
+        # checked and prepared here, so user errors stay ValueErrors of this process
+        _prepare(cfg)
+        try:
+            if len(devices) == 1:
+                _worker(cfg, devices, error_dir, prepared=True)
+            else:
+                launch(_worker, devices, cfg, devices, error_dir, True)
+        except Exception as err:
+            messages = sorted(Path(error_dir).glob("rank-*.txt"))
+            if messages and not isinstance(err, ValueError):
+                raise ValueError("; ".join(p.read_text() for p in messages)) from err
+            raise
+    return _finalize(cfg)
