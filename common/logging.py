@@ -36,3 +36,16 @@ def init_logger(level: int = logging.INFO) -> logging.Logger:
 
 def get_logger() -> logging.Logger:
     return logging.getLogger(LOGGER_NAME)
+
+
+def quiet_launcher_logs() -> None:
+    """Silence torchrun's launcher below DEBUG: it logs every failed worker's traceback (and its
+    peers' consequences) at ERROR, while the command reports the worker's own error in one
+    line (common/errors.py). Imports the launcher so its loggers exist to be lowered."""
+    if get_logger().getEffectiveLevel() <= logging.DEBUG:
+        return
+    import torch.distributed.launcher.api  # noqa: F401
+
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)

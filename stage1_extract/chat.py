@@ -18,6 +18,11 @@ changed the content, at the next end-of-turn text.
 Character spans become token masks through the fast
 tokenizer's offsets on the full text: a token is a loss token when it overlaps a span.
 Templates with `{% generation %}` tags use transformers' own `return_assistant_tokens_mask`.
+
+An assistant turn with empty content stays in the conversation (the turns around it still
+train) but has no loss tokens: there is nothing of the target's to predict in it, and its
+end-of-turn token alone would teach the drafter to stop right after a header. A conversation
+whose assistant turns are all empty is an InvalidRow ("empty_assistant").
 """
 
 from __future__ import annotations
@@ -84,10 +89,14 @@ def normalize_conversation(raw: Any, fmt: str) -> list[dict[str, Any]]:
     assistants = [m for m in messages if m["role"] == "assistant"]
     if not assistants:
         raise InvalidRow("no_assistant", "the conversation has no assistant message")
-    for j, m in enumerate(messages):
-        if m["role"] == "assistant" and not m["content"].strip():
-            raise InvalidRow("empty_assistant", f"assistant message {j} has empty content")
+    if all(is_empty_turn(m) for m in assistants):
+        raise InvalidRow("empty_assistant", "every assistant message has empty content")
     return messages
+
+
+def is_empty_turn(message: dict[str, Any]) -> bool:
+    """An assistant message with nothing to learn: no loss tokens for it."""
+    return message["role"] == "assistant" and not message["content"].strip()
 
 
 def has_generation_tags(tokenizer: PreTrainedTokenizerBase) -> bool:
@@ -140,6 +149,10 @@ def assistant_char_spans(
             continue
         head = _render(tokenizer, messages[:i], gen=True)
         turn = _render(tokenizer, messages[: i + 1], gen=False)
+        if is_empty_turn(message):  # no span; the next turn is searched for after it
+            if turn is not None and full.startswith(turn):
+                after = max(after, len(turn.rstrip()))
+            continue
         if head is not None and turn is not None:
             end = len(turn.rstrip())
             if full.startswith(turn) and turn.startswith(head) and after <= len(head) < end:
@@ -169,6 +182,21 @@ def assistant_char_spans(
     return spans
 
 
+def _turn_token_range(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], i: int
+) -> tuple[int, int]:
+    """Token range of assistant turn i (after its generation prompt, through its end), from the
+    lengths of the tokenized renders before and through it."""
+
+    def length(part: list[dict[str, Any]], gen: bool) -> int:
+        enc = tokenizer.apply_chat_template(
+            part, tokenize=True, return_dict=True, add_generation_prompt=gen
+        )
+        return len(enc["input_ids"])
+
+    return (length(messages[:i], True) if i else 0), length(messages[: i + 1], False)
+
+
 def spans_to_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
     """uint8 [T] mask of the tokens (char offsets [T, 2]) that overlap any span."""
     mask = np.zeros(len(offsets), dtype=bool)
@@ -191,7 +219,12 @@ def tokenize_conversations(
             except Exception as err:  # the template's own raise_exception, or a Jinja error
                 results[k] = InvalidRow("template_error", f"the chat template failed: {err}")
                 continue
-            results[k] = (list(enc["input_ids"]), list(enc["assistant_masks"]))
+            mask = list(enc["assistant_masks"])
+            for i, message in enumerate(messages):
+                if is_empty_turn(message):
+                    start, end = _turn_token_range(tokenizer, messages, i)
+                    mask[start:end] = [0] * len(mask[start:end])
+            results[k] = (list(enc["input_ids"]), mask)
         return results
 
     texts: dict[int, str] = {}

@@ -21,10 +21,17 @@ from typing import Any
 import datasets
 from transformers import PreTrainedTokenizerBase
 
-from stage1_extract.chat import InvalidRow, normalize_conversation, tokenize_conversations
+from stage1_extract.chat import (
+    InvalidRow,
+    is_empty_turn,
+    normalize_conversation,
+    tokenize_conversations,
+)
 from stage1_extract.config import DataConfig
 from stage1_extract.data_files import LOCAL_BUILDERS, load_local, looks_local
 
+# the key of `PreparedData.skipped` counting assistant turns kept without loss tokens
+EMPTY_TURNS = "empty_assistant_turn"
 DEFAULT_FIELDS = {"messages": "messages", "sharegpt": "conversations"}
 FEATURES = datasets.Features(
     {
@@ -32,6 +39,7 @@ FEATURES = datasets.Features(
         "loss_mask": datasets.List(datasets.Value("uint8")),
         "source_index": datasets.Value("int64"),
         "skip_reason": datasets.Value("string"),  # "" for a valid row
+        "empty_turns": datasets.Value("int32"),  # kept assistant turns without loss (chat.py)
     }
 )
 
@@ -41,7 +49,8 @@ class PreparedData:
     dataset: datasets.Dataset  # columns: input_ids, loss_mask (0/1), source_index (raw row)
     format: str  # "messages" | "sharegpt" | "text": the one detected or asked for
     num_rows: int  # rows read from the raw dataset (after max_samples)
-    skipped: dict[str, int] = field(default_factory=dict)  # reason -> rows; on_invalid="skip"
+    # reason -> rows skipped (on_invalid="skip"), and EMPTY_TURNS -> turns kept without loss
+    skipped: dict[str, int] = field(default_factory=dict)
 
 
 def load_raw_dataset(cfg: DataConfig) -> datasets.Dataset:
@@ -120,6 +129,7 @@ def _tokenize_batch(
     """One `datasets.map` batch; module-level with plain arguments so its fingerprint is stable."""
     rows = batch[column]
     results: list[Any] = [None] * len(rows)
+    chats: dict[int, list[dict[str, Any]]] = {}
     if fmt == "text":
         keep = []
         for k, text in enumerate(rows):
@@ -132,7 +142,6 @@ def _tokenize_batch(
             for k, row_ids in zip(keep, ids, strict=True):
                 results[k] = (list(row_ids), [1] * len(row_ids))
     else:
-        chats: dict[int, list[dict[str, Any]]] = {}
         for k, raw in enumerate(rows):
             try:
                 chats[k] = normalize_conversation(raw, fmt)
@@ -148,6 +157,7 @@ def _tokenize_batch(
         "loss_mask": [],
         "source_index": [],
         "skip_reason": [],
+        "empty_turns": [],
     }
     for k, result in enumerate(results):
         if not isinstance(result, InvalidRow) and not any(result[1]):
@@ -165,6 +175,8 @@ def _tokenize_batch(
         out["loss_mask"].append(result_mask)
         out["source_index"].append(indices[k])
         out["skip_reason"].append(reason)
+        messages = [] if reason else chats.get(k, [])
+        out["empty_turns"].append(sum(is_empty_turn(m) for m in messages))
     return out
 
 
@@ -210,5 +222,9 @@ def prepare_documents(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Pr
         skipped = dict(Counter(r for r in docs["skip_reason"] if r))
         if skipped:
             docs = docs.filter(_is_valid, input_columns="skip_reason", batched=True)
-    docs = docs.remove_columns("skip_reason")
+    # kept rows, counted with the skips: the turns that gave no loss tokens
+    empty_turns = sum(docs["empty_turns"])
+    if empty_turns:
+        skipped[EMPTY_TURNS] = empty_turns
+    docs = docs.remove_columns(["skip_reason", "empty_turns"])
     return PreparedData(dataset=docs, format=fmt, num_rows=len(raw), skipped=skipped)

@@ -186,7 +186,8 @@ def _finalize(job: ExtractJob) -> None:
     final = finalize_store(job.store, job.attrs, job.source_documents, job.prepared.skipped)
     counts = final["counts"]
     get_logger().info(
-        "store %s complete: %d shards, %d sequences, %d documents, %d tokens (%d loss), %d padding",
+        "store %s complete: %d shards, %d sequences, %d documents, %d tokens (%d loss), %d "
+        "padding; skipped: %s",
         job.store,
         final["num_shards"],
         counts["sequences"],
@@ -194,6 +195,8 @@ def _finalize(job: ExtractJob) -> None:
         counts["tokens"],
         counts["loss_tokens"],
         counts["padding_tokens"],
+        # rows skipped by reason, and assistant turns kept without loss (empty_assistant_turn)
+        ", ".join(f"{k} {v}" for k, v in sorted(job.prepared.skipped.items())) or "none",
     )
 
 

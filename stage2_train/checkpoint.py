@@ -8,23 +8,33 @@ A checkpoint folder holds `model.pt` (the drafter's trainable state dict), `opti
 
 Under data parallelism the model and optimizer are identical on every rank, so rank 0 writes
 them; each rank writes its own RNG state.
+
+A disk full or a file-size limit while writing removes the temporary folder and raises one
+OutOfSpaceError naming the folder and the space needed; the previous checkpoints stay the
+newest. `resume_latest` loads the newest checkpoint that reads back whole: a damaged one
+(truncated or missing file, bad meta.json) is skipped with a warning naming what is wrong, and
+every rank falls back to the same one.
 """
 
 from __future__ import annotations
 
 import json
+import pickle
 import random
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from common.distributed import barrier
-from common.durable import commit_folder
+from common.durable import commit_folder, space_checked
+from common.logging import get_logger
 
 STEP_RE = re.compile(r"^step-(\d{6,})$")
 TMP_PREFIX = ".tmp-"
@@ -82,6 +92,17 @@ class TrainState:
         return dict(self.__dict__)
 
 
+def state_bytes(obj: Any) -> int:
+    """Bytes of the tensors in a (nested) state dict: about what torch.save writes for it."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(state_bytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(state_bytes(v) for v in obj)
+    return 0
+
+
 def save_checkpoint(
     out: str | Path,
     state: TrainState,
@@ -101,22 +122,76 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    torch.save(rng_state(), tmp / f"rng-rank{rank}.pt")
+    model_state = model.state_dict()
+    optim_state = optimizer.state_dict()
+    needed = state_bytes(model_state) + state_bytes(optim_state)
+    previous = latest_checkpoint(out)
+    fix = "free space or pass another --out, then rerun the same command to resume" + (
+        f" from {previous.name}" if previous else ""
+    )
+    try:
+        with space_checked("checkpoint", final, needed, fix):
+            torch.save(rng_state(), tmp / f"rng-rank{rank}.pt")
+            if rank == 0:
+                torch.save(model_state, tmp / "model.pt")
+                torch.save(optim_state, tmp / "optimizer.pt")
+                torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+                meta = {"train_state": state.to_dict(), "config": config, **(extra_meta or {})}
+                (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+            barrier()
+            if rank == 0:
+                _replace(tmp, final)
+    except BaseException:
+        if rank == 0:  # a half-written folder must not fill the disk; it is never a checkpoint
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if rank == 0:
-        torch.save(model.state_dict(), tmp / "model.pt")
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        meta = {"train_state": state.to_dict(), "config": config, **(extra_meta or {})}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-    barrier()
-    if rank == 0:
-        if final.exists():  # a step saved again after a resume: replace it whole
-            shutil.rmtree(final)
-        commit_folder(tmp, final)
-        for old in list_checkpoints(out)[:-keep]:
+        for old in [p for p in list_checkpoints(out) if _step(p) < state.step][
+            : -(keep - 1) or None
+        ]:
             shutil.rmtree(old)
     barrier()
     return final
+
+
+def _step(path: Path) -> int:
+    return int(STEP_RE.match(path.name).group(1))
+
+
+def _replace(tmp: Path, final: Path) -> None:
+    """Commit `tmp` as `final`; a step saved again after a resume replaces the old folder whole,
+    which is moved aside first so no moment is left without a complete `final` or older ones."""
+    aside = final.with_name(TMP_PREFIX + "old-" + final.name)
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        final.rename(aside)
+    commit_folder(tmp, final)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+class DamagedCheckpoint(Exception):
+    """A checkpoint folder that does not read back whole; the message says what is wrong."""
+
+
+# What torch.load and json raise on a truncated, emptied or garbled file.
+_READ_ERRORS = (OSError, RuntimeError, EOFError, pickle.UnpicklingError, ValueError, KeyError)
+
+
+def _read(path: Path, what: str, reader: Callable[[Path], Any]) -> Any:
+    if not path.is_file():
+        raise DamagedCheckpoint(f"{what} is missing")
+    try:
+        return reader(path)
+    except _READ_ERRORS as err:
+        raise DamagedCheckpoint(f"{what} is unreadable ({type(err).__name__}: {err})") from err
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """meta.json of checkpoint `path`; DamagedCheckpoint when missing, not JSON, or incomplete."""
+    meta = _read(path / "meta.json", "meta.json", lambda p: json.loads(p.read_text()))
+    if not isinstance(meta, dict) or not {"train_state", "config"} <= set(meta):
+        raise DamagedCheckpoint("meta.json lacks train_state or config")
+    return meta
 
 
 def load_checkpoint(
@@ -128,14 +203,88 @@ def load_checkpoint(
     rank: int,
     device: torch.device,
 ) -> tuple[TrainState, dict[str, Any]]:
-    """Restore everything saved by `save_checkpoint`; returns the train state and meta."""
-    meta = json.loads((path / "meta.json").read_text())
-    model.load_state_dict(torch.load(path / "model.pt", map_location=device, weights_only=True))
-    optimizer.load_state_dict(
-        torch.load(path / "optimizer.pt", map_location=device, weights_only=True)
-    )
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    """Restore everything saved by `save_checkpoint`; returns the train state and meta.
+    DamagedCheckpoint when a file is missing or does not read back (nothing is applied then:
+    every file is read before any state is set)."""
+    meta = read_meta(path)
+
+    def tensors(name: str, weights_only: bool = True) -> Any:
+        return _read(
+            path / name,
+            name,
+            lambda p: torch.load(p, map_location=device, weights_only=weights_only),
+        )
+
+    model_state, optim_state = tensors("model.pt"), tensors("optimizer.pt")
+    sched_state = tensors("scheduler.pt")
     rng_file = path / f"rng-rank{rank}.pt"
-    if rng_file.exists():  # absent when resuming with more ranks than were saved
-        set_rng_state(torch.load(rng_file, weights_only=False))
-    return TrainState(**meta["train_state"]), meta
+    # absent when resuming with more ranks than were saved
+    rng = tensors(rng_file.name, weights_only=False) if rng_file.exists() else None
+    try:
+        state = TrainState(**meta["train_state"])
+    except TypeError as err:
+        raise DamagedCheckpoint(f"meta.json train_state is malformed ({err})") from err
+    model.load_state_dict(model_state)
+    optimizer.load_state_dict(optim_state)
+    scheduler.load_state_dict(sched_state)
+    if rng is not None:
+        set_rng_state(rng)
+    return state, meta
+
+
+def _all_ranks_ok(ok: bool, device: torch.device) -> bool:
+    """True when every rank read its checkpoint whole (so all fall back together)."""
+    if not dist.is_initialized():
+        return ok
+    flag = torch.tensor([int(ok)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def resume_latest(
+    out: str | Path,
+    check: Callable[[dict[str, Any], Path], None],
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    rank: int,
+    device: torch.device,
+) -> tuple[TrainState, dict[str, Any], Path] | None:
+    """Load the newest checkpoint of `out` that reads back whole, newest first (collective).
+
+    `check(meta, path)` runs on each candidate's meta before its tensors load (a ValueError
+    there, e.g. another config, stops the resume: it is not damage). A damaged checkpoint is
+    skipped with a warning; None when `out` has no checkpoint, ValueError when all are damaged.
+    """
+    found = list_checkpoints(out)
+    problems = []
+    for i in range(len(found) - 1, -1, -1):
+        path = found[i]
+        try:
+            meta = read_meta(path)
+            check(meta, path)
+            state, meta = load_checkpoint(
+                path,
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                rank=rank,
+                device=device,
+            )
+            problem = None
+        except DamagedCheckpoint as err:
+            problem = f"{path.name}/{err}"
+        if _all_ranks_ok(problem is None, device):
+            return state, meta, path
+        problems.append(problem or f"{path.name}: damaged on another rank")
+        if i > 0:
+            get_logger().warning(
+                "checkpoint %s is damaged: %s; falling back to %s", path, problems[-1], found[i - 1]
+            )
+    if not found:
+        return None
+    raise ValueError(
+        f"every checkpoint in {out} is damaged ({'; '.join(problems)}); move them away to "
+        "train from the start, or pass another --out"
+    )

@@ -121,6 +121,11 @@ class TrainDataConfig:
     num_workers: int = doc(2, "loader worker processes")
     prefetch: int = doc(4, "batches prefetched per worker")
     seed: int = doc(0, "seed of shuffling and anchor sampling")
+    on_damaged: Literal["error", "skip"] = doc(
+        "error",
+        "a sequence whose stored bytes do not decode or whose file is missing or cut: stop "
+        "with an error naming its shard and array, or skip it (logged, counted in metrics)",
+    )
 
     def problems(self) -> list[str]:
         out = []
@@ -152,6 +157,12 @@ class TrainRunConfig:
     keep_checkpoints: int = doc(2, "newest checkpoints kept")
     seed: int = doc(0, "seed of model init")
     progress: bool = doc(True, "show a progress bar")
+    allow_config_change: bool = doc(
+        False,
+        "on a resume, apply the fields that differ from the checkpoint's config (lr, schedule, "
+        "steps, loss, anchors; each logged) instead of refusing; the drafter and the data "
+        "layout can never change (--allow-config-change)",
+    )
 
     def problems(self) -> list[str]:
         out = []

@@ -1,17 +1,20 @@
 """Export a trained drafter as the transformers-style folder serving engines load.
 
-    python -m stage2_train.export RUN [--step N] [--out FOLDER]   # on demand, from a checkpoint
+    dflash export RUN [--step N] [--out FOLDER] [--dtype bfloat16|float32|float16]
 
 `RUN/export/` (written at the end of `dflash train`) holds `config.json` (a Qwen3 config of the
-drafter's sizes plus `block_size`, `num_target_layers` and `dflash_config`) and
-`model.safetensors` with exactly the key names of notes/dflash.md: the layers, `norm`, `fc`,
-`hidden_norm`; no embedding and no LM head (the target's are reused). The folder is written
-next to its final place and renamed, so a reader never sees half an export.
+drafter's sizes plus `block_size`, `num_target_layers`, `dflash_config` with the mask token's id
+and string, and `auto_map`), `model.safetensors` with exactly the key names of
+notes/dflash.md (the layers, `norm`, `fc`, `hidden_norm`; no embedding and no LM head: the
+target's are reused), in bf16 by default like the targets it serves, and `modeling_dflash.py`,
+so that `AutoModel.from_pretrained(folder, trust_remote_code=True)` returns a DFlash drafter.
+Every file is world-readable (0644): servers often run under another uid. The folder is written
+next to its final place and renamed, so a reader never sees half an export; a disk full there
+is one OutOfSpaceError naming the folder and the space needed.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from pathlib import Path
@@ -19,8 +22,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.durable import commit_folder
-from stage2_train.checkpoint import latest_checkpoint, step_dir
+from common.durable import commit_folder, space_checked
+from common.logging import get_logger
+from stage2_train.checkpoint import DamagedCheckpoint, latest_checkpoint, read_meta, step_dir
 from stage2_train.model import DFlashDrafter, DrafterShape, drafter_config_json
 
 LAYER_KEYS = [
@@ -44,29 +48,68 @@ def expected_keys(num_layers: int) -> set[str]:
     return keys | {"norm.weight", "fc.weight", "hidden_norm.weight"}
 
 
+MODEL_FILE = Path(__file__).with_name("modeling_dflash.py")
+AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
+EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+FILE_MODE, FOLDER_MODE = 0o644, 0o755
+
+
+def mask_token_string(tokenizer_attrs: dict, token_id: int) -> str | None:
+    """The mask token's string, from the tokenizer the store names (None when it cannot be
+    loaded offline, or when the id is an embedding row past the tokenizer's vocabulary)."""
+    name = tokenizer_attrs.get("name_or_path")
+    if not name:
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as err:  # not there, or not a tokenizer: only a nicety lost
+        get_logger().warning("export: no mask token string (tokenizer %s: %s)", name, err)
+        return None
+    return tokenizer.convert_ids_to_tokens(token_id) if token_id < len(tokenizer) else None
+
+
 def export_drafter(
     model: DFlashDrafter,
     shape: DrafterShape,
     tapped_layers: list[int],
     target_config: dict,
     out_dir: str | Path,
+    *,
+    dtype: torch.dtype | str = torch.bfloat16,
+    mask_token: str | None = None,
+    fix: str = "free space or pass another --out, then export again",
 ) -> Path:
-    """Write config.json + model.safetensors of `model` into `out_dir` (replacing it)."""
+    """Write config.json, model.safetensors (in `dtype`) and modeling_dflash.py of `model` into
+    `out_dir` (replacing it); `fix` ends the message of a disk-full error."""
     out_dir = Path(out_dir)
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    dtype = EXPORT_DTYPES[dtype] if isinstance(dtype, str) else dtype
+    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
     missing = expected_keys(shape.num_layers) ^ set(state)
     assert not missing, f"drafter state dict differs from the export format: {sorted(missing)}"
     config = drafter_config_json(shape, tapped_layers, target_config)
     config["block_size"] = shape.block_size
-    config["dflash_config"]["block_size"] = shape.block_size
-    config["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    config["dflash_config"].update(block_size=shape.block_size, mask_token=mask_token)
+    config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
+    config["auto_map"] = AUTO_MAP
     tmp = out_dir.with_name(f".tmp-{out_dir.name}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    shutil.rmtree(out_dir, ignore_errors=True)
-    commit_folder(tmp, out_dir)
+    needed = sum(v.numel() * v.element_size() for v in state.values())
+    try:
+        with space_checked("export", out_dir, needed, fix):
+            tmp.mkdir(parents=True)
+            (tmp / "config.json").write_text(json.dumps(config, indent=2))
+            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            shutil.copyfile(MODEL_FILE, tmp / MODEL_FILE.name)
+            for path in tmp.iterdir():
+                path.chmod(FILE_MODE)
+            tmp.chmod(FOLDER_MODE)
+            shutil.rmtree(out_dir, ignore_errors=True)
+            commit_folder(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out_dir
 
 
@@ -112,31 +155,36 @@ def load_export(folder: str | Path) -> DFlashDrafter:
 
 
 def export_checkpoint(
-    run: str | Path, step: int | None = None, out: str | Path | None = None
+    run: str | Path,
+    step: int | None = None,
+    out: str | Path | None = None,
+    dtype: str = "bfloat16",
 ) -> Path:
     """Export the drafter of checkpoint `step` (default: the newest) of run folder `run`."""
     ckpt = step_dir(run, step) if step is not None else latest_checkpoint(run)
     if ckpt is None or not ckpt.is_dir():
         raise ValueError(f"{run}: no checkpoint {'step ' + str(step) if step else ''} to export")
-    meta = json.loads((ckpt / "meta.json").read_text())
+    try:
+        meta = read_meta(ckpt)
+        if not (ckpt / "model.pt").is_file():
+            raise DamagedCheckpoint("model.pt is missing")
+        state = torch.load(ckpt / "model.pt", map_location="cpu", weights_only=True)
+    except (DamagedCheckpoint, RuntimeError, EOFError, OSError) as err:
+        raise ValueError(
+            f"checkpoint {ckpt} is damaged ({err}); export an older one with --step N"
+        ) from err
     shape = DrafterShape(**meta["shape"])
     model = DFlashDrafter(shape)
-    state = torch.load(ckpt / "model.pt", map_location="cpu", weights_only=True)
     model.to(next(iter(state.values())).dtype).load_state_dict(state)
     target = meta["target"]
+    out = Path(out or Path(run) / "export")
     return export_drafter(
-        model, shape, target["tapped_layers"], target["config"], out or Path(run) / "export"
+        model,
+        shape,
+        target["tapped_layers"],
+        target["config"],
+        out,
+        dtype=dtype,
+        mask_token=meta.get("mask_token"),
+        fix=f"free space or pass another --out, then rerun `dflash export {run}`",
     )
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description="export a drafter from a run's checkpoint")
-    parser.add_argument("run", help="run folder (dflash train --out)")
-    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default newest)")
-    parser.add_argument("--out", default=None, help="export folder (default RUN/export)")
-    args = parser.parse_args()
-    print(f"exported to {export_checkpoint(args.run, args.step, args.out)}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,16 +1,14 @@
-"""Checks of `dflash train`'s inputs, before any worker starts: the store, the drafter config,
-and a run folder's checkpoints. One ValueError lists every problem found.
+"""Checks of `dflash train`'s inputs, before any worker starts: the store and the drafter
+config (a run folder's checkpoints: resume.py). One ValueError lists every problem found.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
-from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from common.store import (
     HEAD_FILE,
@@ -78,13 +76,30 @@ def resolve_mask_token(cfg: TrainConfig, info: StoreInfo, embed_VD: torch.Tensor
     )
 
 
+def _read_head(path: Path) -> tuple[torch.Tensor, tuple[int, int]]:
+    """The embedding and the LM head's shape from the store's head file; ValueError with the fix
+    when it is missing, truncated or lacks a tensor (safetensors raises its own error type)."""
+    fix = f"delete {path} and rerun the same `dflash extract` (it writes only that file again)"
+    if not path.is_file():
+        raise ValueError(f"{path} is missing; {fix}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            embed_VD = f.get_tensor("embed_tokens.weight")
+            head_rows, head_dim = f.get_slice("lm_head.weight").get_shape()
+            f.get_slice("norm.weight")
+    except (SafetensorError, OSError, KeyError) as err:  # truncated, unreadable, incomplete
+        raise ValueError(f"{path} is damaged ({type(err).__name__}: {err}); {fix}") from err
+    return embed_VD, (head_rows, head_dim)
+
+
 def check_inputs(cfg: TrainConfig) -> tuple[StoreInfo, DrafterShape]:
     """Open the store and check the drafter config fits it; one ValueError lists every problem."""
+    out = Path(cfg.run.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; pass a folder for the run (new or existing)")
     info = open_store(cfg.data.store, require_complete=True)
     split_store(info, cfg.data.holdout_sequences)
-    with safe_open(str(Path(cfg.data.store) / HEAD_FILE), framework="pt") as f:
-        embed_VD = f.get_tensor("embed_tokens.weight")
-        head_rows, head_dim = f.get_slice("lm_head.weight").get_shape()
+    embed_VD, (head_rows, head_dim) = _read_head(info.path / HEAD_FILE)
     embed_rows, embed_dim = embed_VD.shape
     problems = []
     D = info.hidden_size
@@ -133,56 +148,3 @@ def check_inputs(cfg: TrainConfig) -> tuple[StoreInfo, DrafterShape]:
     except ValueError as err:
         raise ValueError(f"drafter config does not fit store {info.path}: {err}") from err
     return info, shape
-
-
-def check_same_run(
-    meta: dict[str, Any], current: dict[str, Any], world: int, path: Path, store_key: str
-) -> None:
-    """Refuse to resume a checkpoint of another drafter or data (the run would be a hybrid), or
-    one whose data position means other sequences (another world * batch * accum).
-
-    The store is compared by its content key, not its path: a store re-extracted in place with
-    other data is another store, and `./store` vs `/abs/store` is the same one. A field the
-    checkpoint's config lacks (added in a later version) counts as its default value.
-    """
-    saved = _with_defaults(meta["config"], dataclasses.asdict(TrainConfig()))
-    changed = [
-        key
-        for key in (
-            "drafter",
-            "anchors",
-            "loss.target",
-            "loss.gamma",
-            "loss.weighting",
-            "loss.dpace_alpha",
-            "loss.distill_weight",
-            "data.seed",
-            "data.holdout_sequences",
-            "optim.batch_sequences",
-            "optim.grad_accum",
-        )
-        if _get(saved, key) != _get(current, key)
-    ]
-    if meta.get("store_content_key") != store_key:
-        changed.append("data.store (its content key differs: another extraction)")
-    if meta.get("world_size", world) != world:
-        changed.append(f"world size ({meta['world_size']} processes, now {world})")
-    if changed:
-        raise ValueError(
-            f"{path} was trained with other settings of {changed}; resume with the same config "
-            "and devices, or pass a new --out"
-        )
-
-
-def _with_defaults(saved: Any, defaults: Any) -> Any:
-    """`saved` with the keys it lacks taken from `defaults`, recursively."""
-    if not (isinstance(saved, dict) and isinstance(defaults, dict)):
-        return saved
-    merged = {k: _with_defaults(saved[k], v) if k in saved else v for k, v in defaults.items()}
-    return {**saved, **merged}
-
-
-def _get(tree: dict[str, Any], dotted: str) -> Any:
-    for part in dotted.split("."):
-        tree = tree[part]
-    return tree

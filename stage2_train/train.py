@@ -18,7 +18,6 @@ Padding items (see plan.py) have w = 0, so remainders are neither dropped nor du
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -28,17 +27,20 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from common.distributed import WorkerContext, finish_worker, init_worker, launch, parse_devices
+from common.errors import report_to_launcher
 from common.logging import get_logger, init_logger
+from common.store_files import check_store_files
 from evaluation.heldout import evaluate
 from stage2_train.anchors import training_slot_weights
-from stage2_train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from stage2_train.checkpoint import TrainState, save_checkpoint
 from stage2_train.config import TrainConfig
-from stage2_train.data import StoreSequences, make_loader
-from stage2_train.export import export_drafter
-from stage2_train.inputs import check_inputs, check_same_run
+from stage2_train.data import StoreSequences, count_damaged, make_loader
+from stage2_train.export import export_drafter, mask_token_string
+from stage2_train.inputs import check_inputs
 from stage2_train.metrics import MetricsWriter, format_line, memory_gb
 from stage2_train.model import DFlashDrafter
 from stage2_train.plan import EpochPlan, HoldoutSampler, PlanSampler, split_store
+from stage2_train.resume import resume_run
 from stage2_train.step import load_frozen_head
 from stage2_train.trainstep import StepRunner, compute_context, replica_fingerprint, run_dtypes
 
@@ -47,7 +49,8 @@ log = get_logger()
 
 def run_train(cfg: TrainConfig) -> None:
     """Check inputs, then train on every device of `run.devices` (see the module docstring)."""
-    check_inputs(cfg)
+    info, _ = check_inputs(cfg)
+    check_store_files(info)  # a deleted or cut file reads as zeros: caught before step 1
     devices = parse_devices(cfg.run.devices)
     Path(cfg.run.out).mkdir(parents=True, exist_ok=True)
     launch(_worker, devices, cfg, devices)
@@ -62,6 +65,7 @@ def _worker(cfg: TrainConfig, devices: list[str]) -> None:
         finish_worker()
 
 
+@report_to_launcher  # inside _worker's try: it reports before the process group goes
 def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
     """The training loop of one rank."""
     info, shape = check_inputs(cfg)
@@ -110,32 +114,34 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
     )
     sampler = PlanSampler(plan)
     loader = make_loader(
-        dataset(cfg.loss.target, distill), sampler, cfg.data.num_workers, cfg.data.prefetch, pin
+        dataset(cfg.loss.target, distill),
+        sampler,
+        cfg.data.num_workers,
+        cfg.data.prefetch,
+        pin,
+        on_damaged=cfg.data.on_damaged,
     )
     holdout = HoldoutSampler(split, ctx.world_size, ctx.rank, cfg.optim.batch_sequences)
-    eval_loader = make_loader(dataset("argmax", False), holdout, 0, cfg.data.prefetch, pin)
+    eval_loader = make_loader(
+        dataset("argmax", False), holdout, 0, cfg.data.prefetch, pin, cfg.data.on_damaged
+    )
 
     total_steps = plan.steps_per_epoch * cfg.optim.epochs
     if cfg.optim.max_steps is not None:
         total_steps = min(total_steps, cfg.optim.max_steps)
     runner = StepRunner(model, ddp, head, cfg, slot_w_B, backend, device, total_steps)
-    state = TrainState(step=0, epoch=0, step_in_epoch=0)
-    resume = latest_checkpoint(out)
     config_dict = dataclasses.asdict(cfg)
-    if resume is not None:
-        saved = json.loads((resume / "meta.json").read_text())
-        check_same_run(
-            saved, config_dict, ctx.world_size, resume, info.attrs["content_key"]
-        )  # before loading tensors
-        state, _ = load_checkpoint(
-            resume,
-            model=model,
-            optimizer=runner.optimizer,
-            scheduler=runner.scheduler,
-            rank=ctx.rank,
-            device=device,
-        )
-        log.info("resumed from %s (step %d, epoch %d)", resume, state.step, state.epoch)
+    # the newest checkpoint that reads back whole, under the same (or an allowed) config
+    state = resume_run(
+        cfg,
+        ctx.world_size,
+        info.attrs["content_key"],
+        model=model,
+        optimizer=runner.optimizer,
+        scheduler=runner.scheduler,
+        rank=ctx.rank,
+        device=device,
+    ) or TrainState(step=0, epoch=0, step_in_epoch=0)
     metrics = MetricsWriter(out / "metrics.jsonl", enabled=ctx.is_main, keep_until=state.step)
 
     def run_eval() -> dict[str, Any]:
@@ -158,6 +164,10 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         "store_content_key": info.attrs["content_key"],
         "shape": dataclasses.asdict(shape),
         "target": {"tapped_layers": info.tapped_layers, "config": info.attrs["target"]["config"]},
+        # its string goes into the export's dflash_config (rank 0 writes meta and export)
+        "mask_token": mask_token_string(info.attrs.get("tokenizer", {}), shape.mask_token_id)
+        if ctx.is_main
+        else None,
     }
 
     def checkpoint() -> None:
@@ -195,6 +205,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         dynamic_ncols=True,
     )
     batches = None
+    skipped_damaged = 0  # data.on_damaged=skip: sequences skipped by this run
     while state.step < total_steps:
         if state.step_in_epoch >= plan.steps_per_epoch:
             state.epoch, state.step_in_epoch = state.epoch + 1, 0
@@ -204,6 +215,9 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         started = time.perf_counter()
         micro = [next(batches) for _ in range(cfg.optim.grad_accum)]
         record = runner.step(micro)
+        if skipped := count_damaged(micro, device):
+            record["skipped_damaged"] = skipped
+            skipped_damaged += skipped
         state.step += 1
         state.step_in_epoch += 1
         state.tokens_seen += record.pop("labelled_tokens")
@@ -227,9 +241,22 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         if (cfg.run.checkpoint_every and state.step % cfg.run.checkpoint_every == 0) or last:
             checkpoint()
     bar.close()
+    if skipped_damaged and ctx.is_main:
+        log.warning(
+            "skipped %d damaged sequences (data.on_damaged=skip; each named above): delete "
+            "their shard folders and rerun the same `dflash extract` command to rebuild them",
+            skipped_damaged,
+        )
     if ctx.is_main:
         path = export_drafter(
-            model, shape, info.tapped_layers, info.attrs["target"]["config"], out / "export"
+            model,
+            shape,
+            info.tapped_layers,
+            info.attrs["target"]["config"],
+            out / "export",
+            mask_token=extra_meta["mask_token"],
+            fix="free space, then rerun the same command (it only exports: the checkpoints "
+            f"are whole), or `dflash export {out} --out FOLDER`",
         )
         log.info("exported the drafter to %s", path)
     if dist.is_initialized():

@@ -101,7 +101,7 @@ def test_export_round_trip(tmp_path: Path) -> None:
     model = DFlashDrafter(shape)
     for p in model.parameters():  # norms start at 1: perturb so a swapped tensor shows
         p.data += 0.01 * torch.randn_like(p)
-    folder = export_drafter(model, shape, [1, 2, 3], target, tmp_path / "export")
+    folder = export_drafter(model, shape, [1, 2, 3], target, tmp_path / "export", dtype="float32")
     config = json.loads((folder / "config.json").read_text())
     assert config["block_size"] == config["dflash_config"]["block_size"] == 4
     assert config["dflash_config"]["target_layer_ids"] == [1, 2, 3]

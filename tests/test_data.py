@@ -342,3 +342,33 @@ def test_parallel_tokenization_equals_serial_and_keeps_errors(tmp_path):
     bad = write_jsonl(tmp_path / "bad.jsonl", [*good * 5, BAD_ROWS["no_assistant"]])
     with pytest.raises(ValueError, match=f"{bad} row 10"):
         prepare(bad, num_proc=2)
+
+
+def test_empty_assistant_turn_has_no_loss_and_the_rest_is_kept(tmp_path, monkeypatch):
+    messages = [dict(m) for m in CONVERSATION]
+    messages[2]["content"] = " "
+    tok = chatml_tokenizer()
+
+    def text(i, m):  # the empty turn: its content and end token carry no loss
+        return m["content"]
+
+    pieces = chatml_pieces(messages, text)
+    empty = pieces.index((" ", 1))
+    pieces[empty], pieces[empty + 1] = (" ", 0), ("<|im_end|>", 0)
+    expected = expected_from_pieces(tok, pieces)
+    assert chat.tokenize_conversations(tok, [messages]) == [expected]
+    tagged = chatml_tokenizer()
+    tagged.chat_template = CHATML_GENERATION_TEMPLATE
+    assert chat.tokenize_conversations(tagged, [messages]) == [expected]
+    # kept under the default on_invalid=raise, counted with the skip reasons
+    rows = [{"messages": messages}, {"messages": CONVERSATION[1:3]}]
+    prepared = prepare(write_jsonl(tmp_path / "d.jsonl", rows), tok)
+    assert prepared.skipped == {"empty_assistant_turn": 1}
+    assert prepared.dataset["loss_mask"][0] == expected[1]
+    # every assistant turn empty: no loss at all, so the row follows on_invalid
+    all_empty = [{**m, "content": ""} if m["role"] == "assistant" else m for m in messages]
+    path = write_jsonl(tmp_path / "e.jsonl", [rows[1], {"messages": all_empty}])
+    with pytest.raises(ValueError, match="row 1: every assistant message has empty content"):
+        prepare(path, tok)
+    skipped = prepare(path, tok, on_invalid="skip")
+    assert skipped.skipped == {"empty_assistant": 1} and skipped.dataset["source_index"][:] == [0]

@@ -1,0 +1,174 @@
+"""Resuming `dflash train` from its newest readable checkpoint, with the config it was run with.
+
+A rerun of `dflash train --out RUN` compares its config with the checkpoint's, field by field:
+
+- fields a resume can never change (`FIXED_ON_RESUME`: the drafter's shape and mask token,
+  what the saved data position means, the parameter dtype), and another store or world size,
+  are refused, listing `field: old -> new`;
+- fields that steer only how the run executes (`FREE_ON_RESUME`) may differ freely;
+- every other field (lr, schedule, steps, loss, anchors) is refused the same way unless
+  `--allow-config-change` (`run.allow_config_change`), which applies each and logs it: the
+  optimizer's lr, betas and weight decay, and the schedule's peak lr, warmup, floor and length
+  all follow the new config from the resumed step on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common.logging import get_logger
+from stage2_train.checkpoint import TrainState, resume_latest
+from stage2_train.config import OptimConfig, TrainConfig
+
+# The drafter's weights, and the data position's meaning (order, split, batch layout).
+FIXED_ON_RESUME = (
+    "drafter",
+    "data.seed",
+    "data.holdout_sequences",
+    "optim.batch_sequences",
+    "optim.grad_accum",
+    "run.dtype",
+)
+# Where and how the run executes; never what it computes (the store is compared by content).
+FREE_ON_RESUME = (
+    "run.out",
+    "run.devices",
+    "run.progress",
+    "run.log_every",
+    "run.eval_every",
+    "run.checkpoint_every",
+    "run.keep_checkpoints",
+    "run.compile_attention",
+    "run.compile_layers",
+    "run.allow_config_change",
+    "run.seed",  # only the initial weights, which the checkpoint replaces
+    "data.store",
+    "data.num_workers",
+    "data.prefetch",
+    "loss.head_chunk_tokens",
+)
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _under(key: str, roots: tuple[str, ...]) -> bool:
+    return any(key == r or key.startswith(r + ".") for r in roots)
+
+
+def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(fixed, changeable) differences between two config dicts, as `field: old -> new`. A
+    field the saved config lacks (added in a later version) counts as its default value."""
+    old = _flat(dataclasses.asdict(TrainConfig())) | _flat(saved)
+    new = _flat(current)
+    fixed, changeable = [], []
+    for key in sorted(new):  # a field removed since the checkpoint was written is gone
+        if _under(key, FREE_ON_RESUME) or old.get(key) == new.get(key):
+            continue
+        line = f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
+        (fixed if _under(key, FIXED_ON_RESUME) else changeable).append(line)
+    return fixed, changeable
+
+
+def check_same_run(
+    meta: dict[str, Any],
+    current: dict[str, Any],
+    world: int,
+    path: Path,
+    store_key: str,
+    allow_change: bool = False,
+) -> list[str]:
+    """Refuse to resume checkpoint `path` under another config (see the module docstring);
+    returns the changes to apply when `allow_change`.
+
+    The store is compared by its content key, not its path: a store re-extracted in place with
+    other data is another store, and `./store` vs `/abs/store` is the same one.
+    """
+    fixed, changeable = config_changes(meta["config"], current)
+    if meta.get("store_content_key") != store_key:
+        fixed.append("data.store: its content key differs (another extraction)")
+    if meta.get("world_size", world) != world:
+        fixed.append(f"world size: {meta['world_size']} -> {world} processes")
+    if fixed:
+        raise ValueError(
+            f"{path} was trained with other settings, which a resume cannot change: "
+            f"{'; '.join(fixed)}; resume with the checkpoint's values and devices, or pass a "
+            "new --out"
+        )
+    if changeable and not allow_change:
+        raise ValueError(
+            f"{path} was trained with other settings: {'; '.join(changeable)}; rerun with "
+            "--allow-config-change to apply them from this step on, or with the checkpoint's "
+            "values"
+        )
+    return changeable
+
+
+def apply_optim_config(
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    cfg: OptimConfig,
+) -> None:
+    """Make a restored optimizer and schedule follow `cfg`: a restored state carries the old
+    peak lr, betas and weight decay (the schedule's shape is its lambda, built from `cfg`)."""
+    scheduler.base_lrs = [cfg.lr for _ in optimizer.param_groups]
+    step = scheduler.last_epoch
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+        group.update(
+            initial_lr=cfg.lr,
+            betas=(cfg.betas[0], cfg.betas[1]),
+            weight_decay=cfg.weight_decay,
+            lr=cfg.lr * factor(step),
+        )
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+def resume_run(
+    cfg: TrainConfig,
+    world: int,
+    store_key: str,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    rank: int,
+    device: torch.device,
+) -> TrainState | None:
+    """Resume from the newest readable checkpoint of `cfg.run.out` (None: a fresh run)."""
+    current = dataclasses.asdict(cfg)
+    changes: list[str] = []
+
+    def check(meta: dict[str, Any], path: Path) -> None:
+        nonlocal changes
+        changes = check_same_run(meta, current, world, path, store_key, cfg.run.allow_config_change)
+
+    resumed = resume_latest(
+        cfg.run.out,
+        check,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        rank=rank,
+        device=device,
+    )
+    if resumed is None:
+        return None
+    state, _, path = resumed
+    log = get_logger()
+    if changes:
+        apply_optim_config(optimizer, scheduler, cfg.optim)
+        for line in changes:
+            log.info("resume: config change applied from step %d: %s", state.step, line)
+    log.info("resumed from %s (step %d, epoch %d)", path, state.step, state.epoch)
+    return state
