@@ -32,6 +32,7 @@ from common.store import (
     shard_name,
     shards_dir,
 )
+from common.store_files import record_shard_files
 
 PAD_ID = 0
 
@@ -233,6 +234,7 @@ def _write_shard(
         "truncated_documents": 0,
         "dropped_tokens": 0,
     }
+    record_shard_files(folder)  # FORMAT.md v2, as extract does
 
 
 def build_store(

@@ -31,6 +31,7 @@ from common.store import (
     quantize_fp8,
     shard_name,
 )
+from common.store_files import record_shard_files
 
 
 @dataclass
@@ -209,6 +210,7 @@ def build_store(path: str | Path, spec: FactorySpec | None = None) -> Path:
             "truncated_documents": 0,
             "dropped_tokens": 0,
         }
+        record_shard_files(path / "shards" / shard_name(index))  # FORMAT.md v2, as extract does
         totals["documents"] += len(rows)
         totals["tokens"] += num_tokens
         totals["loss_tokens"] += int(loss_NS.sum())
