@@ -25,6 +25,7 @@ import zarr
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from common.config import to_dict
+from common.generated import provenance, read_manifest
 from common.store import FORMAT_NAME, FORMAT_VERSION
 from stage1_extract.config import ExtractConfig
 from stage1_extract.data import PreparedData, prepare_documents
@@ -191,6 +192,9 @@ def plan_job(cfg: ExtractConfig) -> ExtractJob:
         },
         "extract_config": to_dict(cfg),
     }
+    manifest = read_manifest(cfg.data.path)
+    if manifest is not None:  # the data were written by `dflash generate`: keep where from
+        attrs["generation"] = provenance(manifest)
     digest = hashlib.sha256(lengths.tobytes()).hexdigest()
     attrs["content_key"] = content_key(key_parts(attrs, digest, prepared.skipped))
     attrs["fingerprints"] = {

@@ -91,7 +91,8 @@ def _check_inputs(
 def build_manifest(cfg: GenerateConfig, raw: datasets.Dataset, fmt: str) -> dict[str, Any]:
     """Provenance and the settings that decide the rows (hashed into `key`)."""
     config = to_dict(cfg)
-    data = {k: v for k, v in config["data"].items() if k != "num_proc"}
+    # a chunk finished under on_invalid=error holds the same rows it would under skip
+    data = {k: v for k, v in config["data"].items() if k not in ("num_proc", "on_invalid")}
     data["path"] = _canonical_path(data["path"])
     backend = cfg.run.backend
     content = {

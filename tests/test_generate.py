@@ -1,0 +1,241 @@
+"""`dflash generate` on a tiny target (local backend, CPU): chat rows rewritten turn by turn
+through the chat template, text continuation windows, the output read back by extract with its
+provenance, resume after a kill equal to an uninterrupted run, and bad inputs."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from common.config import build_config
+from common.generated import read_manifest
+from common.store import open_store
+from dflash_offline.cli import main as cli
+from stage1_generate import run as generate_run
+from stage1_generate.config import GenerateConfig
+from stage1_generate.rows import stop_token_ids, text_windows
+from stage1_generate.run import run_generate
+
+CONVERSATIONS = [
+    [("user", "What is a prime number?"), ("assistant", "A number with two divisors.")],
+    [
+        ("system", "You are terse."),
+        ("user", "Name a color."),
+        ("assistant", "Blue."),
+        ("user", "Another one?"),
+        ("assistant", "Red."),
+    ],
+    [("user", "Say hi."), ("assistant", "Hi.")],
+    [("user", "Count to three."), ("assistant", "One, two, three.")],
+    [("user", "Best pet?"), ("assistant", "A cat."), ("user", "Why?"), ("assistant", "Calm.")],
+]
+TEXTS = [
+    "the quick brown fox jumps over the lazy dog " * 6,
+    "a short line",
+    "import os\nimport sys\n\ndef main():\n    print(sys.argv)\n" * 3,
+]
+
+
+def chat_rows() -> list[dict]:
+    return [{"messages": [{"role": r, "content": c} for r, c in conv]} for conv in CONVERSATIONS]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def config(model: Path, data: Path, out: Path, *extra: str) -> GenerateConfig:
+    flags = [
+        f"target.model={model}",
+        f"data.path={data}",
+        f"output.out={out}",
+        "target.dtype=float32",
+        "run.devices=cpu",
+        "run.progress=false",
+        "sampling.max_new_tokens=6",
+        "text.prompt_tokens=12",
+        "text.new_tokens=5",
+        "text.stride=20",
+        "output.rows_per_chunk=2",
+    ]
+    return build_config(GenerateConfig, None, "generate", [*flags, *extra])
+
+
+def read_rows(out: Path) -> list[dict]:
+    rows = []
+    for path in sorted(out.glob("part-*.jsonl.gz")):
+        rows += [json.loads(line) for line in gzip.decompress(path.read_bytes()).splitlines()]
+    return rows
+
+
+def digests(folder: Path) -> dict[str, str]:
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.glob("part-*.jsonl.gz")
+    }
+
+
+def greedy_reply(model_dir: Path, prompt_ids: list[int], max_new: int) -> list[int]:
+    """The target's greedy continuation, one token at a time without a cache (the reference)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    stops = set(stop_token_ids(tokenizer, None, {}))
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(max_new):
+            token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            if token in stops:
+                break
+            ids.append(token)
+    return ids[len(prompt_ids) :]
+
+
+@pytest.fixture(scope="module")
+def chat_out(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("gen-chat")
+    data = write_jsonl(tmp / "chat.jsonl", chat_rows())
+    run_generate(config(tiny_qwen3, data, tmp / "out"))
+    return tmp / "out"
+
+
+def test_chat_turns_rewritten_user_turns_verbatim(chat_out: Path, tiny_qwen3: Path) -> None:
+    rows = read_rows(chat_out)
+    assert [r["source_index"] for r in rows] == list(range(len(CONVERSATIONS)))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    for row, conv in zip(rows, CONVERSATIONS, strict=True):
+        messages = row["messages"]
+        assert [m["role"] for m in messages] == [r for r, _ in conv]
+        for message, (role, content) in zip(messages, conv, strict=True):
+            if role != "assistant":
+                assert message["content"] == content  # kept verbatim
+        # each assistant turn is the target's greedy reply to the rewritten history before it
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prompt = tokenizer.apply_chat_template(
+                messages[:i], add_generation_prompt=True, tokenize=False
+            )
+            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            expected = greedy_reply(tiny_qwen3, ids, 6)
+            assert message["content"] == tokenizer.decode(expected, skip_special_tokens=True)
+    assert sum(r["generated_turns"] for r in rows) == 7
+
+
+def test_output_extracts_with_provenance(chat_out: Path, tiny_qwen3: Path, tmp_path: Path) -> None:
+    debug = Path(__file__).parents[1] / "configs" / "debug.yaml"
+    store = tmp_path / "store"
+    result = CliRunner().invoke(
+        cli,
+        ["extract", "--config", str(debug), "--model", str(tiny_qwen3), "--data", str(chat_out)]
+        + ["--out", str(store), "--set", "run.progress=false"],
+    )
+    assert result.exit_code == 0, result.output
+    attrs = open_store(store).attrs
+    assert attrs["dataset"]["num_rows"] == len(CONVERSATIONS)
+    generation = attrs["generation"]
+    manifest = read_manifest(chat_out)
+    assert generation["key"] == manifest["key"] and generation["complete"]
+    assert generation["content"]["sampling"]["temperature"] == 0.0
+    assert generation["counts"]["rows_out"] == len(CONVERSATIONS)
+    assert generation["target"]["weights_sha256"]
+    shown = CliRunner().invoke(cli, ["inspect", str(store)])
+    assert shown.exit_code == 0, shown.output
+    assert "generated by" in shown.output and "greedy" in shown.output
+
+
+def test_text_windows(tiny_qwen3: Path, tmp_path: Path) -> None:
+    assert text_windows(list(range(50)), 12, 20) == [0, 20]
+    assert text_windows(list(range(5)), 12, 20) == [0]  # shorter than a prompt: one window
+    assert text_windows([], 12, 20) == []
+    data = write_jsonl(tmp_path / "text.jsonl", [{"text": t} for t in TEXTS])
+    manifest = run_generate(config(tiny_qwen3, data, tmp_path / "out"))
+    rows = read_rows(tmp_path / "out")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    expected = []
+    for index, text in enumerate(TEXTS):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        expected += [(index, s) for s in text_windows(ids, 12, 20)]
+    assert [(r["source_index"], r["window_start"]) for r in rows] == expected
+    for row in rows:
+        ids = tokenizer(TEXTS[row["source_index"]], add_special_tokens=False)["input_ids"]
+        prompt = ids[row["window_start"] : row["window_start"] + 12]
+        reply = greedy_reply(tiny_qwen3, prompt, 5)
+        assert row["new_tokens"] == len(reply)
+        assert row["text"] == tokenizer.decode(prompt + reply, skip_special_tokens=True)
+    assert manifest["counts"]["prompts"] == len(expected)
+    assert manifest["counts"]["new_tokens"] == sum(r["new_tokens"] for r in rows)
+
+
+def test_kill_and_resume_equals_uninterrupted(
+    chat_out: Path, tiny_qwen3: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows())
+    out = tmp_path / "out"
+    real = generate_run.write_chunk
+    calls = []
+
+    def dies_on_second_chunk(*args, **kwargs):
+        calls.append(args[1])
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # as a kill between two chunks
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(generate_run, "write_chunk", dies_on_second_chunk)
+    with pytest.raises(KeyboardInterrupt):
+        run_generate(config(tiny_qwen3, data, out))
+    assert len(digests(out)) == 1 and not read_manifest(out)["complete"]
+    monkeypatch.setattr(generate_run, "write_chunk", real)
+    manifest = run_generate(config(tiny_qwen3, data, out))
+    assert manifest["complete"]
+    assert digests(out) == digests(chat_out)  # byte-identical to the uninterrupted run
+    assert read_rows(out) == read_rows(chat_out)
+
+
+def test_rerun_with_other_settings_refused(chat_out: Path, tiny_qwen3: Path) -> None:
+    data = Path(read_manifest(chat_out)["content"]["data"]["path"])
+    with pytest.raises(ValueError, match=r"other settings.*max_new_tokens: 6 -> 7"):
+        run_generate(config(tiny_qwen3, data, chat_out, "sampling.max_new_tokens=7"))
+
+
+def test_bad_inputs_clear_errors_finished_chunks_kept(tiny_qwen3: Path, tmp_path: Path) -> None:
+    rows = chat_rows()
+    rows[3] = {"messages": [{"role": "user", "content": "no reply here"}]}  # chunk 1
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"row 3: the conversation has no assistant message.*skip"):
+        run_generate(config(tiny_qwen3, data, out))
+    assert [p.name for p in out.glob("part-*")] == ["part-000000.jsonl.gz"]  # chunk 0 kept
+    manifest = run_generate(config(tiny_qwen3, data, out, "data.on_invalid=skip"))
+    assert manifest["counts"]["skipped"] == {"no_assistant": 1}
+    assert [r["source_index"] for r in read_rows(out)] == [0, 1, 2, 4]
+
+    no_template = tmp_path / "no-template"
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(no_template)
+    debug_args = ["generate", "--model", str(tiny_qwen3), "--data", str(data), "--devices", "cpu"]
+    result = CliRunner().invoke(
+        cli,
+        [*debug_args, "--out", str(tmp_path / "o2"), "--set", f"target.tokenizer={no_template}"],
+    )
+    assert result.exit_code != 0
+    assert "has no chat_template" in result.output and "data.format=text" in result.output
+
+    result = CliRunner().invoke(cli, [*debug_args, "--out", str(data)])
+    assert result.exit_code != 0 and "is a file" in result.output
+
+
+def test_two_ranks_write_the_same_rows(chat_out: Path, tiny_qwen3: Path, tmp_path: Path) -> None:
+    """Data parallel over two CPU processes (torchrun's launcher, gloo): each writes its own
+    chunks, and together they are the single process's rows, byte for byte."""
+    data = Path(read_manifest(chat_out)["content"]["data"]["path"])
+    manifest = run_generate(config(tiny_qwen3, data, tmp_path / "out", "run.devices=cpu,cpu"))
+    assert manifest["complete"] and manifest["counts"]["rows_out"] == len(CONVERSATIONS)
+    assert digests(tmp_path / "out") == digests(chat_out)
