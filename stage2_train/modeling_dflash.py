@@ -146,6 +146,14 @@ def _logits(lm_head: nn.Module | Tensor, hidden: Tensor) -> Tensor:
     return lm_head(hidden.to(lm_head.weight.dtype))
 
 
+def _crop(cache: DynamicCache, length: int) -> None:
+    """Keep the first `length` positions; a negative count means "remove that many" in every
+    transformers version (a positive one is refused by recent ones)."""
+    surplus = cache.get_seq_length() - length
+    if surplus > 0:
+        cache.crop(-surplus)
+
+
 def _pick(logits: Tensor, temperature: float) -> Tensor:
     if temperature <= 0:
         return logits.argmax(-1)
@@ -243,7 +251,7 @@ class DFlashDraftModel(PreTrainedModel):
             use_cache=past_key_values is not None,
         )
         if past_key_values is not None:
-            past_key_values.crop(start)
+            _crop(past_key_values, start)
         return _pick(_logits(lm_head, hidden[:, 1:]), temperature)
 
     @torch.inference_mode()
@@ -278,7 +286,7 @@ class DFlashDraftModel(PreTrainedModel):
             verified = _pick(out.logits, temperature)
             accepted = int((draft == verified[:, :-1]).cumprod(dim=1).sum())
             ids = torch.cat([ids, draft[:, :accepted], verified[:, accepted : accepted + 1]], dim=1)
-            target_cache.crop(start + accepted + 1)
+            _crop(target_cache, start + accepted + 1)
             features = self.target_features(out.hidden_states)[:, : accepted + 1]
         new = ids[0, n0 : n0 + max_new_tokens].tolist()
         cut = next((i + 1 for i, t in enumerate(new) if t in stops), len(new))

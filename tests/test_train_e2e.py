@@ -58,11 +58,13 @@ def test_training_learns_and_exports(store: Path, tmp_path: Path) -> None:
     meta = json.loads((out / "step-000044" / "meta.json").read_text())
     model = DFlashDrafter(DrafterShape(**meta["shape"]))
     model.load_state_dict(torch.load(out / "step-000044" / "model.pt", weights_only=True))
-    exported = load_export(out / "export")
+    exported = load_export(out / "export")  # bf16 by default, like the targets served
     on_demand = load_export(export_checkpoint(out, step=44, out=tmp_path / "again"))
+    exact = load_export(export_checkpoint(out, 44, tmp_path / "fp32", dtype="float32"))
     for name, tensor in model.state_dict().items():
-        assert torch.equal(tensor, exported.state_dict()[name]), name
-        assert torch.equal(tensor, on_demand.state_dict()[name]), name
+        assert torch.equal(tensor.bfloat16(), exported.state_dict()[name]), name
+        assert torch.equal(tensor.bfloat16(), on_demand.state_dict()[name]), name
+        assert torch.equal(tensor, exact.state_dict()[name]), name
 
 
 def test_resume_equals_uninterrupted(store: Path, tmp_path: Path) -> None:

@@ -1,0 +1,137 @@
+"""Every user-facing failure of the `dflash` command is one `error:` line with the fix (exit 2),
+a bug is one line with the way to its traceback (exit 1), and a worker process's error comes
+out as that worker's own line. Disk-full writes (fault-injected) leave the run resumable."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from store_factory import FactorySpec, build_store
+
+from common.store import HEAD_FILE
+from dflash_offline.cli import main as cli
+from stage2_train import checkpoint, export
+
+DEBUG = Path(__file__).parents[1] / "configs" / "debug.yaml"
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_store(tmp_path_factory.mktemp("errors") / "store", FactorySpec(num_sequences=7))
+
+
+def train(store: Path, out: Path, *sets: str, devices: str = "cpu", flags: tuple = ()):
+    args = ["train", "--config", str(DEBUG), "--store", str(store), "--out", str(out)]
+    args += ["--devices", devices, "--set", "run.progress=false", *flags]
+    for item in ("optim.max_steps=4", "run.checkpoint_every=2", "run.keep_checkpoints=3", *sets):
+        args += ["--set", item]
+    return CliRunner().invoke(cli, args)
+
+
+def error_line(result) -> str:
+    """The output's `error:` line; there is exactly one, and no traceback."""
+    lines = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in result.output, result.output
+    return lines[0]
+
+
+def test_out_naming_a_file(store: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    out.write_text("")
+    result = train(store, out)
+    assert result.exit_code == 2
+    assert f"--out {out} is a file; pass a folder" in error_line(result)
+
+
+def test_truncated_head_file(store: Path, tmp_path: Path) -> None:
+    import shutil
+
+    copy = Path(shutil.copytree(store, tmp_path / "store"))
+    head = copy / HEAD_FILE
+    head.write_bytes(head.read_bytes()[: head.stat().st_size // 2])
+    result = train(copy, tmp_path / "run")
+    assert result.exit_code == 2
+    line = error_line(result)
+    assert f"{head} is damaged" in line and "rerun the same `dflash extract`" in line
+
+
+def test_a_bug_is_one_line_with_the_way_to_its_traceback(
+    store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(cfg):
+        raise KeyError("oops")
+
+    monkeypatch.setattr("stage2_train.train.run_train", broken)
+    result = train(store, tmp_path / "run")
+    assert result.exit_code == 1
+    assert error_line(result) == (
+        "error: KeyError: 'oops' (run with DFLASH_LOG_LEVEL=DEBUG for the traceback)"
+    )
+    monkeypatch.setenv("DFLASH_LOG_LEVEL", "DEBUG")
+    result = train(store, tmp_path / "run")
+    assert result.exit_code == 1 and "Traceback" in result.output
+    assert result.output.rstrip().endswith("error: KeyError: 'oops'")
+
+
+def test_a_worker_error_is_the_workers_line(store: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    assert train(store, out, "optim.max_steps=2").exit_code == 0
+    # two processes resume a one-process run: refused in the workers, after they started
+    result = train(store, out, "optim.max_steps=2", devices="cpu,cpu")
+    assert result.exit_code == 2
+    assert "world size: 1 -> 2 processes" in error_line(result)
+    assert "ChildFailedError" not in result.output and "Connection reset" not in result.output
+
+
+def test_disk_full_while_checkpointing_then_a_rerun_resumes(
+    store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "run"
+    real_save = torch.save
+
+    def full_at_step_4(obj, path, *args, **kwargs):
+        if "step-000004" in str(path) and str(path).endswith("model.pt"):
+            real_save(obj, path, *args, **kwargs)  # a part written, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.torch, "save", full_at_step_4)
+    result = train(store, out)
+    assert result.exit_code == 2
+    line = error_line(result)
+    assert f"no space left writing checkpoint {out / 'step-000004'} (needs about" in line
+    assert "resume from step-000002" in line
+    assert [p.name for p in out.iterdir() if p.name.startswith(("step-", ".tmp"))] == [
+        "step-000002"
+    ]
+    monkeypatch.setattr(checkpoint.torch, "save", real_save)
+    result = train(store, out)
+    assert result.exit_code == 0, result.output
+    assert (out / "step-000004" / "model.pt").is_file() and (out / "export").is_dir()
+
+
+def test_file_size_limit_while_exporting_then_a_rerun_exports(
+    store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "run"
+    assert train(store, out, "optim.max_steps=2").exit_code == 0
+    real_save = export.save_file
+
+    def too_big(*args, **kwargs):
+        raise OSError(errno.EFBIG, "File too large")
+
+    monkeypatch.setattr(export, "save_file", too_big)
+    target = tmp_path / "exported"
+    result = CliRunner().invoke(cli, ["export", str(out), "--out", str(target)])
+    assert result.exit_code == 2
+    line = error_line(result)
+    assert f"file-size limit hit writing export {target} (needs about" in line
+    assert f"rerun `dflash export {out}`" in line
+    assert not target.exists() and not (tmp_path / ".tmp-exported").exists()
+    monkeypatch.setattr(export, "save_file", real_save)
+    result = CliRunner().invoke(cli, ["export", str(out), "--out", str(target)])
+    assert result.exit_code == 0 and (target / "model.safetensors").is_file()

@@ -1,0 +1,119 @@
+"""Resuming `dflash train`: a damaged newest checkpoint falls back to the previous one with a
+warning; another config is refused with its differences, or applied with
+--allow-config-change (except what a resume can never change)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from store_factory import FactorySpec, build_store
+
+from common.config import build_config
+from common.logging import get_logger
+from stage2_train.checkpoint import TrainState, resume_latest, save_checkpoint
+from stage2_train.config import TrainConfig
+from stage2_train.schedule import lr_factor
+from stage2_train.train import run_train
+
+DEBUG = Path(__file__).parents[1] / "configs" / "debug.yaml"
+SETS = ["optim.max_steps=6", "run.checkpoint_every=2", "run.keep_checkpoints=5"]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_store(tmp_path_factory.mktemp("resume") / "store", FactorySpec(num_sequences=9))
+
+
+@pytest.fixture
+def warnings() -> list[str]:
+    """The dflash logger's warnings (it does not propagate to pytest's caplog)."""
+    seen: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())
+    get_logger().addHandler(handler)
+    yield seen
+    get_logger().removeHandler(handler)
+
+
+def train(store: Path, out: Path, *sets: str) -> list[dict]:
+    base = [f"data.store={store}", f"run.out={out}", "run.progress=false", *SETS]
+    run_train(build_config(TrainConfig, DEBUG, "train", [*base, *sets]))
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def interrupted_after_step_4(store: Path, out: Path) -> list[dict]:
+    """A full run, then what a run killed right after step 4's checkpoint would have left."""
+    full = train(store, out)
+    for name in ("step-000006", "export"):
+        for path in sorted((out / name).rglob("*"), reverse=True):
+            path.rmdir() if path.is_dir() else path.unlink()
+        (out / name).rmdir()
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in full[:4]))
+    return full
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing", "bad_json"])
+def test_damaged_newest_checkpoint_falls_back(tmp_path: Path, damage: str, warnings) -> None:
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+    for step in (1, 2):
+        with torch.no_grad():
+            model.weight.fill_(step)
+        save_checkpoint(tmp_path, TrainState(step, 0, step), **objects, config={}, rank=0, keep=2)
+    newest = tmp_path / "step-000002"
+    if damage == "truncated":
+        (newest / "model.pt").write_bytes((newest / "model.pt").read_bytes()[:100])
+    elif damage == "missing":
+        (newest / "optimizer.pt").unlink()
+    else:
+        (newest / "meta.json").write_text('{"train_state": ')
+    state, _, path = resume_latest(
+        tmp_path, lambda meta, path: None, **objects, rank=0, device=torch.device("cpu")
+    )
+    assert (state.step, path.name) == (1, "step-000001")
+    assert torch.equal(model.weight, torch.ones(2, 3))
+    what = {"truncated": "model.pt is unreadable", "missing": "optimizer.pt is missing"}
+    [warning] = warnings
+    assert f"step-000002/{what.get(damage, 'meta.json is unreadable')}" in warning
+    assert "falling back to" in warning and warning.endswith("step-000001")
+    (tmp_path / "step-000001" / "model.pt").unlink()
+    with pytest.raises(ValueError, match="every checkpoint in .* is damaged"):
+        resume_latest(tmp_path, lambda m, p: None, **objects, rank=0, device=torch.device("cpu"))
+
+
+def test_truncated_newest_checkpoint_resumes_from_the_previous(
+    store: Path, tmp_path: Path, warnings
+) -> None:
+    out = tmp_path / "run"
+    full = interrupted_after_step_4(store, out)
+    model = out / "step-000004" / "model.pt"
+    model.write_bytes(model.read_bytes()[: model.stat().st_size // 3])
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in full[:2]))
+    resumed = train(store, out)
+    assert any("step-000004/model.pt is unreadable" in w for w in warnings)
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full]  # from step 2, exactly
+    assert torch.load(model, weights_only=True)  # written again, whole
+
+
+def test_changed_lr_refused_then_applied_with_the_flag(store: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    interrupted_after_step_4(store, out)
+    with pytest.raises(ValueError, match=r"other settings: optim.lr: 0.003 -> 0.1; rerun with "):
+        train(store, out, "optim.lr=0.1")
+    # the drafter's shape can never change, flag or not
+    with pytest.raises(ValueError, match=r"cannot change: drafter.num_layers: 2 -> 3"):
+        train(store, out, "optim.lr=0.1", "drafter.num_layers=3", "run.allow_config_change=true")
+    rows = train(store, out, "optim.lr=0.1", "optim.max_steps=8", "run.allow_config_change=true")
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    warmup, floor = 0.04, 0.0  # debug.yaml keeps the defaults
+    for row in rows[4:]:  # the new peak lr and length, from the resumed step on
+        expected = 0.1 * lr_factor(row["step"] - 1, 8, warmup, floor)
+        assert row["lr"] == pytest.approx(expected, rel=1e-6), row
+    meta = json.loads((out / "step-000008" / "meta.json").read_text())
+    assert meta["config"]["optim"]["lr"] == 0.1
