@@ -161,13 +161,25 @@ def cli_errors(fn: F) -> F:
             if message is not None:
                 print(f"error: {message}", file=sys.stderr)
                 sys.exit(USER_EXIT)
-            text = str(err) if isinstance(err, WorkerError) else f"{type(err).__name__}: {err}"
+            text = str(err) if isinstance(err, WorkerError) else _one_line(err)
             hint = "" if debug_enabled() else f" ({DEBUG_HINT})"
             print(f"error: {text}{hint}", file=sys.stderr)
             logging.shutdown()
             sys.exit(BUG_EXIT)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _one_line(err: BaseException) -> str:
+    """`Type: message` of an unexpected error; for a ChildFailedError (a worker that did not
+    report, e.g. one killed by a signal) its first failure's own message, not the banner."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = min(failures.values(), key=lambda f: f.timestamp)
+        message = first.message
+        text = message.get("message", "") if isinstance(message, dict) else str(message)
+        return f"worker rank {first.local_rank} (exit code {first.exitcode}): {text}"
+    return f"{type(err).__name__}: {err}"
 
 
 def _click_exceptions() -> tuple[type[BaseException], ...]:
