@@ -267,13 +267,23 @@ def export(run: str, step: int | None, out: str | None, dtype: str) -> None:
     "--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"])
 )
 @click.option("--json-out", default=None, help="also write the figures to this JSON file")
+@click.option(
+    "--plot",
+    default=None,
+    help="PNG of acceptance by draft position [default: beside --json-out, X.json -> X.png]",
+)
 @cli_errors
-def evaluate(json_out: str | None, **kwargs: Any) -> None:
-    """Online acceptance length (tau) of a drafter vs prompt lookup, greedy verification."""
+def evaluate(json_out: str | None, plot: str | None, **kwargs: Any) -> None:
+    """Online acceptance length (tau) of a drafter vs prompt lookup, greedy verification:
+    tau, acceptance by draft position and the histogram of accepted tokens per forward."""
+    from pathlib import Path
+
     from evaluation.online import EvaluateConfig, run_evaluate
 
+    if plot is None and json_out:
+        plot = str(Path(json_out).with_suffix(".png"))
     init_logger()
-    results = run_evaluate(EvaluateConfig(**kwargs))
+    results = run_evaluate(EvaluateConfig(plot=plot, **kwargs))
     _echo_json(results, json_out)
 
 

@@ -3,22 +3,33 @@
 The target verifies each drafted block with one forward: the longest prefix equal to the
 target's own greedy tokens is accepted, then the target's next token is added. tau is the
 number of tokens gained per target forward (accepted + 1), averaged over the forwards of a
-prompt, then over prompts (the prefill forward, which drafts nothing, is not counted). Drafters: `prompt-lookup` (copy the continuation of the longest
-earlier n-gram match, n = 4..1, no training) and `dflash` (an exported drafter folder).
+prompt, then over prompts (the prefill forward, which drafts nothing, is not counted).
+Drafters: prompt lookup (copy the continuation of the longest earlier n-gram match, n = 4..1,
+no training) and DFlash (evaluation.dflash_draft).
+
+The target keeps a KV cache: each verification forward runs only the last accepted token and
+the draft, and the cache is cropped back to the accepted length afterwards. The tapped hidden
+states of accepted tokens go into a running feature buffer, so the drafter's context is never
+recomputed either. evaluation.reference recomputes everything; the tests check that both
+accept the same tokens.
 
 Run: `dflash evaluate --target MODEL --data dev.jsonl.gz [--drafter RUN/export]`.
-Both sides recompute their forwards over the whole sequence each step (no KV cache): slower,
-but the accepted tokens are then exactly those of a cached implementation.
+
+Legend: T tokens with features (every token but the newest), J tokens of one verification
+forward (the newest token + the draft), K tapped layers, D hidden.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from tqdm import tqdm
+from transformers import DynamicCache
 
-# Draft function: (token_ids, target hidden states of tapped layers for tokens[:-1]) -> draft ids
+# (token ids, target features [T, K, D] of tokens[:-1] or None) -> drafted ids
 DraftFn = Callable[[list[int], torch.Tensor | None], list[int]]
 
 
@@ -27,10 +38,34 @@ class AcceptanceResult:
     tau_per_prompt: list[float]
     forwards: int
     new_tokens: int
+    # accepted_histogram[a]: verification forwards whose draft matched the target's greedy
+    # tokens for exactly a tokens (a = 0..num_draft); the final, truncated forward included.
+    accepted_histogram: list[int] = field(default_factory=list)
+    seconds: float = 0.0
 
     @property
     def tau(self) -> float:
         return sum(self.tau_per_prompt) / max(len(self.tau_per_prompt), 1)
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """For k = 1..num_draft: the fraction of forwards that accepted at least k drafted
+        tokens (pooled over every forward of every prompt)."""
+        total = max(sum(self.accepted_histogram), 1)
+        tail = [sum(self.accepted_histogram[k:]) for k in range(len(self.accepted_histogram))]
+        return [n / total for n in tail[1:]]
+
+    def to_json(self) -> dict:
+        return {
+            "tau": self.tau,
+            "tau_per_prompt": self.tau_per_prompt,
+            "forwards": self.forwards,
+            "new_tokens": self.new_tokens,
+            "acceptance_by_position": self.acceptance_by_position,
+            "accepted_histogram": self.accepted_histogram,
+            "seconds": self.seconds,
+            "tokens_per_s": self.new_tokens / self.seconds if self.seconds else None,
+        }
 
 
 def prompt_lookup_draft(tokens: list[int], num_draft: int, max_ngram: int = 4) -> list[int]:
@@ -46,102 +81,137 @@ def prompt_lookup_draft(tokens: list[int], num_draft: int, max_ngram: int = 4) -
     return []
 
 
-class TappedTarget:
-    """Greedy target forward that also returns the tapped layers' hidden states."""
+class CachedTarget:
+    """Greedy target forwards over a KV cache, with a running buffer of tapped features.
+
+    `prefill(prompt)` starts a sequence; `verify(token, draft)` runs the newest token and a
+    draft on top of the cache; `commit(n)` keeps the first n of those inputs (cache and
+    features) and drops the rest. `features` is then the tapped hidden states of every
+    token the target has run and kept: all tokens but the newest.
+    """
 
     def __init__(self, model: torch.nn.Module, tapped_layers: list[int] | None) -> None:
         self.model = model
         self.tapped_layers = tapped_layers
         self.device = next(model.parameters()).device
+        # transformers 5 renamed `past_key_values` to `cache` (the old name still warns).
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self.cache = DynamicCache()
+        self.num_kept = 0
+        self._feats_TKD: torch.Tensor | None = None
+        self._pending_JKD: torch.Tensor | None = None
 
     @torch.inference_mode()
-    def __call__(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        ids_1T = torch.tensor([tokens], device=self.device)
-        out = self.model(ids_1T, output_hidden_states=self.tapped_layers is not None)
-        greedy_T = out.logits[0].argmax(-1)
-        if self.tapped_layers is None:
-            return greedy_T, None
-        # layer i = output of decoder layer i = hidden_states[i + 1]
-        feats_TKD = torch.stack([out.hidden_states[i + 1][0] for i in self.tapped_layers], 1)
-        return greedy_T, feats_TKD
+    def _forward(self, ids: list[int], **kwargs) -> list[int]:
+        ids_1J = torch.tensor([ids], device=self.device)
+        out = self.model(
+            ids_1J,
+            use_cache=True,
+            output_hidden_states=self.tapped_layers is not None,
+            **{self._cache_arg: self.cache},
+            **kwargs,
+        )
+        if self.tapped_layers is not None:
+            # layer i = output of decoder layer i = hidden_states[i + 1]
+            self._pending_JKD = torch.stack(
+                [out.hidden_states[i + 1][0] for i in self.tapped_layers], 1
+            )
+        return out.logits[0].argmax(-1).tolist()
+
+    def prefill(self, prompt: list[int], capacity: int) -> int:
+        """Run the prompt on a fresh cache; returns the target's next token. `capacity`:
+        the most tokens the sequence will hold (sizes the feature buffer once)."""
+        self.cache = DynamicCache()
+        self.num_kept = 0
+        (next_token,) = self._forward(prompt, logits_to_keep=1)
+        if self._pending_JKD is not None:
+            shape = (capacity, *self._pending_JKD.shape[1:])
+            self._feats_TKD = self._pending_JKD.new_empty(shape)
+        self.commit(len(prompt))
+        return next_token
+
+    def verify(self, token: int, draft: list[int]) -> list[int]:
+        """Greedy tokens [J] after each prefix of [token, *draft] (J = 1 + len(draft))."""
+        return self._forward([token, *draft])
+
+    def commit(self, num_inputs: int) -> None:
+        """Keep the first `num_inputs` tokens of the last forward: the rest were rejected."""
+        self.num_kept += num_inputs
+        surplus = self.cache.get_seq_length() - self.num_kept
+        assert surplus >= 0, (surplus, self.num_kept)
+        if surplus:
+            # A negative count removes that many tokens in every transformers version.
+            self.cache.crop(-surplus)
+        if self._pending_JKD is not None:
+            assert self._feats_TKD is not None
+            start = self.num_kept - num_inputs
+            self._feats_TKD[start : self.num_kept] = self._pending_JKD[:num_inputs]
+            self._pending_JKD = None
+
+    @property
+    def features(self) -> torch.Tensor | None:
+        """Tapped features [T, K, D] of the kept tokens (a view into the buffer)."""
+        return None if self._feats_TKD is None else self._feats_TKD[: self.num_kept]
 
 
 def speculative_generate(
-    target: TappedTarget, prompt: list[int], draft_fn: DraftFn, num_new: int
-) -> tuple[list[int], list[int]]:
-    """Greedy speculative decoding; returns (generated tokens, tokens gained per forward)."""
-    greedy_T, feats_TKD = target(prompt)
-    tokens = [*prompt, int(greedy_T[-1])]
-    # Features exist for every token but the last (the target has not run on it yet).
-    feats = feats_TKD
+    target: CachedTarget,
+    prompt: list[int],
+    draft_fn: DraftFn,
+    num_new: int,
+    progress: tqdm | None = None,
+) -> tuple[list[int], list[int], list[int]]:
+    """Greedy speculative decoding; returns (generated tokens, tokens gained per forward,
+    drafted tokens accepted per forward, counted before the last forward's truncation)."""
+    tokens = [*prompt, target.prefill(prompt, len(prompt) + num_new)]
+    if progress is not None:
+        progress.update(1)
     gains: list[int] = []
+    accepted_counts: list[int] = []
     while len(tokens) - len(prompt) < num_new:
-        draft = draft_fn(tokens, feats)
-        greedy_T, all_feats = target(tokens + draft)
-        base = len(tokens) - 1  # greedy_T[base + j] is the target's token after tokens+draft[:j]
+        draft = draft_fn(tokens, target.features)
+        greedy_J = target.verify(tokens[-1], draft)  # greedy_J[j]: the token after draft[:j]
         accepted = 0
-        while accepted < len(draft) and draft[accepted] == int(greedy_T[base + accepted]):
+        while accepted < len(draft) and draft[accepted] == greedy_J[accepted]:
             accepted += 1
-        bonus = int(greedy_T[base + accepted])
         room = num_new - (len(tokens) - len(prompt))
-        gained = [*draft[:accepted], bonus][:room]
+        gained = [*draft[:accepted], greedy_J[accepted]][:room]
+        # The newest token and the accepted draft are now context; the bonus is the newest.
+        target.commit(len(gained))
         tokens += gained
         gains.append(len(gained))
-        feats = None if all_feats is None else all_feats[: len(tokens) - 1]
-    return tokens[len(prompt) :], gains
+        accepted_counts.append(accepted)
+        if progress is not None:
+            progress.update(len(gained))
+    return tokens[len(prompt) :], gains, accepted_counts
 
 
 def measure_acceptance(
-    target: TappedTarget, prompts: list[list[int]], draft_fn: DraftFn, num_new: int
+    target: CachedTarget,
+    prompts: list[list[int]],
+    make_draft: Callable[[], DraftFn],
+    num_new: int,
+    num_draft: int,
+    desc: str = "decode",
 ) -> AcceptanceResult:
-    taus, forwards, new = [], 0, 0
-    for prompt in prompts:
-        generated, gains = speculative_generate(target, prompt, draft_fn, num_new)
-        taus.append(sum(gains) / len(gains))
-        forwards += len(gains)
-        new += len(generated)
-    return AcceptanceResult(taus, forwards, new)
+    """tau and acceptance by draft position over `prompts`; `make_draft` gives a fresh
+    draft function per prompt (a drafter may cache its context), `num_draft` its block."""
+    import time
 
-
-def dflash_draft_fn(
-    drafter: torch.nn.Module, embed_VD: torch.Tensor, head_VD: torch.Tensor
-) -> DraftFn:
-    """Draft B-1 tokens with a DFlash drafter: one block anchored at the last token.
-
-    The anchor p = len(tokens) - 1 is the target's latest token, which has no features yet;
-    the drafter sees the features of positions < p exactly as in training (a context of p + 1
-    positions whose last row is never visible, since context visibility is strictly < p).
-    """
-    from stage2_train.attention import BlockAttention
-    from stage2_train.model import build_block_inputs
-
-    shape = drafter.shape
-    device = embed_VD.device
-    offsets_B = torch.arange(shape.block_size, device=device)
-
-    @torch.inference_mode()
-    def draft(tokens: list[int], feats_TKD: torch.Tensor | None) -> list[int]:
-        assert feats_TKD is not None and feats_TKD.size(0) == len(tokens) - 1
-        p = len(tokens) - 1
-        tokens_S = torch.tensor(tokens, device=device)
-        pad_1KD = feats_TKD.new_zeros(1, *feats_TKD.shape[1:])
-        features_SKD = torch.cat([feats_TKD, pad_1KD])
-        anchors_A = torch.tensor([p], device=device)
-        attention = BlockAttention(
-            anchors_A,
-            torch.zeros(p + 1, dtype=torch.long, device=device),
-            shape.block_size,
-            backend="sdpa",
-        )
-        ids_AB = build_block_inputs(anchors_A, tokens_S, shape.block_size, shape.mask_token_id)
-        hidden_QD = drafter(
-            features_SKD,
-            embed_VD[ids_AB.flatten()],
-            torch.arange(p + 1, device=device),
-            p + offsets_B,
-            attention,
-        )
-        logits_QV = hidden_QD.to(head_VD.dtype) @ head_VD.T
-        return logits_QV[1:].argmax(-1).tolist()
-
-    return draft
+    taus: list[float] = []
+    histogram = [0] * (num_draft + 1)
+    forwards = new = 0
+    start = time.perf_counter()
+    with tqdm(total=len(prompts) * num_new, desc=desc, unit="tok", dynamic_ncols=True) as bar:
+        for prompt in prompts:
+            generated, gains, accepted_counts = speculative_generate(
+                target, prompt, make_draft(), num_new, bar
+            )
+            taus.append(sum(gains) / len(gains))
+            forwards += len(gains)
+            new += len(generated)
+            for accepted in accepted_counts:
+                histogram[accepted] += 1
+            bar.set_postfix(tau=f"{sum(taus) / len(taus):.2f}")
+    return AcceptanceResult(taus, forwards, new, histogram, time.perf_counter() - start)

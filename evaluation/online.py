@@ -2,36 +2,53 @@
 
 Loads the target (its embedding and LM head serve the drafter, as at serving time), takes
 the first `prompt_tokens` tokens of the first `num_prompts` documents of a text dataset as
-prompts, and generates `new_tokens` greedily with each drafter; prints tau per method.
+prompts, and generates `new_tokens` greedily with each drafter (target KV cache, drafter
+context cache: evaluation.acceptance). Returns tau per method, acceptance by draft position
+and the histogram of accepted tokens per forward; `plot` also draws them (evaluation.plot).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from common.logging import get_logger
-from evaluation.acceptance import (
-    TappedTarget,
-    dflash_draft_fn,
-    measure_acceptance,
-    prompt_lookup_draft,
-)
+from evaluation.acceptance import CachedTarget, measure_acceptance, prompt_lookup_draft
+
+if TYPE_CHECKING:
+    from stage2_train.model import DFlashDrafter
+
+# Prompt lookup drafts as many tokens as a block of this size holds, unless a drafter is given
+# (then its own block size, so both are compared at the same draft length).
+DEFAULT_BLOCK_SIZE = 16
+# Below this width a target on the CPU runs with one intra-op thread (see run_evaluate).
+SMALL_HIDDEN = 512
 
 
 @dataclass
 class EvaluateConfig:
-    target: str
-    data: str
-    drafter: str | None = None
-    num_prompts: int = 12
-    prompt_tokens: int = 256
-    new_tokens: int = 128
+    target: str  # target model folder or hub id
+    data: str  # .json/.jsonl(.gz) of `text` documents or `messages` conversations
+    drafter: str | None = None  # exported drafter folder; None: prompt lookup only
+    num_prompts: int = 12  # the first N rows of `data`
+    prompt_tokens: int = 256  # prompt length (text: first tokens; chat: last tokens)
+    new_tokens: int = 128  # greedy tokens generated per prompt
     device: str = "cpu"
     dtype: str = "float32"
     text_field: str = "text"
+    plot: str | None = None  # PNG of acceptance by draft position; None: no plot
+
+    def validate(self) -> None:
+        problems = [
+            f"{name} must be >= {low}, got {getattr(self, name)}"
+            for name, low in (("num_prompts", 1), ("prompt_tokens", 1), ("new_tokens", 2))
+            if getattr(self, name) < low
+        ]
+        if problems:
+            raise ValueError("invalid evaluate settings: " + "; ".join(problems))
 
 
 def _chat_prompt(tokenizer, messages: list[dict], limit: int) -> list[int]:
@@ -72,34 +89,74 @@ def run_evaluate(cfg: EvaluateConfig) -> dict:
     """Measure tau for prompt lookup and, when given, the DFlash drafter; return the figures."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stage2_train.export import load_export, read_export_config
+    from stage2_train.export import load_export
 
-    log = get_logger()
+    cfg.validate()
     dtype = getattr(torch, cfg.dtype)
     # the drafter first: a wrong folder fails before minutes of prompt lookup
     drafter = load_export(cfg.drafter).to(cfg.device, dtype).eval() if cfg.drafter else None
     tokenizer = AutoTokenizer.from_pretrained(cfg.target)
     model = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=dtype).to(cfg.device).eval()
+    threads = torch.get_num_threads()
+    if torch.device(cfg.device).type == "cpu" and model.config.hidden_size < SMALL_HIDDEN:
+        # A toy target's matrices are too small to split across threads, and on a shared CPU
+        # threads waiting for one another cost far more: the tiny example took 5 min with
+        # 2 threads on 2 busy cores, 19 s with one.
+        torch.set_num_threads(1)
+    try:
+        return _evaluate(cfg, model, tokenizer, drafter)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _evaluate(
+    cfg: EvaluateConfig, model: torch.nn.Module, tokenizer: Any, drafter: DFlashDrafter | None
+) -> dict:
+    """Both methods on the loaded target (run_evaluate's body, under its thread setting)."""
+    from evaluation.dflash_draft import dflash_draft_fn
+    from stage2_train.export import read_export_config
+
+    log = get_logger()
     prompts = load_prompts(cfg, tokenizer)
-    results: dict = {"num_prompts": len(prompts), "new_tokens": cfg.new_tokens}
+    num_draft = (drafter.shape.block_size if drafter else DEFAULT_BLOCK_SIZE) - 1
+    results: dict = {
+        "num_prompts": len(prompts),
+        "new_tokens": cfg.new_tokens,
+        "num_draft": num_draft,
+    }
+
+    def lookup_draft(tokens: list[int], _feats: torch.Tensor | None) -> list[int]:
+        return prompt_lookup_draft(tokens, num_draft)
 
     lookup = measure_acceptance(
-        TappedTarget(model, None),
+        CachedTarget(model, None),
         prompts,
-        lambda toks, _: prompt_lookup_draft(toks, 15),
+        lambda: lookup_draft,
         cfg.new_tokens,
+        num_draft,
+        desc="prompt lookup",
     )
-    results["prompt_lookup"] = {"tau": lookup.tau, "tau_per_prompt": lookup.tau_per_prompt}
-    log.info("prompt lookup: tau %.3f", lookup.tau)
+    results["prompt_lookup"] = lookup.to_json()
+    log.info(
+        "prompt lookup: tau %.3f (%.1f tokens/s)", lookup.tau, lookup.new_tokens / lookup.seconds
+    )
 
     if drafter is not None:
         tapped = read_export_config(cfg.drafter)["dflash_config"]["target_layer_ids"]
-        draft = dflash_draft_fn(
-            drafter,
-            model.get_input_embeddings().weight.detach(),
-            model.get_output_embeddings().weight.detach(),
+        embed_VD = model.get_input_embeddings().weight.detach()
+        head_VD = model.get_output_embeddings().weight.detach()
+        dflash = measure_acceptance(
+            CachedTarget(model, tapped),
+            prompts,
+            lambda: dflash_draft_fn(drafter, embed_VD, head_VD),
+            cfg.new_tokens,
+            num_draft,
+            desc="dflash",
         )
-        dflash = measure_acceptance(TappedTarget(model, tapped), prompts, draft, cfg.new_tokens)
-        results["dflash"] = {"tau": dflash.tau, "tau_per_prompt": dflash.tau_per_prompt}
-        log.info("dflash: tau %.3f", dflash.tau)
+        results["dflash"] = dflash.to_json()
+        log.info("dflash: tau %.3f (%.1f tokens/s)", dflash.tau, dflash.new_tokens / dflash.seconds)
+    if cfg.plot:
+        from evaluation.plot import plot_acceptance
+
+        log.info("plot of acceptance by draft position: %s", plot_acceptance(results, cfg.plot))
     return results

@@ -1,5 +1,6 @@
 """Online acceptance: speculative decoding must reproduce plain greedy decoding exactly,
-whatever the drafter proposes; prompt lookup and DFlash drafts are checked against references."""
+whatever the drafter proposes, and the cached path (target KV cache, feature buffer, drafter
+context cache) must accept exactly the tokens of the recompute reference."""
 
 from __future__ import annotations
 
@@ -10,14 +11,23 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from evaluation.acceptance import (
-    TappedTarget,
-    dflash_draft_fn,
+    AcceptanceResult,
+    CachedTarget,
+    DraftFn,
     measure_acceptance,
     prompt_lookup_draft,
     speculative_generate,
 )
+from evaluation.dflash_draft import dflash_draft_fn
+from evaluation.reference import TappedTarget, reference_dflash_draft_fn, reference_generate
 from stage2_train.config import DrafterConfig
 from stage2_train.model import DFlashDrafter, drafter_shape
+
+PROMPTS = [
+    [5, 17, 42, 8, 5, 17, 42],
+    [9, 9, 9, 9, 9, 9, 9, 9],
+    [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3, 2, 7],
+]
 
 
 def greedy_reference(model: torch.nn.Module, prompt: list[int], num_new: int) -> list[int]:
@@ -33,6 +43,15 @@ def target(tiny_qwen3: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
 
 
+def tiny_drafter(target: torch.nn.Module, block_size: int = 4) -> DFlashDrafter:
+    config = target.config.to_dict()
+    shape = drafter_shape(
+        DrafterConfig(num_layers=2, block_size=block_size), config, 2, config["vocab_size"], 3
+    )
+    torch.manual_seed(0)
+    return DFlashDrafter(shape).eval()
+
+
 def test_prompt_lookup_copies_latest_longest_match() -> None:
     tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
     # suffix [2, 3] (n=2; n>=3 never occurred before): latest earlier match at index 5 -> 7, 8, 5
@@ -42,7 +61,7 @@ def test_prompt_lookup_copies_latest_longest_match() -> None:
 
 @pytest.mark.parametrize("drafter", ["oracle", "wrong", "lookup"])
 def test_speculative_output_equals_greedy(target: torch.nn.Module, drafter: str) -> None:
-    prompt = [5, 17, 42, 8, 5, 17, 42]
+    prompt = PROMPTS[0]
     expected = greedy_reference(target, prompt, 24)
 
     def draft(tokens: list[int], _feats: torch.Tensor | None) -> list[int]:
@@ -53,34 +72,105 @@ def test_speculative_output_equals_greedy(target: torch.nn.Module, drafter: str)
             return [(t + 1) % 100 for t in expected[done : done + 7]]
         return prompt_lookup_draft(tokens, 7)
 
-    generated, gains = speculative_generate(TappedTarget(target, None), prompt, draft, 24)
+    generated, gains, accepted = speculative_generate(CachedTarget(target, None), prompt, draft, 24)
     assert generated == expected
     assert sum(gains) == 23  # the prefill forward gives the first token
     if drafter == "oracle":
         assert len(gains) <= 3  # 7 accepted + 1 bonus per forward
+        assert accepted[0] == 7
     if drafter == "wrong":
-        assert all(g == 1 for g in gains)
+        assert all(g == 1 for g in gains) and not any(accepted)
 
 
-def test_dflash_drafter_keeps_greedy_output(target: torch.nn.Module) -> None:
-    config = target.config.to_dict()
-    shape = drafter_shape(
-        DrafterConfig(num_layers=1, block_size=4), config, 2, config["vocab_size"], 3
+def recording(
+    draft_fn: DraftFn, log: list[list[int]], oracle: list[int], prompt_len: int
+) -> DraftFn:
+    """Record every proposal of `draft_fn`, then hand the target a draft of the true greedy
+    continuation for (step mod 4) tokens, one wrong token, then the proposal: exactly that many
+    accepted, and rejected tokens every step, so the target's cache is cropped by varying
+    amounts and the drafter's context grows by 1 to 4 rows a step."""
+
+    def draft(tokens: list[int], feats: torch.Tensor | None) -> list[int]:
+        proposal = draft_fn(tokens, feats)
+        log.append(proposal)
+        done = len(tokens) - prompt_len
+        keep = len(log) % 4
+        wrong = (oracle[done + keep] + 1) % 100
+        return [*oracle[done : done + keep], wrong, *proposal][:5]
+
+    return draft
+
+
+@pytest.mark.parametrize("method", ["lookup", "dflash"])
+def test_cached_path_equals_recompute_reference(target: torch.nn.Module, method: str) -> None:
+    drafter = tiny_drafter(target, block_size=6)
+    embed_VD = target.get_input_embeddings().weight
+    head_VD = target.get_output_embeddings().weight
+    tapped = [0, 2] if method == "dflash" else None
+    cached_target, reference_target = CachedTarget(target, tapped), TappedTarget(target, tapped)
+    for prompt in PROMPTS:
+        oracle = greedy_reference(target, prompt, 24)
+        if method == "dflash":
+            cached_draft = dflash_draft_fn(drafter, embed_VD, head_VD)
+            reference_draft = reference_dflash_draft_fn(drafter, embed_VD, head_VD)
+        else:
+            cached_draft = reference_draft = lambda toks, _f: prompt_lookup_draft(toks, 5)  # noqa: E731
+        cached_log: list[list[int]] = []
+        reference_log: list[list[int]] = []
+        cached = speculative_generate(
+            cached_target, prompt, recording(cached_draft, cached_log, oracle, len(prompt)), 20
+        )
+        reference = reference_generate(
+            reference_target,
+            prompt,
+            recording(reference_draft, reference_log, oracle, len(prompt)),
+            20,
+        )
+        runs = {"cached": (*cached, cached_log), "reference": (*reference, reference_log)}
+        assert runs["cached"] == runs["reference"]
+        generated, gains, accepted, proposals = runs["cached"]
+        assert generated == oracle[:20]
+        assert accepted[:4] == [1, 2, 3, 0], accepted
+        if method == "dflash":
+            assert all(len(p) == 5 for p in proposals)
+            # the buffer holds the target's features of every token but the newest
+            _, feats_TKD = reference_target([*prompt, *generated])
+            assert cached_target.features is not None
+            torch.testing.assert_close(cached_target.features, feats_TKD[:-1], rtol=1e-4, atol=1e-5)
+
+
+def test_acceptance_by_position_from_histogram(target: torch.nn.Module) -> None:
+    result = AcceptanceResult([2.0], forwards=4, new_tokens=8, accepted_histogram=[1, 1, 0, 2])
+    # 4 forwards accepted 0, 1, 3, 3 drafted tokens: >= 1 in 3, >= 2 in 2, >= 3 in 2
+    assert result.acceptance_by_position == [0.75, 0.5, 0.5]
+    oracle = greedy_reference(target, PROMPTS[0], 9)
+    measured = measure_acceptance(
+        CachedTarget(target, None),
+        [PROMPTS[0]],
+        lambda: lambda toks, _f: oracle[len(toks) - 7 :][:3],
+        9,
+        3,
     )
-    torch.manual_seed(0)
-    drafter = DFlashDrafter(shape).eval()
-    draft = dflash_draft_fn(
-        drafter, target.get_input_embeddings().weight, target.get_output_embeddings().weight
-    )
-    prompt = [5, 17, 42, 8, 5, 17, 42]
-    expected = greedy_reference(target, prompt, 12)
-    tapped = TappedTarget(target, [0, 2])
-    generated, gains = speculative_generate(tapped, prompt, draft, 12)
-    assert generated == expected
-    proposals = draft(prompt + expected[:1], tapped(prompt)[1])
-    assert len(proposals) == shape.block_size - 1
-    result = measure_acceptance(tapped, [prompt], draft, 12)
-    assert result.tau == pytest.approx(11 / len(gains))
+    # 1 token from the prefill, then 3 accepted + 1 bonus twice
+    assert measured.accepted_histogram == [0, 0, 0, 2] and measured.tau == 4.0
+    assert measured.acceptance_by_position == [1.0, 1.0, 1.0]
+
+
+def assert_png(path: Path) -> None:
+    """A PNG by its magic bytes, that matplotlib decodes into an RGB(A) image."""
+    import matplotlib.image
+
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels = matplotlib.image.imread(path)
+    assert pixels.ndim == 3 and pixels.shape[2] in (3, 4) and min(pixels.shape[:2]) > 100
+
+
+def test_plot_writes_png(tmp_path: Path) -> None:
+    from evaluation.plot import plot_acceptance
+
+    lookup = AcceptanceResult([1.5], forwards=4, new_tokens=6, accepted_histogram=[2, 1, 1])
+    results = {"num_prompts": 1, "new_tokens": 6, "prompt_lookup": lookup.to_json()}
+    assert_png(plot_acceptance(results, tmp_path / "sub" / "plot.png"))
 
 
 def test_evaluate_command_reports_both_methods(tiny_qwen3: Path, tmp_path: Path) -> None:
@@ -124,10 +214,16 @@ def test_evaluate_command_reports_both_methods(tiny_qwen3: Path, tmp_path: Path)
     )
     assert result.exit_code == 0, result.output
     figures = json.loads(out.read_text())
-    assert figures["num_prompts"] == 2
+    assert figures["num_prompts"] == 2 and figures["num_draft"] == 3  # the drafter's block - 1
     for method in ("prompt_lookup", "dflash"):
-        assert len(figures[method]["tau_per_prompt"]) == 2
-        assert 1.0 <= figures[method]["tau"] <= 6.0
+        result = figures[method]
+        assert len(result["tau_per_prompt"]) == 2
+        assert 1.0 <= result["tau"] <= 6.0
+        assert len(result["accepted_histogram"]) == 4
+        assert sum(result["accepted_histogram"]) == result["forwards"]
+        by_position = result["acceptance_by_position"]
+        assert len(by_position) == 3 and by_position == sorted(by_position, reverse=True)
+    assert_png(out.with_suffix(".png"))  # beside the JSON by default
     chat = tmp_path / "chat.jsonl"
     conversation = [
         {"role": "user", "content": "Name a color."},

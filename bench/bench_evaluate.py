@@ -1,0 +1,189 @@
+"""Benchmark: `dflash evaluate`'s cached decoding against the recompute reference.
+
+Builds a random-weight target (Qwen3-8B's shape by default, `--tiny` for a 4-layer CPU one)
+and a random-weight DFlash drafter (5 layers, block 16) directly on the device, random token
+prompts, then decodes greedily with prompt lookup and with the drafter, twice each: the cached
+path `dflash evaluate` runs (target KV cache, feature buffer, drafter context cache) and the
+uncached reference (evaluation.reference: every forward over the whole sequence). Reports per
+method and path: seconds, new tokens/s, target forwards, tau, and whether both paths
+generated the same tokens (on the CPU in float32 they must; in bf16 on a GPU rounding may
+differ). Random weights say nothing about acceptance: the figures are about speed.
+JSON lines to stdout and $OUT/bench_evaluate.jsonl.
+
+    python bench/bench_evaluate.py --device cuda:0                 # Qwen3-8B shape, bf16
+    python bench/bench_evaluate.py --tiny --device cpu --dtype float32   # seconds, CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+from common.tiny import tiny_config
+from evaluation.acceptance import CachedTarget, DraftFn, prompt_lookup_draft, speculative_generate
+from evaluation.dflash_draft import dflash_draft_fn
+from evaluation.reference import TappedTarget, reference_dflash_draft_fn, reference_generate
+from stage1_extract.config import TargetConfig
+from stage1_extract.target import resolve_tapped_layers
+from stage2_train.config import DrafterConfig
+from stage2_train.model import DFlashDrafter, drafter_shape
+
+QWEN3_8B = dict(
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
+
+def emit(record: dict[str, Any]) -> None:
+    line = json.dumps(record)
+    print(line, flush=True)
+    if os.environ.get("OUT"):
+        with open(Path(os.environ["OUT"]) / "bench_evaluate.jsonl", "a") as f:
+            f.write(line + "\n")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def decode_all(
+    path: str,
+    target: torch.nn.Module,
+    tapped: list[int] | None,
+    make_draft: Callable[[], DraftFn],
+    prompts: list[list[int]],
+    num_new: int,
+) -> tuple[dict[str, Any], list[list[int]]]:
+    """Decode every prompt on one path; its figures and the generated tokens."""
+    device = next(target.parameters()).device
+    runner = CachedTarget(target, tapped) if path == "cached" else TappedTarget(target, tapped)
+    generate = speculative_generate if path == "cached" else reference_generate
+    synchronize(device)
+    start = time.perf_counter()
+    outputs = [generate(runner, prompt, make_draft(), num_new) for prompt in prompts]
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    forwards = sum(len(gains) for _, gains, _ in outputs)
+    new = sum(len(generated) for generated, _, _ in outputs)
+    taus = [sum(gains) / len(gains) for _, gains, _ in outputs]
+    figures = {
+        "seconds": round(seconds, 3),
+        "generated_tokens": new,
+        "tokens_per_s": round(new / seconds, 2),
+        "forwards": forwards,
+        "ms_per_forward": round(1000 * seconds / forwards, 2),
+        "tau": round(sum(taus) / len(taus), 4),
+    }
+    return figures, [generated for generated, _, _ in outputs]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="4-layer target (CPU test run)")
+    parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--drafter-layers", type=int, default=5)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--no-reference", action="store_true", help="time the cached path only")
+    args = parser.parse_args()
+
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    config = tiny_config("qwen3", 512) if args.tiny else Qwen3Config(**QWEN3_8B)
+    torch.manual_seed(0)
+    with device:  # random init on the device: an 8B init on the CPU takes minutes
+        target = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    target_dict = config.to_dict()
+    num_tapped = 2 if args.tiny else 5
+    tapped = resolve_tapped_layers(TargetConfig(num_tapped=num_tapped), config.num_hidden_layers)
+    shape = drafter_shape(
+        DrafterConfig(num_layers=args.drafter_layers, block_size=args.block_size),
+        target_dict,
+        num_tapped,
+        config.vocab_size,
+        mask_token_id=config.vocab_size - 1,
+    )
+    with device:
+        drafter = DFlashDrafter(shape).to(dtype).eval()
+    embed_VD = target.get_input_embeddings().weight.detach()
+    head_VD = target.get_output_embeddings().weight.detach()
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(
+        0, config.vocab_size - 1, (args.num_prompts, args.prompt_tokens), generator=generator
+    ).tolist()
+    num_draft = args.block_size - 1
+
+    def lookup(tokens: list[int], _feats: torch.Tensor | None) -> list[int]:
+        return prompt_lookup_draft(tokens, num_draft)
+
+    methods: dict[str, tuple[list[int] | None, dict[str, Any]]] = {
+        "prompt_lookup": (None, {"cached": lambda: lookup, "reference": lambda: lookup}),
+        "dflash": (
+            tapped,
+            {
+                "cached": lambda: dflash_draft_fn(drafter, embed_VD, head_VD),
+                "reference": lambda: reference_dflash_draft_fn(drafter, embed_VD, head_VD),
+            },
+        ),
+    }
+    setting = {
+        "target": "tiny" if args.tiny else "qwen3-8b-shape",
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": args.dtype,
+        "num_prompts": args.num_prompts,
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "drafter_layers": args.drafter_layers,
+        "block_size": args.block_size,
+        "tapped_layers": tapped,
+    }
+    paths = ["cached"] if args.no_reference else ["cached", "reference"]
+    for method, (layers, makers) in methods.items():
+        # warm-up: allocator, kernels, lazy inits; not timed
+        decode_all("cached", target, layers, makers["cached"], prompts[:1], 4)
+        figures: dict[str, dict[str, Any]] = {}
+        generated: dict[str, list[list[int]]] = {}
+        for path in paths:
+            figures[path], generated[path] = decode_all(
+                path, target, layers, makers[path], prompts, args.new_tokens
+            )
+            emit({"what": "evaluate", "method": method, "path": path, **setting, **figures[path]})
+        if "reference" in figures:
+            same = generated["cached"] == generated["reference"]
+            speedup = figures["reference"]["seconds"] / figures["cached"]["seconds"]
+            emit(
+                {
+                    "what": "evaluate_speedup",
+                    "method": method,
+                    **setting,
+                    "speedup": round(speedup, 2),
+                    "identical_tokens": same,
+                }
+            )
+    if device.type == "cuda":
+        emit({"what": "memory", "peak_GB": round(torch.cuda.max_memory_allocated(device) / 1e9, 2)})
+
+
+if __name__ == "__main__":
+    main()

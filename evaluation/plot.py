@@ -1,0 +1,59 @@
+"""The plot of `dflash evaluate`: acceptance by draft position, one line per method.
+
+Left: for each draft position k, the fraction of verification forwards that accepted at least
+k drafted tokens (the curve starts at the first token's acceptance and falls; its sum + 1 is
+the pooled tau). Right: the histogram of accepted tokens per forward, as fractions. Written
+with matplotlib's Agg backend (no display needed).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+LABELS = {"prompt_lookup": "prompt lookup", "dflash": "DFlash"}
+
+
+def plot_acceptance(results: dict[str, Any], path: str | Path) -> Path:
+    """Write the PNG of every method in `results` (`dflash evaluate`'s figures) to `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # before pyplot: headless machines have no display
+    import matplotlib.pyplot as plt
+
+    methods = [m for m in LABELS if m in results]
+    fig, (by_position, histogram) = plt.subplots(1, 2, figsize=(11, 4.2))
+    width = 0.8 / max(len(methods), 1)
+    for i, method in enumerate(methods):
+        figures = results[method]
+        label = f"{LABELS[method]} (tau {figures['tau']:.2f})"
+        curve = figures["acceptance_by_position"]
+        by_position.plot(range(1, len(curve) + 1), curve, marker="o", label=label)
+        counts = figures["accepted_histogram"]
+        total = max(sum(counts), 1)
+        shifted = [a + (i - (len(methods) - 1) / 2) * width for a in range(len(counts))]
+        histogram.bar(shifted, [c / total for c in counts], width=width, label=label)
+    by_position.set(
+        xlabel="draft position k",
+        ylabel="forwards with >= k drafted tokens accepted",
+        ylim=(0, 1.02),
+        title="Acceptance by draft position",
+    )
+    histogram.set(
+        xlabel="drafted tokens accepted per forward",
+        ylabel="fraction of forwards",
+        title="Accepted tokens per forward",
+    )
+    for axes in (by_position, histogram):
+        axes.grid(alpha=0.3)
+        axes.legend()
+    fig.suptitle(
+        f"greedy verification, {results['num_prompts']} prompts x {results['new_tokens']} "
+        "new tokens"
+    )
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
