@@ -218,12 +218,14 @@ def test_learns_what_only_the_anchor_token_carries(tmp_path: Path) -> None:
     import zarr
 
     from common.store import bf16_to_bits
+    from common.store_files import record_shard_files
 
     store = build_store(tmp_path / "store", FactorySpec(num_sequences=40, sequences_per_shard=10))
     noise = torch.Generator().manual_seed(1)
     for shard in sorted((store / "shards").iterdir()):
         hidden = zarr.open_group(shard, mode="r+")["hidden"]
         hidden[...] = bf16_to_bits(torch.randn(hidden.shape, generator=noise).bfloat16())
+        record_shard_files(shard)  # the store's own writer records the sizes after any write
     rows = train(
         store,
         tmp_path / "run",
