@@ -8,10 +8,12 @@ import pytest
 
 from common.config import build_config, describe, parse_overrides
 from stage1_extract.config import ExtractConfig
+from stage1_generate.config import GenerateConfig
 from stage2_train.config import TrainConfig
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 REQUIRED = {
+    "generate": ["target.model=m", "data.path=d", "output.out=o"],
     "extract": ["target.model=m", "data.path=d", "store.out=o"],
     "train": ["data.store=s", "run.out=o"],
 }
@@ -21,6 +23,8 @@ REQUIRED = {
 def test_every_config_loads(path: Path) -> None:
     extract = build_config(ExtractConfig, path, "extract", REQUIRED["extract"])
     train = build_config(TrainConfig, path, "train", REQUIRED["train"])
+    generate = build_config(GenerateConfig, path, "generate", REQUIRED["generate"])
+    assert generate.sampling.max_new_tokens >= 1
     assert extract.packing.seq_len >= 16
     assert train.drafter.block_size >= 2
 

@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# The recipe end to end on the small real target pystd-28m, on one GPU, timed per stage:
+#   dflash generate (the target continues windows of train.jsonl.gz) -> dflash extract ->
+#   dflash train -> dflash evaluate (online tau on the 12 dev prompts vs prompt lookup) ->
+#   dflash evaluate-offline on the target's own continuation of the same 12 prompts.
+# Settings: configs/pystd.yaml. Model and data in .carry/ (pystd-28m, train.jsonl.gz,
+# dev.jsonl.gz; see BENCHMARKS.md). Figures go to $OUT (default runs/recipe).
+#   bash bench/recipe_pystd.sh                       the recipe as configured
+#   VARIANTS="a|--set optim.lr=2e-3;b|--set optim.batch_sequences=8" bash bench/recipe_pystd.sh
+#       generate and extract once, then train the variants side by side on the same GPU (a
+#       pystd step is launch-bound, so they share it well; each one's time is then longer than
+#       alone) and evaluate each. STAGES=train,evaluate reuses $WORK's gen/ and store/.
+set -uo pipefail
+OUT=${OUT:-runs/recipe}
+WORK=${WORK:-/tmp/recipe}
+CFG=${CFG:-configs/pystd.yaml}
+DEVICE=${DEVICE:-0}
+STAGES=${STAGES:-generate,extract,dev,train,evaluate}
+TRAIN_LIMIT_S=${TRAIN_LIMIT_S:-1500}
+mkdir -p "$OUT" "$WORK"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+M=.carry/pystd-28m
+EVAL_DEVICE=$([ "$DEVICE" = cpu ] && echo cpu || echo "cuda:$DEVICE")
+# extra --set arguments per stage (a CPU dry run shrinks everything with these)
+read -ra GEN_SETS <<< "${GEN_SETS:-}"
+read -ra EXTRACT_SETS <<< "${EXTRACT_SETS:-}"
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
+stamp() { echo "\"$1_s\": $(( $(date +%s) - $2 ))" >> "$OUT/timings.txt"; }
+
+if has generate; then
+  t=$(date +%s)
+  dflash generate --config "$CFG" --model $M --data .carry/train.jsonl.gz --out "$WORK/gen" \
+    --devices "$DEVICE" --set run.progress=false "${GEN_SETS[@]}" 2>&1 | tee "$OUT/generate.log" | tail -3
+  stamp generate "$t"
+fi
+if has extract; then
+  t=$(date +%s)
+  dflash extract --config "$CFG" --model $M --data "$WORK/gen" --out "$WORK/store" \
+    --devices "$DEVICE" --set run.progress=false "${EXTRACT_SETS[@]}" 2>&1 | tee "$OUT/extract.log" | tail -2
+  dflash inspect "$WORK/store" > "$OUT/inspect.txt"
+  stamp extract "$t"
+fi
+if has dev; then  # the target's own continuation of the 12 online prompts: the offline twin
+  t=$(date +%s)
+  dflash generate --config "$CFG" --model $M --data .carry/dev.jsonl.gz --out "$WORK/dev-gen" \
+    --devices "$DEVICE" --set data.max_samples=12 --set text.new_tokens=128 \
+    --set text.stride=1000000 --set run.progress=false > "$OUT/dev-generate.log" 2>&1
+  dflash extract --config "$CFG" --model $M --data "$WORK/dev-gen" --out "$WORK/dev-store" \
+    --devices "$DEVICE" --set packing.seq_len=384 --set store.sequences_per_shard=12 \
+    --set run.writer_processes=0 --set run.progress=false > "$OUT/dev-extract.log" 2>&1
+  stamp dev "$t"
+fi
+
+variant() {  # $1 = name, the rest: train --set arguments
+  local name=$1; shift
+  local t; t=$(date +%s)
+  if has train; then
+    # TRAIN_DEADLINE (epoch seconds): stop training then (a checkpoint every run.checkpoint_every
+    # steps; rerunning with STAGES=train,... resumes), so a device call ends in its limit
+    local limit=$TRAIN_LIMIT_S
+    [ -n "${TRAIN_DEADLINE:-}" ] && limit=$(( TRAIN_DEADLINE - $(date +%s) ))
+    # shellcheck disable=SC2068
+    timeout "$limit" dflash train --config "$CFG" --store "$WORK/store" \
+      --out "$WORK/run-$name" --devices "$DEVICE" --set run.progress=false $@ \
+      > "$OUT/$name-train.log" 2>&1 || echo "$name: train stopped (limit or error)" >> "$OUT/$name-train.log"
+    if has evaluate && [ ! -f "$WORK/run-$name/export/model.safetensors" ]; then
+      dflash export "$WORK/run-$name" >> "$OUT/$name-train.log" 2>&1
+    fi
+    cp "$WORK/run-$name/metrics.jsonl" "$OUT/$name-metrics.jsonl" 2>/dev/null
+    stamp "$name-train" "$t"
+  fi
+  if has evaluate; then
+    t=$(date +%s)
+    dflash evaluate --target $M --drafter "$WORK/run-$name/export" --data .carry/dev.jsonl.gz \
+      --device "$EVAL_DEVICE" --json-out "$OUT/$name-acceptance.json" > "$OUT/$name-evaluate.log" 2>&1
+    dflash evaluate-offline --drafter "$WORK/run-$name/export" --store "$WORK/dev-store" \
+      --device "$EVAL_DEVICE" --json-out "$OUT/$name-offline-dev.json" > /dev/null 2>&1
+    stamp "$name-evaluate" "$t"
+    python3 - "$OUT" "$name" <<'EOF'
+import json, sys
+out, name = sys.argv[1], sys.argv[2]
+online = json.load(open(f"{out}/{name}-acceptance.json"))
+try:
+    offline = json.load(open(f"{out}/{name}-offline-dev.json"))["eval_tau"]
+except (OSError, KeyError, ValueError):
+    offline = None
+print(json.dumps({"variant": name, "dflash_tau": online.get("dflash", {}).get("tau"),
+                  "prompt_lookup_tau": online["prompt_lookup"]["tau"], "offline_dev_tau": offline}))
+EOF
+  fi
+}
+
+if [ -z "${VARIANTS:-}" ]; then
+  variant recipe "$@"
+else
+  IFS=';' read -ra specs <<< "$VARIANTS"
+  for spec in "${specs[@]}"; do
+    # shellcheck disable=SC2086
+    variant "${spec%%|*}" ${spec#*|} &
+  done
+  wait
+fi
+sed 's/$/,/' "$OUT/timings.txt" | tr -d '\n' | sed 's/^/{/; s/,$/}\n/' > "$OUT/timings.json"
+cat "$OUT/timings.json"
