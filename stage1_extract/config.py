@@ -49,12 +49,15 @@ class DataConfig:
     path: str = doc("", "dataset: local .json/.jsonl/.parquet file or folder, or a hub name")
     split: str = doc("train", "dataset split")
     name: str | None = doc(None, "hub dataset config name")
-    format: Literal["auto", "messages", "sharegpt", "text"] = doc(
+    format: Literal["auto", "messages", "sharegpt", "text", "completion"] = doc(
         "auto",
         "row shape: messages [{role, content}], sharegpt conversations [{from, value}], "
-        "or plain text; auto picks by column",
+        "plain text, or completion (a `prompt` and a `completion` string: loss on the "
+        "completion only); auto picks by column",
     )
     text_field: str = doc("text", "column holding plain text documents")
+    prompt_field: str = doc("prompt", "completion rows: column holding the prompt text")
+    completion_field: str = doc("completion", "completion rows: column holding the completion")
     messages_field: str | None = doc(None, "column holding the conversation; default by format")
     max_samples: int | None = doc(None, "use only the first N rows (null: all)")
     num_proc: int = doc(

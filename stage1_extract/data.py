@@ -99,8 +99,12 @@ def detect_format(cfg: DataConfig, features: datasets.Features) -> tuple[str, st
                 wanted = "sharegpt" if found == "conversations" else "messages"
         elif cfg.messages_field is None and cfg.text_field in columns:
             wanted = "text"
+        elif {cfg.prompt_field, cfg.completion_field} <= set(columns):
+            wanted = "completion"
     if wanted == "text":
         column = cfg.text_field
+    elif wanted == "completion":
+        column = cfg.prompt_field if cfg.completion_field in columns else ""
     elif wanted in DEFAULT_FIELDS:
         column = found or cfg.messages_field or DEFAULT_FIELDS[wanted]
     else:
@@ -109,9 +113,10 @@ def detect_format(cfg: DataConfig, features: datasets.Features) -> tuple[str, st
         raise ValueError(
             f"data {cfg.path}: columns {columns} match no accepted row shape (format "
             f"{cfg.format!r}); accepted: 'messages' [{{role, content}}], ShareGPT "
-            f"'conversations' [{{from, value}}], or plain text in {cfg.text_field!r}. Fix with "
-            "--set data.format=messages|sharegpt|text and --set data.messages_field=COLUMN "
-            "or --set data.text_field=COLUMN"
+            f"'conversations' [{{from, value}}], plain text in {cfg.text_field!r}, or "
+            f"{cfg.prompt_field!r} + {cfg.completion_field!r} strings. Fix with --set "
+            "data.format=messages|sharegpt|text|completion and --set data.messages_field=COLUMN, "
+            "data.text_field=COLUMN or data.prompt_field/completion_field=COLUMN"
         )
     return wanted, column
 
@@ -125,12 +130,19 @@ def _tokenize_batch(
     column: str,
     skip_invalid: bool,
     where: str,
+    completion_column: str | None = None,
 ) -> dict[str, list[Any]]:
     """One `datasets.map` batch; module-level with plain arguments so its fingerprint is stable."""
     rows = batch[column]
     results: list[Any] = [None] * len(rows)
     chats: dict[int, list[dict[str, Any]]] = {}
-    if fmt == "text":
+    if fmt == "completion":
+        assert completion_column is not None
+        for k, (prompt, completion) in enumerate(zip(rows, batch[completion_column], strict=True)):
+            results[k] = _prompt_completion(
+                tokenizer, prompt, completion, column, completion_column
+            )
+    elif fmt == "text":
         keep = []
         for k, text in enumerate(rows):
             if isinstance(text, str) and text.strip():
@@ -180,6 +192,22 @@ def _tokenize_batch(
     return out
 
 
+def _prompt_completion(
+    tokenizer: PreTrainedTokenizerBase, prompt: Any, completion: Any, p_col: str, c_col: str
+) -> tuple[list[int], list[int]] | InvalidRow:
+    """Prompt ids (the tokenizer's defaults, as for text) then completion ids; loss on the
+    completion only: the drafter learns what the target wrote, in the context it wrote it in."""
+    if not isinstance(prompt, str):
+        return InvalidRow("bad_prompt", f"{p_col!r} is not a string")
+    if not (isinstance(completion, str) and completion.strip()):
+        return InvalidRow("empty_completion", f"{c_col!r} is empty or not a string")
+    prompt_ids = tokenizer(prompt)["input_ids"] if prompt else []
+    completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
+    return list(prompt_ids) + list(completion_ids), [0] * len(prompt_ids) + [1] * len(
+        completion_ids
+    )
+
+
 def _is_valid(reasons: list[str]) -> list[bool]:
     return [not r for r in reasons]
 
@@ -189,13 +217,14 @@ def prepare_documents(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Pr
     raw = load_raw_dataset(cfg)
     fmt, column = detect_format(cfg, raw.features)
     name = tokenizer.name_or_path or type(tokenizer).__name__
-    if fmt != "text" and not tokenizer.chat_template:
+    chat = fmt in DEFAULT_FIELDS
+    if chat and not tokenizer.chat_template:
         raise ValueError(
             f"tokenizer {name} has no chat_template, but data {cfg.path} holds conversations "
             f"({column!r}); use a tokenizer that has one (--set target.tokenizer=...), add a "
             "chat_template to its tokenizer_config.json, or give plain text (--set data.format=text)"
         )
-    if fmt != "text" and not tokenizer.is_fast:
+    if chat and not tokenizer.is_fast:
         raise ValueError(
             f"tokenizer {name} is a slow (Python) tokenizer; the loss mask needs the character "
             "offsets of a fast tokenizer: save it with a tokenizer.json or pass one that has it"
@@ -211,6 +240,7 @@ def prepare_documents(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Pr
             "column": column,
             "skip_invalid": cfg.on_invalid == "skip",
             "where": cfg.path,
+            **({"completion_column": cfg.completion_field} if fmt == "completion" else {}),
         },
         remove_columns=raw.column_names,
         features=FEATURES,

@@ -66,6 +66,14 @@ _EXPLAINED = [
 ]
 
 
+# data options that came after the first stores, with the defaults that leave the key as it was
+LATER_DATA_DEFAULTS: dict[str, Any] = {
+    "chat_template_kwargs": {},
+    "prompt_field": "prompt",
+    "completion_field": "completion",
+}
+
+
 def _canonical_path(name: str) -> str:
     """Absolute path for an existing local path (so `./m` and `/abs/m` agree), else as given."""
     path = Path(name).expanduser()
@@ -83,12 +91,12 @@ def key_parts(
     """What decides the content: the root attributes (without bookkeeping such as `complete`
     or `created_by`), the skipped rows and a digest of the tokenized documents' lengths."""
     cfg = attrs["extract_config"]
-    # num_proc changes how fast rows are tokenized, never what is stored; empty template
-    # kwargs (the default) are left out so stores made before the option existed still resume
+    # num_proc changes how fast rows are tokenized, never what is stored; options added since
+    # the first stores are left out at their defaults, so those stores still resume
     data = {
         k: v
         for k, v in cfg["data"].items()
-        if k != "num_proc" and not (k == "chat_template_kwargs" and not v)
+        if k != "num_proc" and (k not in LATER_DATA_DEFAULTS or v != LATER_DATA_DEFAULTS[k])
     }
     data["path"] = _canonical_path(data["path"])
     target = dict(attrs["target"], name_or_path=_canonical_path(attrs["target"]["name_or_path"]))

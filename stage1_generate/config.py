@@ -66,12 +66,17 @@ class TextWindowConfig:
     prompt_tokens: int = doc(256, "text rows: tokens of each window used as the prompt")
     new_tokens: int = doc(384, "text rows: tokens the target writes after each prompt")
     stride: int = doc(1024, "text rows: one window starts every `stride` tokens of a document")
+    loss_on_prompt: bool = doc(
+        False,
+        "false: write {prompt, completion} rows, so extract puts the loss on the target's "
+        "own tokens only; true: one `text` row (loss on the prompt's dataset text too)",
+    )
 
     def problems(self) -> list[str]:
         return [
             f"{name} must be >= 1, got {value}"
             for name, value in vars(self).items()
-            if isinstance(value, int) and value < 1
+            if type(value) is int and value < 1
         ]
 
 

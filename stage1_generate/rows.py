@@ -4,9 +4,11 @@
   target from the conversation so far, rendered by its own chat template with the generation
   prompt, turn by turn: the reply to turn 2 is written after the target's own reply to turn 1.
   System and user turns are kept verbatim. The output row is `messages` [{role, content}].
+- Completion rows (`prompt`, `completion`): the target writes a new completion of the prompt.
 - Text rows: continuation windows. For every `stride` tokens of a document, the `prompt_tokens`
   tokens there are a prompt and the target writes `new_tokens` after them; the output row's
-  `text` is the prompt followed by the continuation. A document shorter than one prompt is one
+  `prompt` and `completion` are the window and the continuation (extract puts the loss on the
+  completion only), or with `text.loss_on_prompt` one `text` of both. A document shorter than one prompt is one
   window with all its tokens.
 
 All prompts of one round (chat: the r-th assistant turn of every conversation in the chunk;
@@ -45,7 +47,8 @@ class ChunkResult:
     prompts: int = 0
     new_tokens: int = 0
     truncated: int = 0  # replies cut at the token limit instead of ending by themselves
-    empty: int = 0  # replies with no text (the target ended the turn at once)
+    empty: int = 0  # replies with no text (the target ended at once); text and completion
+    # rows with an empty reply are not written (no loss tokens), chat turns stay (no loss)
 
     def count(self, completions: list[Completion]) -> None:
         self.prompts += len(completions)
@@ -205,16 +208,56 @@ def generate_text(
     completions = backend.generate([w[2] for w in windows], cfg.text.new_tokens, on_batch)
     result.count(completions)
     for (index, start, prompt), completion in zip(windows, completions, strict=True):
-        if completion.token_ids is not None:  # one decode: no seam inside a split character
-            text = tokenizer.decode(prompt + completion.token_ids, skip_special_tokens=True)
+        if not completion.text.strip():
+            continue  # the target ended the document at once: nothing of its own to learn
+        row = _split_row(tokenizer, prompt, completion, cfg.text.loss_on_prompt)
+        row.update(source_index=index, window_start=start, new_tokens=completion.num_tokens)
+        result.rows.append(row)
+    return result
+
+
+def _split_row(
+    tokenizer: PreTrainedTokenizerBase, prompt: list[int], completion: Completion, as_text: bool
+) -> dict[str, Any]:
+    """{text} or {prompt, completion} of one window. The whole window is decoded at once when
+    the reply's ids are known, so no character is cut at the seam."""
+    prompt_text = tokenizer.decode(prompt, skip_special_tokens=True)
+    if completion.token_ids is not None:
+        text = tokenizer.decode(prompt + completion.token_ids, skip_special_tokens=True)
+        if not text.startswith(prompt_text):  # the seam split a character: cut before it
+            prompt_text = tokenizer.decode(prompt[:-1], skip_special_tokens=True)
+    else:
+        text = prompt_text + completion.text
+    if as_text:
+        return {"text": text}
+    return {"prompt": prompt_text, "completion": text[len(prompt_text) :]}
+
+
+def generate_completion(
+    raw_prompts: list[Any],
+    indices: list[int],
+    cfg: GenerateConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    backend: Backend,
+    on_batch: Callable[[int, int], None] | None = None,
+) -> ChunkResult:
+    """A new completion by the target for every `prompt` (completion rows; the old completion
+    is dropped)."""
+    result = ChunkResult()
+    keep: list[int] = []
+    for k, prompt in enumerate(raw_prompts):
+        if isinstance(prompt, str) and prompt:
+            keep.append(k)
         else:
-            text = tokenizer.decode(prompt, skip_special_tokens=True) + completion.text
-        result.rows.append(
-            {
-                "text": text,
-                "source_index": index,
-                "window_start": start,
-                "new_tokens": completion.num_tokens,
-            }
-        )
+            err = InvalidRow("bad_prompt", f"{cfg.data.prompt_field!r} is empty or not a string")
+            _invalid(cfg, indices[k], err, result)
+    prompts = [list(ids) for ids in tokenizer([raw_prompts[k] for k in keep])["input_ids"]]
+    completions = backend.generate(prompts, cfg.sampling.max_new_tokens, on_batch)
+    result.count(completions)
+    for k, prompt, completion in zip(keep, prompts, completions, strict=True):
+        if not completion.text.strip():
+            continue  # counted in empty_replies; a row without loss tokens trains nothing
+        row = _split_row(tokenizer, prompt, completion, as_text=False)
+        row.update(source_index=indices[k], new_tokens=completion.num_tokens)
+        result.rows.append(row)
     return result

@@ -51,7 +51,13 @@ from stage1_generate.output import (
     prepare_output,
     write_chunk,
 )
-from stage1_generate.rows import Backend, generate_chat, generate_text, stop_token_ids
+from stage1_generate.rows import (
+    Backend,
+    generate_chat,
+    generate_completion,
+    generate_text,
+    stop_token_ids,
+)
 
 # a rank that finished its chunks waits at the final barrier for the slowest one
 BARRIER_TIMEOUT = timedelta(hours=48)
@@ -75,7 +81,7 @@ def _check_inputs(
     """The raw rows, their format and column; ValueError for what cannot be generated."""
     raw = load_raw_dataset(cfg.data)
     fmt, column = detect_format(cfg.data, raw.features)
-    if fmt != "text" and not tokenizer.chat_template:
+    if fmt in ("messages", "sharegpt") and not tokenizer.chat_template:
         name = tokenizer.name_or_path or type(tokenizer).__name__
         raise ValueError(
             f"tokenizer {name} has no chat_template, but data {cfg.data.path} holds "
@@ -185,6 +191,8 @@ def _generate_chunks(cfg: GenerateConfig, ctx: WorkerContext, devices: list[str]
             indices = list(range(lo, hi))
             if fmt == "text":
                 result = generate_text(rows, indices, cfg, tokenizer, backend, on_batch)
+            elif fmt == "completion":
+                result = generate_completion(rows, indices, cfg, tokenizer, backend, on_batch)
             else:
                 result = generate_chat(rows, indices, fmt, cfg, tokenizer, backend, on_batch)
             write_chunk(

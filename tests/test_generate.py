@@ -18,6 +18,9 @@ from common.config import build_config
 from common.generated import read_manifest
 from common.store import open_store
 from dflash_offline.cli import main as cli
+from stage1_extract.config import ExtractConfig
+from stage1_extract.data import prepare_documents
+from stage1_extract.run import run_extract
 from stage1_generate import run as generate_run
 from stage1_generate.config import GenerateConfig
 from stage1_generate.rows import stop_token_ids, text_windows
@@ -168,9 +171,30 @@ def test_text_windows(tiny_qwen3: Path, tmp_path: Path) -> None:
         prompt = ids[row["window_start"] : row["window_start"] + 12]
         reply = greedy_reply(tiny_qwen3, prompt, 5)
         assert row["new_tokens"] == len(reply)
-        assert row["text"] == tokenizer.decode(prompt + reply, skip_special_tokens=True)
+        assert row["prompt"] == tokenizer.decode(prompt, skip_special_tokens=True)
+        whole = tokenizer.decode(prompt + reply, skip_special_tokens=True)
+        assert row["prompt"] + row["completion"] == whole
     assert manifest["counts"]["prompts"] == len(expected)
     assert manifest["counts"]["new_tokens"] == sum(r["new_tokens"] for r in rows)
+
+    # extract reads {prompt, completion} rows with the loss on the completion only
+    extract_cfg = build_config(
+        ExtractConfig,
+        Path(__file__).parents[1] / "configs" / "debug.yaml",
+        "extract",
+        [f"target.model={tiny_qwen3}", f"data.path={tmp_path / 'out'}"]
+        + [f"store.out={tmp_path / 'store'}", "run.progress=false", "packing.seq_len=64"],
+    )
+    prepared = prepare_documents(extract_cfg.data, tokenizer)
+    assert prepared.format == "completion"
+    for doc, row in zip(prepared.dataset, rows, strict=True):
+        prompt_ids = tokenizer(row["prompt"])["input_ids"]
+        completion_ids = tokenizer(row["completion"], add_special_tokens=False)["input_ids"]
+        assert doc["input_ids"] == prompt_ids + completion_ids
+        assert doc["loss_mask"] == [0] * len(prompt_ids) + [1] * len(completion_ids)
+    run_extract(extract_cfg)
+    counts = open_store(tmp_path / "store").attrs["counts"]
+    assert counts["loss_tokens"] == sum(sum(d["loss_mask"]) for d in prepared.dataset)
 
 
 def test_kill_and_resume_equals_uninterrupted(
