@@ -7,9 +7,9 @@
 # dev.jsonl.gz; see BENCHMARKS.md). Figures go to $OUT (default runs/recipe).
 #   bash bench/recipe_pystd.sh                       the recipe as configured
 #   VARIANTS="a|--set optim.lr=2e-3;b|--set optim.batch_sequences=8" bash bench/recipe_pystd.sh
-#       generate and extract once, then train the variants side by side on the same GPU (a
-#       pystd step is launch-bound, so they share it well; each one's time is then longer than
-#       alone) and evaluate each. STAGES=train,evaluate reuses $WORK's gen/ and store/.
+#       generate and extract once, then train and evaluate the variants side by side, variant k
+#       on GPU k mod the count of TRAIN_GPUS (e.g. TRAIN_GPUS=0,1; DEVICE=0,1 runs generate and
+#       extract data parallel). STAGES=train,evaluate reuses $WORK's gen/ and store/.
 set -uo pipefail
 OUT=${OUT:-runs/recipe}
 WORK=${WORK:-/tmp/recipe}
@@ -20,7 +20,8 @@ TRAIN_LIMIT_S=${TRAIN_LIMIT_S:-1500}
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 M=.carry/pystd-28m
-EVAL_DEVICE=$([ "$DEVICE" = cpu ] && echo cpu || echo "cuda:$DEVICE")
+# variant k trains and is evaluated on GPU k mod the count of TRAIN_GPUS (default: DEVICE)
+IFS=',' read -ra TRAIN_GPUS <<< "${TRAIN_GPUS:-${DEVICE%%,*}}"
 # extra --set arguments per stage (a CPU dry run shrinks everything with these)
 read -ra GEN_SETS <<< "${GEN_SETS:-}"
 read -ra EXTRACT_SETS <<< "${EXTRACT_SETS:-}"
@@ -43,16 +44,17 @@ fi
 if has dev; then  # the target's own continuation of the 12 online prompts: the offline twin
   t=$(date +%s)
   dflash generate --config "$CFG" --model $M --data .carry/dev.jsonl.gz --out "$WORK/dev-gen" \
-    --devices "$DEVICE" --set data.max_samples=12 --set text.new_tokens=128 \
+    --devices "${DEVICE%%,*}" --set data.max_samples=12 --set text.new_tokens=128 \
     --set text.stride=1000000 --set run.progress=false > "$OUT/dev-generate.log" 2>&1
   dflash extract --config "$CFG" --model $M --data "$WORK/dev-gen" --out "$WORK/dev-store" \
-    --devices "$DEVICE" --set packing.seq_len=384 --set store.sequences_per_shard=12 \
+    --devices "${DEVICE%%,*}" --set packing.seq_len=384 --set store.sequences_per_shard=12 \
     --set run.writer_processes=0 --set run.progress=false > "$OUT/dev-extract.log" 2>&1
   stamp dev "$t"
 fi
 
-variant() {  # $1 = name, the rest: train --set arguments
-  local name=$1; shift
+variant() {  # $1 = name, $2 = GPU, the rest: train --set arguments
+  local name=$1 gpu=$2; shift 2
+  local eval_device; eval_device=$([ "$gpu" = cpu ] && echo cpu || echo "cuda:$gpu")
   local t; t=$(date +%s)
   if has train; then
     # TRAIN_DEADLINE (epoch seconds): stop training then (a checkpoint every run.checkpoint_every
@@ -61,7 +63,7 @@ variant() {  # $1 = name, the rest: train --set arguments
     [ -n "${TRAIN_DEADLINE:-}" ] && limit=$(( TRAIN_DEADLINE - $(date +%s) ))
     # shellcheck disable=SC2068
     timeout "$limit" dflash train --config "$CFG" --store "$WORK/store" \
-      --out "$WORK/run-$name" --devices "$DEVICE" --set run.progress=false $@ \
+      --out "$WORK/run-$name" --devices "$gpu" --set run.progress=false $@ \
       > "$OUT/$name-train.log" 2>&1 || echo "$name: train stopped (limit or error)" >> "$OUT/$name-train.log"
     if has evaluate && [ ! -f "$WORK/run-$name/export/model.safetensors" ]; then
       dflash export "$WORK/run-$name" >> "$OUT/$name-train.log" 2>&1
@@ -72,9 +74,9 @@ variant() {  # $1 = name, the rest: train --set arguments
   if has evaluate; then
     t=$(date +%s)
     dflash evaluate --target $M --drafter "$WORK/run-$name/export" --data .carry/dev.jsonl.gz \
-      --device "$EVAL_DEVICE" --json-out "$OUT/$name-acceptance.json" > "$OUT/$name-evaluate.log" 2>&1
+      --device "$eval_device" --json-out "$OUT/$name-acceptance.json" > "$OUT/$name-evaluate.log" 2>&1
     dflash evaluate-offline --drafter "$WORK/run-$name/export" --store "$WORK/dev-store" \
-      --device "$EVAL_DEVICE" --json-out "$OUT/$name-offline-dev.json" > /dev/null 2>&1
+      --device "$eval_device" --json-out "$OUT/$name-offline-dev.json" > /dev/null 2>&1
     stamp "$name-evaluate" "$t"
     python3 - "$OUT" "$name" <<'EOF'
 import json, sys
@@ -91,12 +93,13 @@ EOF
 }
 
 if [ -z "${VARIANTS:-}" ]; then
-  variant recipe "$@"
+  variant recipe "${TRAIN_GPUS[0]}" "$@"
 else
   IFS=';' read -ra specs <<< "$VARIANTS"
-  for spec in "${specs[@]}"; do
+  for k in "${!specs[@]}"; do
+    spec=${specs[$k]}
     # shellcheck disable=SC2086
-    variant "${spec%%|*}" ${spec#*|} &
+    variant "${spec%%|*}" "${TRAIN_GPUS[$(( k % ${#TRAIN_GPUS[@]} ))]}" ${spec#*|} &
   done
   wait
 fi
