@@ -126,7 +126,7 @@ def save_checkpoint(
     optim_state = optimizer.state_dict()
     needed = state_bytes(model_state) + state_bytes(optim_state)
     previous = latest_checkpoint(out)
-    fix = "free space or pass another --out, then rerun the same command to resume" + (
+    fix = "free space on that disk, then rerun the same command to resume" + (
         f" from {previous.name}" if previous else ""
     )
     try:
@@ -145,10 +145,9 @@ def save_checkpoint(
         if rank == 0:  # a half-written folder must not fill the disk; it is never a checkpoint
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if rank == 0:
-        for old in [p for p in list_checkpoints(out) if _step(p) < state.step][
-            : -(keep - 1) or None
-        ]:
+    if rank == 0:  # the newest `keep` up to this one; a newer, damaged one waits to be replaced
+        older = [p for p in list_checkpoints(out) if _step(p) < state.step]
+        for old in older[: max(len(older) - (keep - 1), 0)]:
             shutil.rmtree(old)
     barrier()
     return final
