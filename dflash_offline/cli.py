@@ -304,12 +304,21 @@ def _echo_json(results: dict[str, Any], json_out: str | None) -> None:
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda:N")
 @click.option("--num-anchors", default=512, show_default=True, type=int, help="per sequence")
 @click.option("--max-sequences", default=None, type=int, help="only the first N sequences")
+@click.option(
+    "--dtype",
+    default="float32",
+    show_default=True,
+    type=click.Choice(["float32", "bfloat16"]),
+    help="the drafter's compute dtype (as `dflash evaluate` runs it)",
+)
 @click.option("--json-out", default=None, help="also write the figures to this JSON file")
 @cli_errors
 def evaluate_offline(json_out: str | None, **kwargs: Any) -> None:
     """Offline acceptance estimate (per-slot accuracy vs the stored target argmax, implied
-    tau) of an exported drafter over every sequence of a store: extract the prompts that
-    `dflash evaluate` uses into a store to compare offline and online on the same text."""
+    tau) of an exported drafter over every sequence of a store, with random anchors, and
+    `chained_tau`: anchors chained as online decoding chains them. On a store of the target's
+    own continuation of the online prompts (`dflash generate` then `dflash extract`),
+    chained_tau is the online tau computed from the store."""
     from evaluation.offline import OfflineEvalConfig, run_offline_eval
 
     init_logger()

@@ -5,6 +5,10 @@ EVERY sequence of any store the drafter fits (same target, same tapped layers), 
 extracted from the prompts `dflash evaluate` measures online, so the offline and online
 figures can be compared on the same text. Anchors are sampled like held-out sequences (fixed
 seed stream, labels = the stored target argmax), so the result is deterministic.
+
+Beside it, `chained_tau` follows the online chain of anchors over each response
+(`evaluation/chained.py`): on a store of the target's own greedy continuation of the online
+prompts (`dflash generate`, then `dflash extract`), it is the online tau computed offline.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any
 import torch
 
 from common.store import open_store
+from evaluation.chained import chained_acceptance, summarize_chains
 from evaluation.heldout import evaluate
 from stage2_train.anchors import slot_weights
 from stage2_train.data import StoreSequences, collate
@@ -31,6 +36,8 @@ class OfflineEvalConfig:
     num_anchors: int = 512
     max_sequences: int | None = None
     chunk_tokens: int = 2048
+    dtype: str = "float32"  # the drafter's compute dtype, as `dflash evaluate` runs it
+    chain_batch: int = 8  # sequences per chained forward
 
 
 def check_fits(drafter_config: dict[str, Any], attrs: dict[str, Any], store: str) -> None:
@@ -63,8 +70,8 @@ def run_offline_eval(cfg: OfflineEvalConfig) -> dict[str, Any]:
     drafter_config = read_export_config(cfg.drafter)
     check_fits(drafter_config, info.attrs, cfg.store)
     device = torch.device(cfg.device)
-    model = load_export(cfg.drafter).to(device)
-    dtype = next(model.parameters()).dtype
+    dtype = getattr(torch, cfg.dtype)
+    model = load_export(cfg.drafter).to(device, dtype).eval()
     head = load_frozen_head(cfg.store, device, dtype)
     shape = model.shape
     total = int(info.attrs["counts"]["sequences"])
@@ -92,4 +99,23 @@ def run_offline_eval(cfg: OfflineEvalConfig) -> dict[str, Any]:
         chunk_tokens=cfg.chunk_tokens,
         device=device,
     )
-    return {"store": cfg.store, "drafter": cfg.drafter, "sequences": count, **metrics}
+    chains: list[tuple[int, int]] = []
+    for lo in range(0, count, cfg.chain_batch):
+        rows = [sequences.read_row(i) for i in range(lo, min(lo + cfg.chain_batch, count))]
+        chains += chained_acceptance(
+            model,
+            head,
+            rows,
+            block_size=shape.block_size,
+            mask_token_id=shape.mask_token_id,
+            backend="flex" if device.type == "cuda" else "sdpa",
+            chunk_tokens=cfg.chunk_tokens,
+            device=device,
+        )
+    return {
+        "store": cfg.store,
+        "drafter": cfg.drafter,
+        "sequences": count,
+        **metrics,
+        **summarize_chains(chains),
+    }

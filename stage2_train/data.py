@@ -192,6 +192,15 @@ class StoreSequences(torch.utils.data.Dataset):
         rows["document_ids"] -= 1  # padding everywhere: no anchors, no labels
         return rows
 
+    def read_row(self, index: int) -> dict[str, torch.Tensor]:
+        """Sequence `index` as tensors (hidden as bf16, or fp8 bits beside hidden_scale);
+        Damaged when its bytes cannot be trusted."""
+        arrays = self._read(index)
+        hidden = arrays.pop("hidden")
+        row = {name: torch.from_numpy(a) for name, a in arrays.items()}
+        row["hidden"] = torch.from_numpy(hidden) if self.scaled else bits_to_bf16(hidden)
+        return row
+
     def __getitem__(self, key: ItemKey) -> dict[str, Any]:
         index, epoch, is_pad = key
         damaged = None

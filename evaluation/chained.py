@@ -1,0 +1,133 @@
+"""Chained offline acceptance: blocks anchored exactly where online decoding anchors them.
+
+Online (`dflash evaluate`), the first block of a response is anchored at its first token (the
+token the target's prefill wrote), and each next anchor is the last token gained:
+p' = p + accepted + 1. The random anchors of the held-out estimate instead weigh every
+response position alike, so the two figures need not agree. On a store of the target's own
+greedy text (what `dflash generate` writes; greedy speculative decoding reproduces that text
+token for token) the chain can be followed from the stored features alone: every step is one
+drafter forward over all active chains of the batch, and a slot is accepted while it equals
+the stored argmax. A response's tau is the mean over its steps of min(accepted + 1, tokens
+left), averaged over responses as `dflash evaluate` averages prompts.
+
+Legend: T context tokens of the batch, A chains (one block each per step), B block size,
+Q = A*B query tokens, K tapped layers, D hidden size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from evaluation.heldout import block_acceptance
+from stage2_train.anchors import block_labels, next_token_source
+from stage2_train.data import Batch
+from stage2_train.step import FrozenHead, forward_batch, greedy_predictions
+
+
+def response_runs(loss_mask_T: torch.Tensor, document_ids_T: torch.Tensor) -> torch.Tensor:
+    """[R, 2] (start, end) of every maximal run of loss positions inside one document, of two
+    tokens or more (a block needs a token after its anchor)."""
+    on_T = (loss_mask_T != 0) & (document_ids_T >= 0)
+    starts, ends = [], []
+    prev_on, prev_doc, start = False, -2, 0
+    for t, (on, doc) in enumerate(zip(on_T.tolist(), document_ids_T.tolist(), strict=True)):
+        if prev_on and (not on or doc != prev_doc):
+            starts.append(start)
+            ends.append(t)
+        if on and (not prev_on or doc != prev_doc):
+            start = t
+        prev_on, prev_doc = on, doc
+    if prev_on:
+        starts.append(start)
+        ends.append(len(on_T))
+    runs = torch.tensor([starts, ends], dtype=torch.long).T.reshape(-1, 2)
+    return runs[runs[:, 1] - runs[:, 0] >= 2]
+
+
+def concat_sequences(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Sequences end to end as one context, document ids made unique across them."""
+    docs, next_doc = [], 0
+    for item in items:
+        docs_S = item["document_ids"].long()
+        docs.append(torch.where(docs_S >= 0, docs_S + next_doc, -1))
+        next_doc += int(docs_S.max()) + 1 if (docs_S >= 0).any() else 0
+    out = {
+        name: torch.cat([item[name] for item in items])
+        for name in items[0]
+        if name != "document_ids"
+    }
+    out["document_ids"] = torch.cat(docs)
+    return out
+
+
+@torch.no_grad()
+def chained_acceptance(
+    model: torch.nn.Module,
+    head: FrozenHead,
+    items: list[dict[str, torch.Tensor]],
+    *,
+    block_size: int,
+    mask_token_id: int,
+    backend: str,
+    chunk_tokens: int,
+    device: torch.device,
+) -> list[tuple[int, int]]:
+    """(tokens gained, steps) of every response of `items` (raw sequence rows: tokens,
+    position_ids, document_ids, loss_mask, target_argmax, hidden as bf16 or fp8 bits, and
+    hidden_scale for fp8), following the online chain of anchors."""
+    seq = {k: v.to(device) for k, v in concat_sequences(items).items()}
+    tokens_T, docs_T = seq["tokens"].long(), seq["document_ids"]
+    source_T = next_token_source(seq["target_argmax"].long())
+    runs = response_runs(seq["loss_mask"].cpu(), docs_T.cpu()).to(device)
+    num_runs = runs.shape[0]
+    if num_runs == 0:
+        return []
+    p_R, last_R = runs[:, 0].clone(), runs[:, 1] - 1  # the last token of a run gains nothing
+    gained_R = torch.zeros(num_runs, dtype=torch.long, device=device)
+    steps_R = torch.zeros_like(gained_R)
+    while bool((active_R := p_R < last_R).any()):
+        # runs are disjoint and in order, so the active anchors are already sorted; padding
+        # (-1) to a fixed count keeps the compiled attention's shapes the same every step
+        anchors_A = torch.where(active_R, p_R, -1)
+        anchors_A = anchors_A[torch.argsort((anchors_A < 0).to(torch.int8), stable=True)]
+        labels_AB, valid_AB = block_labels(
+            anchors_A, tokens_T, seq["loss_mask"], docs_T, source_T, block_size
+        )
+        batch = Batch(
+            indices=torch.zeros(1, dtype=torch.long),
+            tokens_T=tokens_T,
+            position_ids_T=seq["position_ids"].long(),
+            document_ids_T=docs_T,
+            hidden_TKD=seq["hidden"],
+            anchors_A=anchors_A,
+            labels_AB=labels_AB,
+            weights_AB=valid_AB.float(),
+            hidden_scale_TK=seq.get("hidden_scale"),
+        )
+        hidden_QD = forward_batch(
+            model, head, batch, block_size=block_size, mask_token_id=mask_token_id, backend=backend
+        )
+        pred_AB = greedy_predictions(hidden_QD, head.lm_head_VD, chunk_tokens).view_as(labels_AB)
+        accepted_A = block_acceptance(pred_AB == labels_AB, valid_AB)
+        accepted_R = torch.zeros_like(p_R)
+        accepted_R[active_R] = accepted_A[: int(active_R.sum())]
+        gain_R = torch.minimum(accepted_R + 1, last_R - p_R)
+        gained_R += torch.where(active_R, gain_R, 0)
+        steps_R += active_R.long()
+        p_R = torch.where(active_R, p_R + accepted_R + 1, p_R)
+    return list(zip(gained_R.tolist(), steps_R.tolist(), strict=True))
+
+
+def summarize_chains(chains: list[tuple[int, int]]) -> dict[str, Any]:
+    """tau per response averaged over responses (as online averages prompts), and pooled."""
+    if not chains:
+        return {"chained_tau": None, "chained_responses": 0}
+    per_response = [g / s for g, s in chains if s > 0]
+    return {
+        "chained_tau": round(sum(per_response) / len(per_response), 4),
+        "chained_tau_pooled": round(sum(g for g, _ in chains) / sum(s for _, s in chains), 4),
+        "chained_tau_per_response": [round(t, 4) for t in per_response],
+        "chained_responses": len(per_response),
+    }

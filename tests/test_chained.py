@@ -1,0 +1,91 @@
+"""Chained offline acceptance (`evaluation/chained.py`) against online decoding: on a store of
+the target's own greedy continuation of some prompts, the chain of anchors followed from the
+stored features gains, response by response, what `dflash evaluate` gains online."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from common.config import build_config
+from evaluation.acceptance import CachedTarget, speculative_generate
+from evaluation.chained import response_runs
+from evaluation.dflash_draft import dflash_draft_fn
+from evaluation.offline import OfflineEvalConfig, run_offline_eval
+from stage1_extract.config import ExtractConfig
+from stage1_extract.run import run_extract
+from stage2_train.config import TrainConfig
+from stage2_train.export import load_export
+from stage2_train.train import run_train
+
+DEBUG = Path(__file__).parents[1] / "configs" / "debug.yaml"
+PROMPTS = [
+    "What is a prime number? A prime number is",
+    "Give me a short tip for writing clear emails.",
+    "How long should I boil an egg for a soft yolk?",
+    "Name three colors of the rainbow",
+]
+NEW_TOKENS = 24
+
+
+def test_response_runs() -> None:
+    loss = torch.tensor([0, 1, 1, 1, 0, 1, 1, 1, 1, 0, 1])
+    docs = torch.tensor([0, 0, 0, 0, 0, 0, 0, 1, 1, -1, 2])
+    # a run ends at a document change; runs shorter than two tokens are dropped
+    assert response_runs(loss, docs).tolist() == [[1, 4], [5, 7], [7, 9]]
+
+
+def test_chained_offline_tau_equals_online(tiny_qwen3: Path, tmp_path: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    target = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
+    greedy = CachedTarget(target, None)
+    rows, prompts, completions = [], [], []
+    for text in PROMPTS:
+        prompt = tokenizer(text)["input_ids"]
+        generated, _, _ = speculative_generate(greedy, prompt, lambda t, f: [], NEW_TOKENS)
+        completion = tokenizer.decode(generated, skip_special_tokens=True)
+        # the store re-tokenizes text: keep the rows whose ids survive the round trip
+        if tokenizer(completion, add_special_tokens=False)["input_ids"] != generated:
+            continue
+        rows.append({"prompt": text, "completion": completion})
+        prompts.append(prompt)
+        completions.append(generated)
+    assert len(rows) >= 2, "too few prompts round-trip through the tokenizer"
+    data = tmp_path / "gen.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    store, run = tmp_path / "store", tmp_path / "run"
+    sets = [f"target.model={tiny_qwen3}", f"data.path={data}", f"store.out={store}"]
+    run_extract(build_config(ExtractConfig, DEBUG, "extract", [*sets, "run.progress=false"]))
+    train_sets = [f"data.store={store}", f"run.out={run}", "optim.max_steps=30"]
+    train_sets += ["data.holdout_sequences=0", "run.progress=false"]
+    run_train(build_config(TrainConfig, DEBUG, "train", train_sets))
+
+    offline = run_offline_eval(OfflineEvalConfig(str(run / "export"), str(store)))
+
+    drafter = load_export(run / "export").float().eval()
+    embed = target.get_input_embeddings().weight.detach()
+    head = target.get_output_embeddings().weight.detach()
+    tapped = json.loads((run / "export" / "config.json").read_text())["dflash_config"]
+    online = CachedTarget(target, tapped["target_layer_ids"])
+    taus = []
+    for prompt, completion in zip(prompts, completions, strict=True):
+        draft = dflash_draft_fn(drafter, embed, head)
+
+        def from_stored_precision(tokens: list[int], feats: torch.Tensor, draft=draft) -> list[int]:
+            return draft(tokens, feats.to(torch.bfloat16).float())  # the store keeps bf16
+
+        generated, gains, _ = speculative_generate(
+            online, prompt, from_stored_precision, len(completion)
+        )
+        assert generated == completion  # greedy speculative decoding is lossless
+        taus.append(sum(gains) / len(gains))
+    assert offline["chained_responses"] == len(rows)
+    # responses come in packing order: compare as multisets
+    assert sorted(offline["chained_tau_per_response"]) == pytest.approx(sorted(taus), abs=1e-3)
+    assert max(taus) > 2  # the drafter accepts something: the chain is really exercised
+    assert offline["chained_tau"] == pytest.approx(sum(taus) / len(taus), abs=1e-3)
