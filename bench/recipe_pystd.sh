@@ -74,7 +74,7 @@ variant() {  # $1 = name, $2 = GPU, the rest: train --set arguments
   if has evaluate; then
     t=$(date +%s)
     dflash evaluate --target $M --drafter "$WORK/run-$name/export" --data .carry/dev.jsonl.gz \
-      --device "$eval_device" --json-out "$OUT/$name-acceptance.json" > "$OUT/$name-evaluate.log" 2>&1
+      --device "$eval_device" > "$OUT/$name-acceptance.json" 2> "$OUT/$name-evaluate.log"
     dflash evaluate-offline --drafter "$WORK/run-$name/export" --store "$WORK/dev-store" \
       --device "$eval_device" --json-out "$OUT/$name-offline-dev.json" > /dev/null 2>&1
     stamp "$name-evaluate" "$t"
