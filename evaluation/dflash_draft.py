@@ -24,8 +24,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import sdpa_kernel
 
-from evaluation.acceptance import DraftFn
+from evaluation.acceptance import DECODE_SDPA, DraftFn
 from stage2_train.model import DFlashDrafter, apply_rope, rope_cos_sin
 
 
@@ -80,6 +81,7 @@ def dflash_draft_fn(drafter: DFlashDrafter, embed_VD: Tensor, head_VD: Tensor) -
             values[i] = torch.cat([values[i], v_NGE.transpose(0, 1)[None]], dim=2)
 
     @torch.inference_mode()
+    @sdpa_kernel(DECODE_SDPA)
     def draft(tokens: list[int], feats_TKD: Tensor | None) -> list[int]:
         assert feats_TKD is not None and feats_TKD.size(0) == len(tokens) - 1
         cached = keys[0].size(2)
