@@ -156,7 +156,11 @@ def _evaluate(
         results["dflash"] = dflash.to_json()
         log.info("dflash: tau %.3f (%.1f tokens/s)", dflash.tau, dflash.new_tokens / dflash.seconds)
     if cfg.plot:
-        from evaluation.plot import plot_acceptance
-
-        log.info("plot of acceptance by draft position: %s", plot_acceptance(results, cfg.plot))
+        try:
+            from evaluation.plot import plot_acceptance
+        except ImportError as err:  # the figures above are worth more than their plot
+            log.warning("no plot (%s): pip install matplotlib, or drop --plot/--json-out", err)
+        else:
+            path = plot_acceptance(results, cfg.plot)
+            log.info("plot of acceptance by draft position: %s", path)
     return results

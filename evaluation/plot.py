@@ -2,8 +2,8 @@
 
 Left: for each draft position k, the fraction of verification forwards that accepted at least
 k drafted tokens (the curve starts at the first token's acceptance and falls; its sum + 1 is
-the pooled tau). Right: the histogram of accepted tokens per forward, as fractions. Written
-with matplotlib's Agg backend (no display needed).
+the pooled tau). Right: the histogram of accepted tokens per forward, as fractions. Drawn on
+a bare matplotlib Figure (no pyplot: no display needed, no global backend switched).
 """
 
 from __future__ import annotations
@@ -11,18 +11,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from matplotlib.figure import Figure
+
 LABELS = {"prompt_lookup": "prompt lookup", "dflash": "DFlash"}
 
 
 def plot_acceptance(results: dict[str, Any], path: str | Path) -> Path:
     """Write the PNG of every method in `results` (`dflash evaluate`'s figures) to `path`."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # before pyplot: headless machines have no display
-    import matplotlib.pyplot as plt
-
     methods = [m for m in LABELS if m in results]
-    fig, (by_position, histogram) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig = Figure(figsize=(11, 4.2))
+    by_position, histogram = fig.subplots(1, 2)
     width = 0.8 / max(len(methods), 1)
     for i, method in enumerate(methods):
         figures = results[method]
@@ -55,5 +53,4 @@ def plot_acceptance(results: dict[str, Any], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
