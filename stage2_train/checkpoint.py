@@ -207,18 +207,20 @@ def load_checkpoint(
     every file is read before any state is set)."""
     meta = read_meta(path)
 
-    def tensors(name: str, weights_only: bool = True) -> Any:
+    def tensors(name: str, weights_only: bool = True, to: torch.device | str = device) -> Any:
         return _read(
             path / name,
             name,
-            lambda p: torch.load(p, map_location=device, weights_only=weights_only),
+            lambda p: torch.load(p, map_location=to, weights_only=weights_only),
         )
 
     model_state, optim_state = tensors("model.pt"), tensors("optimizer.pt")
     sched_state = tensors("scheduler.pt")
     rng_file = path / f"rng-rank{rank}.pt"
     # absent when resuming with more ranks than were saved
-    rng = tensors(rng_file.name, weights_only=False) if rng_file.exists() else None
+    # RNG states stay on the CPU: torch.set_rng_state and cuda's set_rng_state_all take CPU
+    # ByteTensors (mapped to the GPU, resuming a GPU run failed with a TypeError)
+    rng = tensors(rng_file.name, weights_only=False, to="cpu") if rng_file.exists() else None
     try:
         state = TrainState(**meta["train_state"])
     except TypeError as err:
