@@ -1,0 +1,116 @@
+"""Generation throughput of `dflash generate`'s local backend (new tokens/s), on a random-weight
+target of a given shape: the batched, length-sorted, KV-cached `generate` that generate runs.
+
+    python bench/bench_generate.py --shape qwen3-8b --prompts 512 --batch-size 256   # GPU
+    python bench/bench_generate.py --tiny                                             # CPU check
+
+Random weights write random tokens, so no reply stops early: every prompt gets exactly
+--new-tokens, the worst case for time. Prints one JSON line (also to $OUT/generate-bench.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+from stage1_generate.config import SamplingConfig
+from stage1_generate.local_backend import LocalBackend
+
+SHAPES = {
+    # Qwen3-8B: 36 layers, hidden 4096, 32 query / 8 KV heads of 128, FFN 12288
+    "qwen3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=512,
+    ),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
+    parser.add_argument("--tiny", action="store_true", help="--shape tiny on the CPU (a check)")
+    parser.add_argument("--prompts", type=int, default=512)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--batch-tokens", type=int, default=1 << 20)
+    args = parser.parse_args()
+    shape = "tiny" if args.tiny else args.shape
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = Qwen3Config(**SHAPES[shape], max_position_embeddings=8192, pad_token_id=0)
+    torch.manual_seed(0)
+    with device:  # initialised where it runs: an 8B model never passes through host memory
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    # a reserved id as the stop id, never sampled by argmax in practice: replies run full length
+    backend = LocalBackend(
+        model,
+        # random ids need no vocabulary: a stand-in with what the backend reads
+        SimpleNamespace(pad_token_id=0, decode=lambda ids, **_: ""),  # type: ignore[arg-type]
+        SamplingConfig(),
+        [config.vocab_size - 1],
+        args.batch_size,
+        args.batch_tokens,
+    )
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(
+        args.prompt_tokens // 2, args.prompt_tokens + 1, (args.prompts,), generator=gen
+    )
+    prompts = [
+        torch.randint(1, config.vocab_size - 1, (n,), generator=gen).tolist() for n in lengths
+    ]
+    backend.generate(prompts[: min(8, len(prompts))], 4)  # warm-up: kernels, allocator
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    completions = backend.generate(prompts, args.new_tokens)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    new = sum(c.num_tokens for c in completions)
+    result = {
+        "bench": "generate",
+        "shape": shape,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "dtype": str(dtype).removeprefix("torch."),
+        "prompts": args.prompts,
+        "prompt_tokens": f"{args.prompt_tokens // 2}-{args.prompt_tokens}",
+        "new_tokens_each": args.new_tokens,
+        "batch_size": args.batch_size,
+        "new_tokens": new,
+        "seconds": round(seconds, 2),
+        "new_tokens_per_s": round(new / seconds, 1),
+        "peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 1)
+        if device.type == "cuda"
+        else None,
+        "torch": torch.__version__,
+    }
+    print(json.dumps(result))
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "generate-bench.json").write_text(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()
