@@ -67,9 +67,10 @@ class TextWindowConfig:
     new_tokens: int = doc(384, "text rows: tokens the target writes after each prompt")
     stride: int = doc(1024, "text rows: one window starts every `stride` tokens of a document")
     loss_on_prompt: bool = doc(
-        False,
-        "false: write {prompt, completion} rows, so extract puts the loss on the target's "
-        "own tokens only; true: one `text` row (loss on the prompt's dataset text too)",
+        True,
+        "true: one `text` row per window (extract puts the loss on the prompt's dataset text "
+        "too: measured better on pystd-28m, online tau 4.50 vs 3.89); false: {prompt, "
+        "completion} rows, loss on the target's own tokens only",
     )
 
     def problems(self) -> list[str]:

@@ -7,9 +7,9 @@
 - Completion rows (`prompt`, `completion`): the target writes a new completion of the prompt.
 - Text rows: continuation windows. For every `stride` tokens of a document, the `prompt_tokens`
   tokens there are a prompt and the target writes `new_tokens` after them; the output row's
-  `prompt` and `completion` are the window and the continuation (extract puts the loss on the
-  completion only), or with `text.loss_on_prompt` one `text` of both. A document shorter than one prompt is one
-  window with all its tokens.
+  `text` is both (loss on every token: measured better), or with `text.loss_on_prompt=false`
+  `prompt` and `completion` (extract puts the loss on the completion only). A document
+  shorter than one prompt is one window with all its tokens.
 
 All prompts of one round (chat: the r-th assistant turn of every conversation in the chunk;
 text: every window) go to the backend together, so it can batch them.

@@ -158,7 +158,17 @@ def test_text_windows(tiny_qwen3: Path, tmp_path: Path) -> None:
     assert text_windows(list(range(5)), 12, 20) == [0]  # shorter than a prompt: one window
     assert text_windows([], 12, 20) == []
     data = write_jsonl(tmp_path / "text.jsonl", [{"text": t} for t in TEXTS])
-    manifest = run_generate(config(tiny_qwen3, data, tmp_path / "out"))
+    as_text = run_generate(config(tiny_qwen3, data, tmp_path / "text"))
+    manifest = run_generate(config(tiny_qwen3, data, tmp_path / "out", "text.loss_on_prompt=false"))
+    # the default writes each window as one text row: the same windows, prompt + completion
+    split = [
+        (r["source_index"], r["window_start"], r["prompt"] + r["completion"])
+        for r in read_rows(tmp_path / "out")
+    ]
+    whole = [
+        (r["source_index"], r["window_start"], r["text"]) for r in read_rows(tmp_path / "text")
+    ]
+    assert whole == split and as_text["counts"] == manifest["counts"]
     rows = read_rows(tmp_path / "out")
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
     expected = []
