@@ -45,7 +45,8 @@ if has dev; then  # the target's own continuation of the 12 online prompts: the 
   t=$(date +%s)
   dflash generate --config "$CFG" --model $M --data .carry/dev.jsonl.gz --out "$WORK/dev-gen" \
     --devices "${DEVICE%%,*}" --set data.max_samples=12 --set text.new_tokens=128 \
-    --set text.stride=1000000 --set run.progress=false > "$OUT/dev-generate.log" 2>&1
+    --set text.stride=1000000 --set text.loss_on_prompt=false --set run.progress=false \
+    > "$OUT/dev-generate.log" 2>&1  # {prompt, completion}: the chain starts at the completion
   dflash extract --config "$CFG" --model $M --data "$WORK/dev-gen" --out "$WORK/dev-store" \
     --devices "${DEVICE%%,*}" --set packing.seq_len=384 --set store.sequences_per_shard=12 \
     --set run.writer_processes=0 --set run.progress=false > "$OUT/dev-extract.log" 2>&1
