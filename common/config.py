@@ -203,6 +203,21 @@ def describe(cls: type, prefix: str = "") -> list[str]:
             default = f.default_factory()
         else:
             default = "required"
-        type_name = getattr(tp, "__name__", str(tp)).replace("typing.", "")
-        lines.append(f"{key} ({type_name}, default {default!r}): {f.metadata.get('help', '')}")
+        lines.append(f"{key} ({_type_text(tp)}default {default!r}): {f.metadata.get('help', '')}")
     return lines
+
+
+def _type_text(tp: Any) -> str:
+    """A field's type for `--help-config`, ending in the separator before its default: choice
+    fields list their values (`one of: a, b; `), since a Literal's name alone says nothing."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Literal:
+        return f"one of: {', '.join(map(str, args))}; "
+    if origin in (typing.Union, types.UnionType):
+        choices = [a for a in args if typing.get_origin(a) is typing.Literal]
+        if choices and len(choices) + 1 == len(args) and type(None) in args:
+            values = [v for c in choices for v in typing.get_args(c)]
+            return f"one of: {', '.join(map(str, values))}, or null; "
+    if origin is list and args and typing.get_origin(args[0]) is typing.Literal:
+        return f"list of: {', '.join(map(str, typing.get_args(args[0])))}; "
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "") + ", "

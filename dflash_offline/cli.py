@@ -4,6 +4,8 @@ dflash extract --config configs/debug.yaml --model PATH --data FILE --out STORE
 dflash train   --config configs/debug.yaml --store STORE --out RUN
 dflash inspect STORE [--sample N] [--json]
 dflash inspect verify STORE
+dflash plot RUN
+dflash --version
 """
 
 from __future__ import annotations
@@ -45,7 +47,39 @@ def _fail(err: Exception) -> None:
     sys.exit(2)
 
 
+def version_line() -> str:
+    """`dflash-offline X (torch Y, transformers Z, python W)`, from the installed metadata (no
+    import of torch: the answer is instant)."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return (
+        f"dflash-offline {installed('dflash-offline')} (torch {installed('torch')}, "
+        f"transformers {installed('transformers')}, python {platform.python_version()})"
+    )
+
+
+def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        click.echo(version_line())
+        ctx.exit()
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--version",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=_print_version,
+    help="print the versions of dflash-offline, torch and transformers and exit",
+)
 def main() -> None:
     """dflash-offline: train a DFlash speculative-decoding drafter for your target LLM.
 
@@ -252,6 +286,19 @@ def export(run: str, step: int | None, out: str | None, dtype: str) -> None:
 
 
 @main.command()
+@click.argument("run", type=click.Path(file_okay=False))
+@cli_errors
+def plot(run: str) -> None:
+    """Redraw the PNG plots of a training run from RUN/metrics.jsonl into RUN/plots/: loss,
+    per-slot held-out accuracy, held-out acceptance by draft position (training draws them at
+    each evaluation)."""
+    from stage2_train.plots import plot_run
+
+    for path in plot_run(run):
+        click.echo(f"wrote {path}")
+
+
+@main.command()
 @click.option("--target", required=True, help="target model folder or hub id")
 @click.option(
     "--data",
@@ -324,6 +371,53 @@ def evaluate_offline(json_out: str | None, **kwargs: Any) -> None:
     init_logger()
     results = run_offline_eval(OfflineEvalConfig(**kwargs))
     _echo_json(results, json_out)
+
+
+@main.command()
+@click.argument("source")
+@click.argument("dest")
+@click.option("--shards", help="export: shards to write, e.g. 0-3,7 [default: all committed]")
+@click.option("--arrays", help="export: arrays to write, e.g. tokens,hidden,target_head [all]")
+@click.option(
+    "--compression",
+    type=click.Choice(["gzip", "lzf", "none"]),
+    help="export: h5py filter of every dataset [default: gzip]",
+)
+@click.option(
+    "--hidden-as",
+    type=click.Choice(["bits", "float32", "float16"]),
+    help="export: bf16/fp8 arrays (hidden, logits, target head) as their bits with an "
+    "`encoding` attribute, or decoded to floats [default: bits]",
+)
+@click.option("--target", help="import: target model folder (config, tokenizer, LM head)")
+@click.option("--seq-len", type=int, help="import: tokens per packed sequence [3072]")
+@click.option("--sequences-per-shard", type=int, help="import: sequences per shard [64]")
+@click.option("--packing", type=click.Choice(["best_fit", "next_fit"]), help="import [best_fit]")
+@click.option("--overlong", type=click.Choice(["split", "truncate"]), help="import [split]")
+@click.option("--topk", type=int, help="import: k when top-k is computed from the head [32]")
+@click.option(
+    "--hidden-dtype",
+    type=click.Choice(["bfloat16", "float8_e4m3fn"]),
+    help="import: the store's hidden_dtype [bfloat16]",
+)
+@click.option("--overwrite", is_flag=True, help="import: delete an existing store at DEST first")
+@cli_errors
+def convert(source: str, dest: str, **options: Any) -> None:
+    """Convert a store to one HDF5 file, or an HDF5 file of documents to a store.
+
+    \b
+    dflash convert STORE OUT.h5 [--shards 0-3,7] [--arrays tokens,hidden] [--compression lzf]
+    dflash convert IN.h5 STORE [--target MODEL_FOLDER] [--seq-len 3072]
+
+    The direction follows SOURCE: a store folder is exported, a file imported (rerun the same
+    import to resume it). FORMAT.md, "HDF5 files", describes both layouts; an import without
+    verifier outputs computes them from the LM head when the target's last layer is tapped,
+    else uses the data's next token (as `loss.target=data` does).
+    """
+    from dflash_offline.convert import run_convert
+
+    init_logger()
+    click.echo(f"wrote {run_convert(source, dest, **options)}")
 
 
 if __name__ == "__main__":

@@ -157,6 +157,14 @@ class TrainRunConfig:
     keep_checkpoints: int = doc(2, "newest checkpoints kept")
     seed: int = doc(0, "seed of model init")
     progress: bool = doc(True, "show a progress bar")
+    report_to: list[Literal["tensorboard", "wandb"]] = doc(
+        factory=list,
+        help="trackers that also get every step's and evaluation's metrics, beside "
+        "metrics.jsonl: tensorboard (event files in RUN/tensorboard), wandb (offline unless "
+        "WANDB_MODE says otherwise; RUN/wandb); pip install 'dflash-offline[track]'",
+    )
+    wandb_project: str = doc("dflash-offline", "W&B project of the run (report_to: wandb)")
+    wandb_name: str | None = doc(None, "W&B run name; default: the run folder's name")
     allow_config_change: bool = doc(
         False,
         "on a resume, apply the fields that differ from the checkpoint's config (lr, schedule, "
@@ -170,6 +178,8 @@ class TrainRunConfig:
             out.append("out is required: the run folder (--out)")
         if self.keep_checkpoints < 1:
             out.append(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+        if len(set(self.report_to)) != len(self.report_to):
+            out.append(f"report_to lists a tracker twice: {self.report_to}")
         return out
 
 

@@ -42,6 +42,17 @@ def memory_gb(device: torch.device) -> float:
     return round(peak / (1e9 if sys.platform == "darwin" else 1e6), 2)
 
 
+def acceptance_by_position(acc_cond: list[float]) -> list[float]:
+    """P(>= k drafted tokens accepted), k = 1..B-1, from the held-out `eval_acc_cond`: slot k's
+    accuracy among blocks that accepted slots 1..k-1, so the running product is the share of
+    blocks that accept at least k (its sum + 1 is `eval_tau`)."""
+    out, reached = [], 1.0
+    for p in acc_cond:
+        reached *= p
+        out.append(reached)
+    return out
+
+
 def _slots(values: list[float]) -> str:
     """Per-slot accuracies (slots 1..B-1) summarised: first, middle, last, mean."""
     if not values:

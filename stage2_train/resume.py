@@ -45,6 +45,9 @@ FREE_ON_RESUME = (
     "run.compile_attention",
     "run.compile_layers",
     "run.allow_config_change",
+    "run.report_to",
+    "run.wandb_project",
+    "run.wandb_name",
     "run.seed",  # only the initial weights, which the checkpoint replaces
     "data.store",
     "data.num_workers",

@@ -40,8 +40,10 @@ from stage2_train.inputs import check_inputs
 from stage2_train.metrics import MetricsWriter, format_line, memory_gb
 from stage2_train.model import DFlashDrafter
 from stage2_train.plan import EpochPlan, HoldoutSampler, PlanSampler, split_store
+from stage2_train.plots import draw_plots_safely
 from stage2_train.resume import resume_run
 from stage2_train.step import load_frozen_head
+from stage2_train.trackers import Trackers, check_trackers
 from stage2_train.trainstep import StepRunner, compute_context, replica_fingerprint, run_dtypes
 
 log = get_logger()
@@ -51,6 +53,7 @@ def run_train(cfg: TrainConfig) -> None:
     """Check inputs, then train on every device of `run.devices` (see the module docstring)."""
     info, _ = check_inputs(cfg)
     check_store_files(info)  # a deleted or cut file reads as zeros: caught before step 1
+    check_trackers(cfg.run.report_to)  # a missing package fails here, not in a worker
     devices = parse_devices(cfg.run.devices)
     Path(cfg.run.out).mkdir(parents=True, exist_ok=True)
     launch(_worker, devices, cfg, devices)
@@ -143,6 +146,14 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         device=device,
     ) or TrainState(step=0, epoch=0, step_in_epoch=0)
     metrics = MetricsWriter(out / "metrics.jsonl", enabled=ctx.is_main, keep_until=state.step)
+    trackers = Trackers(
+        cfg.run.report_to if ctx.is_main else [],
+        out,
+        project=cfg.run.wandb_project,
+        name=cfg.run.wandb_name,
+        config=config_dict,
+        resumed_step=state.step,
+    )
 
     def run_eval() -> dict[str, Any]:
         with compute_context(cfg.run.dtype, device):
@@ -231,6 +242,9 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         if due and split.num_holdout > 0:
             record.update(run_eval())
         metrics.write(record)
+        trackers.log(record)
+        if ctx.is_main and ("eval_tau" in record or last):
+            draw_plots_safely(out)
         bar.update(1)
         if ctx.is_main and (state.step % cfg.run.log_every == 0 or last or "eval_tau" in record):
             line = format_line(record, total_steps)
@@ -241,6 +255,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         if (cfg.run.checkpoint_every and state.step % cfg.run.checkpoint_every == 0) or last:
             checkpoint()
     bar.close()
+    trackers.close()
     if skipped_damaged and ctx.is_main:
         log.warning(
             "skipped %d damaged sequences (data.on_damaged=skip; each named above): delete "
