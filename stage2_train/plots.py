@@ -84,8 +84,8 @@ def _loss_figure(records: list[dict[str, Any]], evals: list[dict[str, Any]]) -> 
     ax = fig.subplots()
     steps = [r["step"] for r in records]
     losses = [r["loss"] for r in records]
-    ax.plot(steps, losses, alpha=0.35, linewidth=0.8, label="train")
     window = max(1, len(records) // 50)
+    ax.plot(steps, losses, alpha=0.35 if window > 1 else 1.0, linewidth=0.8, label="train")
     if window > 1:  # the raw curve is noisy at one batch per step
         smooth = [
             sum(losses[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1))
@@ -94,10 +94,15 @@ def _loss_figure(records: list[dict[str, Any]], evals: list[dict[str, Any]]) -> 
         ax.plot(steps, smooth, label=f"train ({window}-step mean)")
     if evals:
         ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="held-out")
-    if all(v > 0 for v in losses):
+    if all(v > 0 for v in losses):  # loss falls by orders of magnitude: log, plain labels
+        from matplotlib.ticker import FuncFormatter, LogLocator
+
         ax.set_yscale("log")
+        ax.yaxis.set_minor_locator(LogLocator(subs=(2.0, 3.0, 5.0)))
+        for axis_format in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+            axis_format(FuncFormatter(lambda y, _pos: f"{y:g}"))
     ax.set(xlabel="step", ylabel="loss (slot-weighted CE)", title="Loss")
-    ax.grid(alpha=0.3)
+    ax.grid(alpha=0.3, which="both")
     ax.legend()
     return fig
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -75,6 +76,32 @@ def test_tensorboard_events_hold_the_logged_scalars(run: Path) -> None:
     assert first == pytest.approx(evals[-1]["eval_acc_cond"][0], abs=1e-6)
     tags = events.Tags()["scalars"]
     assert {"train/lr", "train/grad_norm", "train/acc/slot_07", "eval/loss"} <= set(tags)
+
+
+def test_a_resume_hides_the_steps_past_the_checkpoint(tmp_path: Path) -> None:
+    """A run killed after step 6 logged 5..6 past its checkpoint at 4: the resumed run logs them
+    again, and TensorBoard shows each step once, as metrics.jsonl does."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    store = build_store(tmp_path / "store", FactorySpec(num_sequences=13))
+    out = tmp_path / "run"
+    sets = [
+        f"data.store={store}",
+        f"run.out={out}",
+        "run.progress=false",
+        "run.checkpoint_every=4",
+        "run.report_to=[tensorboard]",
+        "run.allow_config_change=true",
+    ]
+    run_train(build_config(TrainConfig, DEBUG, "train", [*sets, "optim.max_steps=6"]))
+    shutil.rmtree(out / "step-000006")  # as if killed between checkpoints
+    run_train(build_config(TrainConfig, DEBUG, "train", [*sets, "optim.max_steps=8"]))
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    loss = events.Scalars("train/loss")
+    assert [e.step for e in loss] == list(range(1, 9))
+    assert [e.value for e in loss] == pytest.approx([r["loss"] for r in records(out)], rel=1e-6)
 
 
 @pytest.mark.skipif(not HAS_WANDB, reason="wandb is not installed")
