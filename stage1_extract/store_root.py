@@ -15,13 +15,10 @@ the same store is refused with the holder's pid and host; readers never take it.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import shutil
-import socket
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,6 +26,7 @@ from typing import Any
 
 import zarr
 
+from common.locks import exclusive_lock
 from common.logging import get_logger
 from common.store import (
     HEAD_FILE,
@@ -200,33 +198,16 @@ def writer_lock(store: Path) -> Iterator[None]:
     if _has_content(store):
         read_root_attrs(store)  # never put a lock file into a folder that is not a dflash store
     store.mkdir(parents=True, exist_ok=True)
-    fd = os.open(store / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 4096, 0).decode(errors="replace")
-            try:
-                who = json.loads(holder)
-                named = f"pid {who['pid']} on host {who['host']}, since {who['since']}"
-            except (ValueError, KeyError, TypeError):  # the holder has not written it yet
-                named = "pid and host not yet written"
-            raise StoreError(
-                f"store {store} is being written by another `dflash extract` ({named}); two "
-                "writers would delete each other's shards: wait for that run to end (or stop "
-                "it), then rerun this command to resume"
-            ) from None
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.ctime()}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(me).encode(), 0)
-        try:
-            yield
-        finally:
-            # emptied, not removed: removing a lock file lets a waiting process lock a file
-            # that a third one then replaces (two holders); empty, finished stores stay equal
-            os.ftruncate(fd, 0)
-    finally:
-        os.close(fd)  # releases the lock (as the kernel does when a holder dies)
+
+    def refused(holder: str) -> StoreError:
+        return StoreError(
+            f"store {store} is being written by another `dflash extract` ({holder}); two "
+            "writers would delete each other's shards: wait for that run to end (or stop "
+            "it), then rerun this command to resume"
+        )
+
+    with exclusive_lock(store / LOCK_FILE, refused):
+        yield
 
 
 def prepare_store(store: Path, attrs: dict[str, Any], overwrite: bool) -> list[int]:

@@ -3,6 +3,7 @@
     OUT/part-000000.jsonl.gz ...      the rows (what `dflash extract --data OUT` reads)
     OUT/.dflash-generate/manifest.json  provenance: settings, target fingerprint, counts
     OUT/.dflash-generate/chunk-000000.json  one chunk's counts, written after its rows
+    OUT/.dflash-generate.lock           held by the run writing the folder (common/locks.py)
 
 Chunk c holds the output rows of source rows [c * R, (c + 1) * R). Its data file is written to
 a temporary name, synced and renamed, then its counts file likewise: a chunk is done exactly
@@ -18,10 +19,15 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from common.generated import META_DIR, manifest_path, read_manifest
+from common.locks import exclusive_lock
+
+LOCK_FILE = ".dflash-generate.lock"  # hidden: extract's data loader skips it
 
 
 def content_key(parts: dict[str, Any]) -> str:
@@ -57,19 +63,45 @@ def _differences(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> 
     return out
 
 
-def prepare_output(out: Path, manifest: dict[str, Any], overwrite: bool) -> None:
-    """Create the folder with `manifest`, or check that an existing one was made by the same
-    settings (then the run resumes it)."""
+def _others(out: Path) -> list[Path]:
+    """What the folder holds besides its lock file."""
+    return [p for p in out.iterdir() if p.name != LOCK_FILE] if out.is_dir() else []
+
+
+def check_output_folder(out: Path, overwrite: bool) -> None:
+    """Refuse a file, or a folder of other things (never lock or delete what is not ours)."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; pass a folder path")
-    if overwrite and out.exists():
-        shutil.rmtree(out)
-    old = read_manifest(out) if out.exists() else None
-    if old is None and out.exists() and any(out.iterdir()):
+    if _others(out) and read_manifest(out) is None:
         raise ValueError(
             f"--out {out} exists and is not a `dflash generate` folder; pass an empty or new "
-            "folder (or --overwrite to replace it)"
+            "folder" + ("" if overwrite else " (or --overwrite to replace a generate folder)")
         )
+
+
+@contextmanager
+def output_lock(out: Path) -> Iterator[None]:
+    """One `dflash generate` per output folder: a second is refused naming the first."""
+    out.mkdir(parents=True, exist_ok=True)
+
+    def refused(holder: str) -> ValueError:
+        return ValueError(
+            f"--out {out} is being written by another `dflash generate` ({holder}); wait for "
+            "it to end (or stop it), then rerun this command to resume"
+        )
+
+    with exclusive_lock(out / LOCK_FILE, refused):
+        yield
+
+
+def prepare_output(out: Path, manifest: dict[str, Any], overwrite: bool) -> None:
+    """Create the folder with `manifest`, or check that an existing one was made by the same
+    settings (then the run resumes it). The caller holds `output_lock(out)`."""
+    check_output_folder(out, overwrite)
+    if overwrite:
+        for path in _others(out):  # the held lock file stays
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    old = read_manifest(out) if out.exists() else None
     if old is not None:
         if old["key"] != manifest["key"]:
             changed = _differences(old["content"], manifest["content"])

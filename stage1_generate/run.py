@@ -19,6 +19,7 @@ from __future__ import annotations
 import tempfile
 import time
 from collections import Counter
+from contextlib import ExitStack
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -44,10 +45,12 @@ from stage1_extract.fingerprints import weights_fingerprint
 from stage1_extract.store_root import _canonical_path
 from stage1_generate.config import GenerateConfig
 from stage1_generate.output import (
+    check_output_folder,
     chunk_stats,
     content_key,
     done_chunks,
     finalize_output,
+    output_lock,
     prepare_output,
     write_chunk,
 )
@@ -218,15 +221,19 @@ def _worker(cfg: GenerateConfig, devices: list[str], error_dir: str, prepared: b
     init_logger()
     ctx = init_worker(devices, timeout=BARRIER_TIMEOUT)
     try:
-        if not prepared:
-            if ctx.is_main:
-                _prepare(cfg)
-            barrier()
-        _generate_chunks(cfg, ctx, devices)
-        if not prepared:
-            barrier()
-            if ctx.is_main:
-                _finalize(cfg)
+        with ExitStack() as lock:
+            if not prepared:  # under torchrun: rank 0 holds the lock for the run
+                if ctx.is_main:
+                    out = Path(cfg.output.out).expanduser()
+                    check_output_folder(out, cfg.output.overwrite)
+                    lock.enter_context(output_lock(out))
+                    _prepare(cfg)
+                barrier()
+            _generate_chunks(cfg, ctx, devices)
+            if not prepared:
+                barrier()
+                if ctx.is_main:
+                    _finalize(cfg)
     except ValueError as err:
         Path(error_dir, f"rank-{ctx.rank}.txt").write_text(str(err))
         raise
@@ -286,16 +293,19 @@ def run_generate(cfg: GenerateConfig) -> dict[str, Any] | None:
         if under_torchrun():
             _worker(cfg, devices, error_dir, prepared=False)
             return read_manifest(Path(cfg.output.out).expanduser())
-        # checked and prepared here, so user errors stay ValueErrors of this process
-        _prepare(cfg)
-        try:
-            if len(devices) == 1:
-                _worker(cfg, devices, error_dir, prepared=True)
-            else:
-                launch(_worker, devices, cfg, devices, error_dir, True)
-        except Exception as err:
-            messages = sorted(Path(error_dir).glob("rank-*.txt"))
-            if messages and not isinstance(err, ValueError):
-                raise ValueError("; ".join(p.read_text() for p in messages)) from err
-            raise
-    return _finalize(cfg)
+        out = Path(cfg.output.out).expanduser()
+        check_output_folder(out, cfg.output.overwrite)
+        with output_lock(out):
+            # checked and prepared here, so user errors stay ValueErrors of this process
+            _prepare(cfg)
+            try:
+                if len(devices) == 1:
+                    _worker(cfg, devices, error_dir, prepared=True)
+                else:
+                    launch(_worker, devices, cfg, devices, error_dir, True)
+            except Exception as err:
+                messages = sorted(Path(error_dir).glob("rank-*.txt"))
+                if messages and not isinstance(err, ValueError):
+                    raise ValueError("; ".join(p.read_text() for p in messages)) from err
+                raise
+            return _finalize(cfg)

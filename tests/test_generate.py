@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from stage1_extract.data import prepare_documents
 from stage1_extract.run import run_extract
 from stage1_generate import run as generate_run
 from stage1_generate.config import GenerateConfig
+from stage1_generate.output import output_lock
 from stage1_generate.rows import stop_token_ids, text_windows
 from stage1_generate.run import run_generate
 
@@ -273,3 +275,16 @@ def test_two_ranks_write_the_same_rows(chat_out: Path, tiny_qwen3: Path, tmp_pat
     manifest = run_generate(config(tiny_qwen3, data, tmp_path / "out", "run.devices=cpu,cpu"))
     assert manifest["complete"] and manifest["counts"]["rows_out"] == len(CONVERSATIONS)
     assert digests(tmp_path / "out") == digests(chat_out)
+
+
+def test_second_writer_refused(chat_out: Path, tiny_qwen3: Path, tmp_path: Path) -> None:
+    """One `dflash generate` per output folder: a second is refused naming the first."""
+    data = Path(read_manifest(chat_out)["content"]["data"]["path"])
+    out = tmp_path / "out"
+    with (
+        output_lock(out),
+        pytest.raises(ValueError, match=rf"another `dflash generate` \(pid {os.getpid()} on host"),
+    ):
+        run_generate(config(tiny_qwen3, data, out))
+    manifest = run_generate(config(tiny_qwen3, data, out, "output.overwrite=true"))
+    assert manifest["complete"] and digests(out) == digests(chat_out)
