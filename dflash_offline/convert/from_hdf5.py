@@ -1,0 +1,256 @@
+"""`dflash convert IN.h5 STORE`: documents and hidden states from an HDF5 file (the layout of
+hdf5_input.py) into a store that `dflash train` reads, written by extract's own code: the
+packing plan (packing.py), the shard buffers and the verify-then-rename shard commit
+(writer.py), the root attributes, writer lock, resume and final counts (store_root.py).
+
+Verifier outputs (what `loss.target=argmax` trains on and what train and verify read in every
+store) come from, in order:
+- `input`: the file's /target_argmax, /topk_ids, /topk_logits, /logsumexp;
+- `head`: computed with the target's LM head from the hidden states of its last decoder layer,
+  when that layer is tapped (FORMAT.md: it is the output of the final norm, what the head reads);
+- `data`: otherwise the next token of the same document, as a one-hot distribution (top-k of 1,
+  logit 0, log-sum-exp 0). Training on it equals `loss.target=data` (both label each slot with
+  the data's next token); a distillation term then distils the data, not the target. The root
+  attribute `converted_from.verifier` records which one a store holds.
+
+Shards are filled one at a time from the file (memory: one shard), so a rerun of the same
+command resumes an interrupted import, as extract does.
+
+Legend: L tokens of a piece, K tapped layers, D hidden size, V vocabulary, k top-k.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from common.config import to_dict
+from common.logging import get_logger
+from common.store import FORMAT_NAME, FORMAT_VERSION, HEAD_FILE
+from dflash_offline.convert.fill import ShardFiller
+from dflash_offline.convert.hdf5_input import Hdf5Input, head_tensors, open_input, target_config
+from stage1_extract.config import ExtractConfig
+from stage1_extract.host_buffers import BufferShape, ShardBuffers
+from stage1_extract.job import _version, reserved_token_id
+from stage1_extract.packing import num_shards, plan_packing
+from stage1_extract.store_root import (
+    _canonical_path,
+    content_key,
+    finalize_store,
+    prepare_store,
+    writer_lock,
+)
+from stage1_extract.target import config_dict, load_target_config, save_target_head, text_config
+from stage1_extract.writer import ShardLayout, write_shard
+
+
+@dataclass
+class ImportOptions:
+    """How to pack and store the file's documents; the store's other settings are extract's
+    defaults (recorded in the store's `extract_config`)."""
+
+    target: str | None = None  # model folder (config, tokenizer, head); else the file's attrs
+    seq_len: int = 3072
+    sequences_per_shard: int = 64
+    packing: str = "best_fit"
+    overlong: str = "split"
+    topk: int = 32  # k of a top-k computed from the head (the file's own k otherwise)
+    hidden_dtype: str = "bfloat16"
+    overwrite: bool = False
+
+
+def _target(inp: Hdf5Input, target: str | None) -> dict[str, Any]:
+    """The root attribute `target`, from the --target folder's config or the file's."""
+    if target:
+        cfg = ExtractConfig().target
+        cfg.model = target
+        config = load_target_config(cfg)
+        full, text = config_dict(config), text_config(config)
+        model_type, layers = config.model_type, text.num_hidden_layers
+    elif (full := target_config(inp)) is not None:
+        text_dict = full.get("text_config") or full
+        model_type, layers = full.get("model_type"), text_dict.get("num_hidden_layers")
+    else:
+        raise ValueError(
+            f"{inp.path}: no target: pass --target MODEL_FOLDER, or give the file a root "
+            "attribute target (that folder) or target_config (the target's config as JSON) "
+            "with a /target_head group"
+        )
+    name = target or str(inp.attrs.get("target_name", "hdf5-import"))
+    attrs = {"name_or_path": name, "revision": None, "model_type": model_type}
+    return attrs | {"num_hidden_layers": layers, "config": full}
+
+
+def _tokenizer(inp: Hdf5Input, target: str | None, vocab: int) -> dict[str, Any]:
+    """The root attribute `tokenizer`: from the tokenizer folder when one is named, else from
+    the file's attributes (pad id: the pad, else EOS, else 0, as extract pads)."""
+    name = inp.attrs.get("tokenizer") or target
+    a = inp.attrs
+    tok = {"name_or_path": name, "vocab_size": vocab, "chat_template": None}
+    tok |= {k: a.get(k) for k in ("eos_token_id", "pad_token_id", "mask_token_id")}
+    tok["reserved_token_id"] = a.get("reserved_token_id")
+    if name:
+        from transformers import AutoTokenizer
+
+        try:
+            loaded = AutoTokenizer.from_pretrained(name)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"{inp.path}: cannot load the tokenizer {name} ({err})") from err
+        template = loaded.chat_template
+        tok |= {
+            "vocab_size": len(loaded),
+            "chat_template": template if isinstance(template, str) else None,
+        }
+        tok |= {"eos_token_id": loaded.eos_token_id, "pad_token_id": loaded.pad_token_id}
+        tok |= {
+            "mask_token_id": loaded.mask_token_id,
+            "reserved_token_id": reserved_token_id(loaded),
+        }
+    if tok["pad_token_id"] is None:
+        tok["pad_token_id"] = tok["eos_token_id"] if tok["eos_token_id"] is not None else 0
+    return tok
+
+
+def _write_head(inp: Hdf5Input, target: str | None, path: Path) -> None:
+    """target_head.safetensors from /target_head, else from the target folder's weights."""
+    tensors = head_tensors(inp)
+    if tensors is not None:
+        eps = inp.attrs.get("rms_norm_eps")
+        tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+        save_file(tensors, str(tmp), metadata={"rms_norm_eps": str(eps)})
+        os.replace(tmp, path)
+        return
+    if not target:
+        raise ValueError(
+            f"{inp.path}: no /target_head group and no target folder: give one of them (the "
+            "embedding, final norm and LM head train needs)"
+        )
+    from transformers import AutoModelForCausalLM
+
+    save_target_head(AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32), path)
+
+
+def _read_head(path: Path) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """(lm_head fp32 [V, D], embedding shape, norm shape) of the store's head file."""
+    with safe_open(str(path), framework="pt") as f:
+        head_VD = f.get_tensor("lm_head.weight").float()
+        embed = tuple(f.get_slice("embed_tokens.weight").get_shape())
+        norm = tuple(f.get_slice("norm.weight").get_shape())
+    return head_VD, embed, norm
+
+
+def hdf5_to_store(h5: str | Path, store: str | Path, opts: ImportOptions) -> Path:
+    """Import the HDF5 file `h5` into the store folder `store` (resumable); returns `store`."""
+    inp = open_input(h5)
+    store = Path(store)
+    try:
+        target = opts.target or inp.attrs.get("target")
+        target_attrs = _target(inp, target)
+        with writer_lock(store):
+            return _import(inp, store, opts, target, target_attrs)
+    finally:
+        inp.file.close()
+
+
+def _import(
+    inp: Hdf5Input, store: Path, opts: ImportOptions, target: str | None, tattrs: dict[str, Any]
+) -> Path:
+    log = get_logger()
+    # beside the store until prepare_store has checked or created it (it refuses a folder
+    # holding anything but a store)
+    head_file = store.parent / f".tmp-{store.name}-{HEAD_FILE}-{os.getpid()}"
+    _write_head(inp, target, head_file)
+    head_VD, embed, norm = _read_head(head_file)
+    V, D, K = head_VD.shape[0], inp.hidden_size, len(inp.tapped_layers)
+    layers = tattrs["num_hidden_layers"]
+    if (head_VD.shape[1], embed[1], norm) != (D, D, (D,)):
+        raise ValueError(
+            f"{inp.path}: /hidden rows have D={D} values, but the target head holds embedding "
+            f"{list(embed)}, norm {list(norm)}, lm_head {list(head_VD.shape)}; give the head "
+            "of the target the hidden states came from"
+        )
+    if bad := [i for i in inp.tapped_layers if layers is not None and not 0 <= i < layers]:
+        raise ValueError(
+            f"{inp.path}: /hidden tapped_layers {bad} are not layers of a {layers}-layer target"
+        )
+    last = inp.tapped_layers.index(layers - 1) if layers and layers - 1 in inp.tapped_layers else -1
+    verifier = "input" if inp.verifier else "head" if last >= 0 else "data"
+    topk = inp.topk if verifier == "input" else min(opts.topk, V) if verifier == "head" else 1
+    if verifier == "data":
+        log.warning(
+            "%s has no verifier outputs and its last tapped layer is not the target's last "
+            "(%s): target_argmax is the data's next token (what loss.target=data trains on), "
+            "top-k a one-hot of it; add /target_argmax, /topk_ids, /topk_logits, /logsumexp "
+            "or tap layer %s to store the target's own predictions",
+            inp.path,
+            layers,
+            None if layers is None else layers - 1,
+        )
+    tok = _tokenizer(inp, target, V)
+    plan = plan_packing(inp.lengths, opts.seq_len, opts.overlong, opts.packing)
+    shards = num_shards(plan, opts.sequences_per_shard)
+    cfg = ExtractConfig()
+    cfg.target.model, cfg.target.tapped_layers, cfg.data.path = (
+        target or "",
+        inp.tapped_layers,
+        str(inp.path),
+    )
+    cfg.packing.seq_len, cfg.packing.overlong, cfg.packing.strategy = (
+        opts.seq_len,
+        opts.overlong,
+        opts.packing,
+    )
+    cfg.verifier.topk, cfg.store.out, cfg.store.hidden_dtype = topk, str(store), opts.hidden_dtype
+    cfg.store.sequences_per_shard = opts.sequences_per_shard
+    stat = inp.path.stat()
+    source = {"hdf5": _canonical_path(str(inp.path)), "verifier": verifier}
+    attrs: dict[str, Any] = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "complete": False,
+        "created_by": {"dflash_offline": _version("dflash-offline"), "torch": torch.__version__},
+        "target": tattrs,
+        "tokenizer": tok,
+        "tapped_layers": inp.tapped_layers,
+        "hidden_size": D,
+        "vocab_size": V,
+        "seq_len": opts.seq_len,
+        "topk": topk,
+        "full_logits": False,
+        "hidden_dtype": opts.hidden_dtype,
+        "sequences_per_shard": opts.sequences_per_shard,
+        "num_shards": shards,
+        "dataset": {"path": str(inp.path), "split": None, "name": None, "format": "hdf5"},
+        "extract_config": to_dict(cfg),
+        "converted_from": source,
+    }
+    attrs["dataset"]["num_rows"] = len(inp.lengths)
+    # the file's size and time stand for its contents: a rewritten file is not resumed into
+    key = {**source, "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "target": tattrs}
+    key |= {k: v for k, v in vars(opts).items() if k not in ("overwrite", "target")}
+    attrs["content_key"] = content_key(key)
+    done = set(prepare_store(store, attrs, opts.overwrite))
+    os.replace(head_file, store / HEAD_FILE)
+    fp8 = opts.hidden_dtype == "float8_e4m3fn"
+    shape = BufferShape(opts.sequences_per_shard * opts.seq_len, K, D, topk, None, fp8)
+    buffers = ShardBuffers.allocate(shape, pin=False)
+    layout = ShardLayout(opts.seq_len, cfg.store.chunk_tokens, cfg.store.compression_level)
+    fill = ShardFiller(
+        inp, plan, opts.sequences_per_shard, tok, verifier, topk, last, head_VD, opts.overlong
+    )
+    try:
+        for index in tqdm(range(shards), desc="import", unit="shard", disable=None):
+            if index not in done:
+                write_shard(store, fill.shard(index, buffers), buffers, layout)
+    finally:
+        buffers.release()
+    final = finalize_store(store, attrs, len(inp.lengths), {})
+    log.info("store %s complete: %s (verifier: %s)", store, final["counts"], verifier)
+    return store

@@ -1,0 +1,247 @@
+"""`dflash convert STORE OUT.h5`: a store's arrays and attributes as one HDF5 file.
+
+Each array of the selected shards is concatenated along its first axis, in shard order, into
+one dataset of the same name (`/tokens` [n, S], `/hidden` [n, S, K, D], `/doc_length` [P],
+...), so `f["hidden"][i]` is sequence i and the `doc_*` datasets load straight into a pandas
+DataFrame. `/index` says where each shard's rows lie; the root attribute `dflash` holds the
+store's root attributes as JSON (FORMAT.md, "HDF5 files" documents the layout).
+
+The store is read shard by shard and each array in blocks of at most BLOCK_BYTES, so memory
+stays bounded whatever the store's size; the file is written beside OUT under a temporary name
+and renamed into place at the end, so an interrupted run never leaves a half file at OUT.
+
+Legend: n sequences, S tokens per sequence, K tapped layers, D hidden size, P documents.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import torch
+import zarr
+from safetensors import safe_open
+from tqdm import tqdm
+
+from common.store import (
+    DOCUMENT_ARRAYS,
+    HEAD_FILE,
+    SHARD_ATTR,
+    StoreInfo,
+    bits_to_bf16,
+    committed_shards,
+    dequantize_fp8,
+    open_store,
+    sequence_array_specs,
+    shard_name,
+    shards_dir,
+)
+
+HDF5_FORMAT = "dflash-offline-hdf5"
+LAYOUT_VERSION = 1
+BLOCK_BYTES = 64 << 20  # read from the store at once, per array: bounds memory
+CHUNK_BYTES = 1 << 20  # target size of one HDF5 chunk (h5py's guidance: 10 KiB - 1 MiB)
+HEAD = "target_head"  # the group (and the --arrays name) of the target's embedding, norm, head
+BITS_ARRAYS = ("hidden", "logits")  # bf16 (or fp8) bits in the store
+HIDDEN_AS = ("bits", "float32", "float16")
+COMPRESSIONS = ("gzip", "lzf", "none")
+# root attributes also written as plain HDF5 attributes, for tools that do not parse JSON
+PLAIN_ATTRS = ("seq_len", "hidden_size", "vocab_size", "topk", "tapped_layers", "hidden_dtype")
+PLAIN_ATTRS += ("sequences_per_shard", "num_shards", "full_logits")
+
+
+def parse_shards(text: str | None, committed: list[int], store: Path) -> list[int]:
+    """`0-3,7` -> [0, 1, 2, 3, 7] (None: every committed shard); ValueError naming the bad part
+    or the shards the store does not hold."""
+    if text is None:
+        return committed
+    wanted: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi or lo)
+        except ValueError:
+            raise ValueError(
+                f"--shards {text!r}: {part!r} is not a shard number or range; use e.g. 0-3,7"
+            ) from None
+        wanted.update(range(first, last + 1))
+    if missing := sorted(wanted - set(committed)):
+        raise ValueError(
+            f"--shards {text!r}: store {store} has no committed shards {missing[:10]} (it holds "
+            f"{len(committed)}: 0-{max(committed, default=0)}); choose among those"
+        )
+    return sorted(wanted)
+
+
+def parse_arrays(text: str | None, info: StoreInfo) -> list[str]:
+    """The arrays to write (None: all); hidden_scale comes with hidden in fp8 stores."""
+    known = [*sequence_array_specs(info.hidden_dtype, info.attrs["full_logits"]), *DOCUMENT_ARRAYS]
+    if text is None:
+        return [*known, HEAD]
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if unknown := [n for n in names if n not in (*known, HEAD)]:
+        raise ValueError(
+            f"--arrays: store {info.path} has no array {', '.join(unknown)}; choose among "
+            f"{', '.join([*known, HEAD])}"
+        )
+    if "hidden" in names and "hidden_scale" in known and "hidden_scale" not in names:
+        names.append("hidden_scale")  # fp8 bits are meaningless without their scales
+    return names
+
+
+def _filters(compression: str) -> dict[str, Any]:
+    """h5py dataset options of a compression choice; shuffle groups the bytes of each value,
+    which is what makes float and int arrays compress."""
+    if compression == "none":
+        return {}
+    return {"compression": compression, "shuffle": True}
+
+
+def _chunks(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...] | None:
+    """About CHUNK_BYTES per chunk: whole rows when a row is smaller, else a span of tokens."""
+    if 0 in shape:
+        return None  # h5py refuses chunks on empty datasets
+    row = int(np.prod(shape[1:], dtype=np.int64)) * itemsize
+    if row <= CHUNK_BYTES or len(shape) == 1:
+        return (max(1, min(shape[0], CHUNK_BYTES // max(row, 1))), *shape[1:])
+    token = int(np.prod(shape[2:], dtype=np.int64)) * itemsize
+    return (1, max(1, min(shape[1], CHUNK_BYTES // max(token, 1))), *shape[2:])
+
+
+def _decode(bits: np.ndarray, scale: np.ndarray | None, hidden_as: str) -> np.ndarray:
+    """Store bits -> floats of `hidden_as` (fp8 with its scales, FORMAT.md's decode)."""
+    dtype = getattr(torch, hidden_as)
+    if scale is not None:
+        return dequantize_fp8(torch.from_numpy(bits), torch.from_numpy(scale), dtype).numpy()
+    return bits_to_bf16(bits).to(dtype).numpy()
+
+
+def _encoding(name: str, info: StoreInfo, hidden_as: str) -> str:
+    fp8 = name == "hidden" and info.hidden_dtype == "float8_e4m3fn"
+    if hidden_as != "bits":
+        return f"{hidden_as} (decoded from {'float8_e4m3fn and hidden_scale' if fp8 else 'bf16'})"
+    return "float8_e4m3fn-bits" if fp8 else "bfloat16-bits"
+
+
+def _shard_meta(info: StoreInfo, index: int) -> dict[str, Any]:
+    meta = json.loads((shards_dir(info.path) / shard_name(index) / "zarr.json").read_text())
+    return meta["attributes"][SHARD_ATTR]
+
+
+def _write_head(f: h5py.File, info: StoreInfo, hidden_as: str, filters: dict[str, Any]) -> None:
+    """target_head.safetensors as the group /target_head (same tensor names)."""
+    group = f.create_group(HEAD)
+    with safe_open(str(info.path / HEAD_FILE), framework="pt") as head:
+        group.attrs["metadata"] = json.dumps(head.metadata() or {})
+        for key in head.keys():  # noqa: SIM118 (safe_open is not iterable)
+            tensor = head.get_tensor(key)
+            if hidden_as == "bits":
+                data = tensor.contiguous().view(torch.int16).numpy().view(np.uint16)
+            else:
+                data = tensor.to(getattr(torch, hidden_as)).numpy()
+            ds = group.create_dataset(
+                key, data=data, chunks=_chunks(data.shape, data.itemsize), **filters
+            )
+            ds.attrs["encoding"] = "bfloat16-bits" if hidden_as == "bits" else hidden_as
+
+
+def store_to_hdf5(
+    store: str | Path,
+    out: str | Path,
+    *,
+    shards: str | None = None,
+    arrays: str | None = None,
+    compression: str = "gzip",
+    hidden_as: str = "bits",
+) -> Path:
+    """Write the selected shards and arrays of `store` to the HDF5 file `out`; returns `out`."""
+    info = open_store(store)
+    out = Path(out)
+    if compression not in COMPRESSIONS or hidden_as not in HIDDEN_AS:
+        raise ValueError(f"--compression must be one of {COMPRESSIONS}, --hidden-as of {HIDDEN_AS}")
+    selected = parse_shards(shards, committed_shards(info.path), info.path)
+    if not selected:
+        raise ValueError(f"store {info.path} has no committed shard; run `dflash extract` first")
+    names = parse_arrays(arrays, info)
+    metas = [_shard_meta(info, i) for i in selected]
+    seq_off = np.cumsum([0] + [m["num_sequences"] for m in metas]).astype(np.int64)
+    doc_off = np.cumsum([0] + [m["num_documents"] for m in metas]).astype(np.int64)
+    if not out.parent.is_dir():
+        raise ValueError(f"{out}: folder {out.parent} does not exist; create it or choose another")
+    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
+    filters = _filters(compression)
+    try:
+        with h5py.File(tmp, "w") as f:
+            f.attrs["format"], f.attrs["layout_version"] = HDF5_FORMAT, LAYOUT_VERSION
+            f.attrs["source_store"] = str(info.path.resolve())
+            f.attrs["dflash"] = json.dumps(info.attrs)
+            for key in PLAIN_ATTRS:
+                f.attrs[key] = info.attrs[key]
+            index = f.create_group("index")
+            index["shards"] = np.asarray(selected, np.int64)
+            index["sequence_offsets"], index["document_offsets"] = seq_off, doc_off
+            shard_attrs = [json.dumps(m) for m in metas]
+            index.create_dataset("shard_attrs", data=shard_attrs, dtype=h5py.string_dtype())
+            first = zarr.open_group(shards_dir(info.path) / shard_name(selected[0]), mode="r")
+            datasets = {}
+            for name in (n for n in names if n != HEAD):
+                if hidden_as != "bits" and name == "hidden_scale":
+                    continue  # decoded hidden states already carry their scales
+                total = doc_off[-1] if name in DOCUMENT_ARRAYS else seq_off[-1]
+                dtype = first[name].dtype
+                if hidden_as != "bits" and name in BITS_ARRAYS:
+                    dtype = np.dtype(hidden_as)
+                shape = (int(total), *first[name].shape[1:])
+                chunks = _chunks(shape, dtype.itemsize)
+                ds = f.create_dataset(
+                    name, shape=shape, dtype=dtype, chunks=chunks, **(filters if chunks else {})
+                )
+                if name in BITS_ARRAYS:
+                    ds.attrs["encoding"] = _encoding(name, info, hidden_as)
+                datasets[name] = ds
+            with tqdm(total=int(seq_off[-1]), desc="to hdf5", unit="seq", disable=None) as bar:
+                for pos, shard in enumerate(selected):
+                    _copy_shard(info, shard, datasets, seq_off[pos], doc_off[pos], hidden_as)
+                    bar.update(metas[pos]["num_sequences"])
+            if HEAD in names:
+                _write_head(f, info, hidden_as, filters)
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return out
+
+
+def _copy_shard(
+    info: StoreInfo,
+    shard: int,
+    datasets: dict[str, h5py.Dataset],
+    seq0: int,
+    doc0: int,
+    hidden_as: str,
+) -> None:
+    """One shard's arrays into rows [seq0, ...) (documents: [doc0, ...)) of the datasets."""
+    group = zarr.open_group(shards_dir(info.path) / shard_name(shard), mode="r")
+    for name, ds in datasets.items():
+        array = group[name]
+        if name in DOCUMENT_ARRAYS:
+            ds[doc0 : doc0 + array.shape[0]] = array[...]
+            continue
+        n, S = array.shape[:2]
+        token_bytes = int(np.prod(array.shape[2:], dtype=np.int64)) * 4  # decoded: up to fp32
+        # whole sequences per block, or spans of tokens when one sequence is too big (logits)
+        rows = max(1, BLOCK_BYTES // (S * token_bytes))
+        toks = S if rows > 1 else max(1, min(S, BLOCK_BYTES // token_bytes))
+        for r in range(0, n, rows):
+            for t in range(0, S, toks):
+                where = np.s_[r : r + rows, t : t + toks]
+                block = np.asarray(array[where])
+                if hidden_as != "bits" and name in BITS_ARRAYS:
+                    scaled = name == "hidden" and info.hidden_dtype == "float8_e4m3fn"
+                    scale = np.asarray(group["hidden_scale"][where]) if scaled else None
+                    block = _decode(block, scale, hidden_as)
+                ds[seq0 + r : seq0 + r + block.shape[0], t : t + block.shape[1]] = block
