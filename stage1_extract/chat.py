@@ -105,12 +105,17 @@ def has_generation_tags(tokenizer: PreTrainedTokenizerBase) -> bool:
 
 
 def _render(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], gen: bool
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    gen: bool,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str | None:
     """The template's text, or None when it refuses this partial conversation (many templates
     raise on, e.g., a conversation that does not start with a user turn)."""
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=gen, **(template_kwargs or {})
+        )
     except Exception:
         return None
 
@@ -138,17 +143,21 @@ def _locate_turn(
 
 
 def assistant_char_spans(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], full: str
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    full: str,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[tuple[int, int]]:
     """[start, end) character spans in `full` (the rendered conversation) of each assistant
     turn: content plus the end-of-turn text, without the header or trailing whitespace."""
+    kw = template_kwargs
     spans: list[tuple[int, int]] = []
     after = 0
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        head = _render(tokenizer, messages[:i], gen=True)
-        turn = _render(tokenizer, messages[: i + 1], gen=False)
+        head = _render(tokenizer, messages[:i], gen=True, template_kwargs=kw)
+        turn = _render(tokenizer, messages[: i + 1], gen=False, template_kwargs=kw)
         if is_empty_turn(message):  # no span; the next turn is searched for after it
             if turn is not None and full.startswith(turn):
                 after = max(after, len(turn.rstrip()))
@@ -160,14 +169,19 @@ def assistant_char_spans(
                 after = end
                 continue
         # fallback: the template renders this turn differently once later turns follow it
-        before = _render(tokenizer, messages[:i], gen=False)
+        before = _render(tokenizer, messages[:i], gen=False, template_kwargs=kw)
         if before is not None and full.startswith(before):
             after = max(after, len(before))
         header = (
             head[len(before) :] if head and before is not None and head.startswith(before) else ""
         )
         # the end-of-turn text, learned from a turn whose content the template cannot rewrite
-        probe = _render(tokenizer, [*messages[:i], {**message, "content": SENTINEL}], gen=False)
+        probe = _render(
+            tokenizer,
+            [*messages[:i], {**message, "content": SENTINEL}],
+            gen=False,
+            template_kwargs=kw,
+        )
         closing = ""
         if probe is not None and SENTINEL in probe:
             closing = probe[probe.index(SENTINEL) + len(SENTINEL) :].rstrip()
@@ -183,14 +197,21 @@ def assistant_char_spans(
 
 
 def _turn_token_range(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], i: int
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    i: int,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[int, int]:
     """Token range of assistant turn i (after its generation prompt, through its end), from the
     lengths of the tokenized renders before and through it."""
 
     def length(part: list[dict[str, Any]], gen: bool) -> int:
         enc = tokenizer.apply_chat_template(
-            part, tokenize=True, return_dict=True, add_generation_prompt=gen
+            part,
+            tokenize=True,
+            return_dict=True,
+            add_generation_prompt=gen,
+            **(template_kwargs or {}),
         )
         return len(enc["input_ids"])
 
@@ -206,15 +227,23 @@ def spans_to_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarr
 
 
 def tokenize_conversations(
-    tokenizer: PreTrainedTokenizerBase, conversations: list[list[dict[str, Any]]]
+    tokenizer: PreTrainedTokenizerBase,
+    conversations: list[list[dict[str, Any]]],
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[tuple[list[int], list[int]] | InvalidRow]:
-    """(input_ids, loss_mask) of each normalised conversation, or the InvalidRow it raised."""
+    """(input_ids, loss_mask) of each normalised conversation, or the InvalidRow it raised.
+    `template_kwargs` go to every render (e.g. {"enable_thinking": False} for Qwen3)."""
+    kw = template_kwargs or {}
     results: list[Any] = [None] * len(conversations)
     if has_generation_tags(tokenizer):
         for k, messages in enumerate(conversations):
             try:
                 enc = tokenizer.apply_chat_template(
-                    messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+                    messages,
+                    tokenize=True,
+                    return_dict=True,
+                    return_assistant_tokens_mask=True,
+                    **kw,
                 )
             except Exception as err:  # the template's own raise_exception, or a Jinja error
                 results[k] = InvalidRow("template_error", f"the chat template failed: {err}")
@@ -222,7 +251,7 @@ def tokenize_conversations(
             mask = list(enc["assistant_masks"])
             for i, message in enumerate(messages):
                 if is_empty_turn(message):
-                    start, end = _turn_token_range(tokenizer, messages, i)
+                    start, end = _turn_token_range(tokenizer, messages, i, kw)
                     mask[start:end] = [0] * len(mask[start:end])
             results[k] = (list(enc["input_ids"]), mask)
         return results
@@ -230,12 +259,12 @@ def tokenize_conversations(
     texts: dict[int, str] = {}
     spans: dict[int, list[tuple[int, int]]] = {}
     for k, messages in enumerate(conversations):
-        full = _render(tokenizer, messages, gen=False)
+        full = _render(tokenizer, messages, gen=False, template_kwargs=kw)
         if full is None:
             results[k] = InvalidRow("template_error", "the chat template refused this conversation")
             continue
         try:
-            spans[k] = assistant_char_spans(tokenizer, messages, full)
+            spans[k] = assistant_char_spans(tokenizer, messages, full, kw)
         except InvalidRow as err:
             results[k] = err
             continue

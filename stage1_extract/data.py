@@ -131,6 +131,7 @@ def _tokenize_batch(
     skip_invalid: bool,
     where: str,
     completion_column: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, list[Any]]:
     """One `datasets.map` batch; module-level with plain arguments so its fingerprint is stable."""
     rows = batch[column]
@@ -160,7 +161,9 @@ def _tokenize_batch(
             except InvalidRow as err:
                 results[k] = err
         for k, out in zip(
-            chats, tokenize_conversations(tokenizer, list(chats.values())), strict=True
+            chats,
+            tokenize_conversations(tokenizer, list(chats.values()), template_kwargs),
+            strict=True,
         ):
             results[k] = out
 
@@ -241,6 +244,8 @@ def prepare_documents(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Pr
             "skip_invalid": cfg.on_invalid == "skip",
             "where": cfg.path,
             **({"completion_column": cfg.completion_field} if fmt == "completion" else {}),
+            # only when given: the cache fingerprint of runs without them stays as it was
+            **({"template_kwargs": cfg.chat_template_kwargs} if cfg.chat_template_kwargs else {}),
         },
         remove_columns=raw.column_names,
         features=FEATURES,

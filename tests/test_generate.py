@@ -288,3 +288,45 @@ def test_second_writer_refused(chat_out: Path, tiny_qwen3: Path, tmp_path: Path)
         run_generate(config(tiny_qwen3, data, out))
     manifest = run_generate(config(tiny_qwen3, data, out, "output.overwrite=true"))
     assert manifest["complete"] and digests(out) == digests(chat_out)
+
+
+def test_chat_template_kwargs_reach_generate_and_extract(tiny_qwen3: Path, tmp_path: Path) -> None:
+    """`data.chat_template_kwargs` (e.g. Qwen3's enable_thinking) render the prompts the
+    target answers and the conversations extract stores, the same way."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{% if m['role'] == 'assistant' and quiet %}[quiet] {% endif %}{{ m['content'] }}"
+        "<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% if quiet %}[quiet] {% endif %}"
+        "{% endif %}"
+    )
+    model_dir = tmp_path / "target"
+    AutoModelForCausalLM.from_pretrained(tiny_qwen3).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows()[:1])
+    kwargs = "data.chat_template_kwargs={quiet: true}"
+    run_generate(config(model_dir, data, tmp_path / "out", kwargs))
+    (row,) = read_rows(tmp_path / "out")
+    prompt = tokenizer.apply_chat_template(
+        row["messages"][:1], add_generation_prompt=True, tokenize=False, quiet=True
+    )
+    assert prompt.endswith("[quiet] ")
+    expected = greedy_reply(model_dir, tokenizer(prompt, add_special_tokens=False)["input_ids"], 6)
+    assert row["messages"][1]["content"] == tokenizer.decode(expected, skip_special_tokens=True)
+
+    debug = Path(__file__).parents[1] / "configs" / "debug.yaml"
+    for flag, marked in (([kwargs], True), ([], False)):
+        extract = build_config(
+            ExtractConfig,
+            debug,
+            "extract",
+            [f"data.path={data}", "target.model=m", "store.out=o", *flag],
+        )
+        doc = prepare_documents(extract.data, tokenizer).dataset[0]
+        text = tokenizer.decode(doc["input_ids"])
+        assert ("[quiet]" in text) == marked
+        loss_text = tokenizer.decode(
+            [t for t, m in zip(doc["input_ids"], doc["loss_mask"], strict=True) if m]
+        )
+        assert loss_text.strip().startswith("A number with") and "[quiet]" not in loss_text
