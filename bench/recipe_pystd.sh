@@ -64,7 +64,8 @@ variant() {  # $1 = name, $2 = GPU, the rest: train --set arguments
     [ -n "${TRAIN_DEADLINE:-}" ] && limit=$(( TRAIN_DEADLINE - $(date +%s) ))
     # shellcheck disable=SC2068
     timeout "$limit" dflash train --config "$CFG" --store "$WORK/store" \
-      --out "$WORK/run-$name" --devices "$gpu" --set run.progress=false $@ \
+      --out "$WORK/run-$name" --devices "$gpu" --set run.progress=false \
+      --set data.dev_store="$WORK/dev-store" $@ \
       > "$OUT/$name-train.log" 2>&1 || echo "$name: train stopped (limit or error)" >> "$OUT/$name-train.log"
     if has evaluate && [ ! -f "$WORK/run-$name/export/model.safetensors" ]; then
       dflash export "$WORK/run-$name" >> "$OUT/$name-train.log" 2>&1

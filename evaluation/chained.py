@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
+from common.store import StoreInfo, open_store
 from evaluation.heldout import block_acceptance
 from stage2_train.anchors import block_labels, next_token_source
-from stage2_train.data import Batch
+from stage2_train.data import Batch, StoreSequences
 from stage2_train.step import FrozenHead, forward_batch, greedy_predictions
 
 
@@ -131,3 +132,66 @@ def summarize_chains(chains: list[tuple[int, int]]) -> dict[str, Any]:
         "chained_tau_per_response": [round(t, 4) for t in per_response],
         "chained_responses": len(per_response),
     }
+
+
+def chained_tau_on_store(
+    model: torch.nn.Module,
+    head: FrozenHead,
+    info: StoreInfo,
+    *,
+    max_sequences: int | None = None,
+    batch_sequences: int = 8,
+    block_size: int,
+    mask_token_id: int,
+    backend: str,
+    chunk_tokens: int,
+    device: torch.device,
+) -> dict[str, Any]:
+    """`summarize_chains` over the responses of a store's first `max_sequences` sequences
+    (all by default), `batch_sequences` at a time."""
+    count = int(info.attrs["counts"]["sequences"])
+    count = count if max_sequences is None else min(count, max_sequences)
+    rows = StoreSequences(
+        info,
+        num_anchors=1,
+        per_document=False,
+        block_size=block_size,
+        label_target="argmax",
+        distill=False,
+        seed=0,
+    )
+    was_training = model.training
+    model.eval()
+    chains: list[tuple[int, int]] = []
+    for lo in range(0, count, batch_sequences):
+        items = [rows.read_row(i) for i in range(lo, min(lo + batch_sequences, count))]
+        chains += chained_acceptance(
+            model,
+            head,
+            items,
+            block_size=block_size,
+            mask_token_id=mask_token_id,
+            backend=backend,
+            chunk_tokens=chunk_tokens,
+            device=device,
+        )
+    model.train(was_training)
+    return summarize_chains(chains)
+
+
+def open_dev_store(path: str, train_info: StoreInfo) -> StoreInfo:
+    """The store `data.dev_store` names, checked against the training store: the same target
+    layers, sizes and vocabulary, else a ValueError naming both and the fix."""
+    info = open_store(path, require_complete=True)
+    keys = ("tapped_layers", "hidden_size", "vocab_size")
+    differ = [
+        f"{k} {info.attrs.get(k)} vs {train_info.attrs.get(k)}"
+        for k in keys
+        if info.attrs.get(k) != train_info.attrs.get(k)
+    ]
+    if differ:
+        raise ValueError(
+            f"data.dev_store {path} does not match the training store ({'; '.join(differ)}): "
+            "extract it with the same target and target.tapped_layers"
+        )
+    return info

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from common.store import open_store
-from evaluation.chained import chained_acceptance, summarize_chains
+from evaluation.chained import chained_tau_on_store
 from evaluation.heldout import evaluate
 from stage2_train.anchors import slot_weights
 from stage2_train.data import StoreSequences, collate
@@ -99,23 +99,22 @@ def run_offline_eval(cfg: OfflineEvalConfig) -> dict[str, Any]:
         chunk_tokens=cfg.chunk_tokens,
         device=device,
     )
-    chains: list[tuple[int, int]] = []
-    for lo in range(0, count, cfg.chain_batch):
-        rows = [sequences.read_row(i) for i in range(lo, min(lo + cfg.chain_batch, count))]
-        chains += chained_acceptance(
-            model,
-            head,
-            rows,
-            block_size=shape.block_size,
-            mask_token_id=shape.mask_token_id,
-            backend="flex" if device.type == "cuda" else "sdpa",
-            chunk_tokens=cfg.chunk_tokens,
-            device=device,
-        )
+    chained = chained_tau_on_store(
+        model,
+        head,
+        info,
+        max_sequences=count,
+        batch_sequences=cfg.chain_batch,
+        block_size=shape.block_size,
+        mask_token_id=shape.mask_token_id,
+        backend="flex" if device.type == "cuda" else "sdpa",
+        chunk_tokens=cfg.chunk_tokens,
+        device=device,
+    )
     return {
         "store": cfg.store,
         "drafter": cfg.drafter,
         "sequences": count,
         **metrics,
-        **summarize_chains(chains),
+        **chained,
     }

@@ -126,6 +126,25 @@ class TrainDataConfig:
         "a sequence whose stored bytes do not decode or whose file is missing or cut: stop "
         "with an error naming its shard and array, or skip it (logged, counted in metrics)",
     )
+    follow: bool = doc(
+        False,
+        "train while `dflash extract` writes the store (--follow): epoch 0 reads the shards in "
+        "store order as they are committed, later epochs shuffle the complete store; each "
+        "epoch counts num_shards x sequences_per_shard - holdout_sequences sequences in the "
+        "schedule (stage2_train/follow.py)",
+    )
+    dev_store: str | None = doc(
+        None,
+        "a store of the target's own continuation of your online prompts (`dflash generate` "
+        "with {prompt, completion} rows, then `dflash extract`): every evaluation logs "
+        "dev_chained_tau on it, the online tau computed from the store (README)",
+    )
+    follow_poll_s: float = doc(10.0, "--follow: seconds between looks for the next shard")
+    follow_timeout_s: float = doc(
+        1800.0,
+        "--follow: stop with an error after this many seconds without a new shard while no "
+        "`dflash extract` holds the store's writer lock",
+    )
 
     def problems(self) -> list[str]:
         out = []
@@ -133,6 +152,8 @@ class TrainDataConfig:
             out.append("store is required: the folder `dflash extract` wrote (--store)")
         if self.holdout_sequences < 0 or self.num_workers < 0:
             out.append("holdout_sequences and num_workers must be >= 0")
+        if self.follow_poll_s <= 0 or self.follow_timeout_s <= 0:
+            out.append("follow_poll_s and follow_timeout_s must be > 0")
         return out
 
 

@@ -77,4 +77,6 @@ def format_line(record: dict[str, Any], total_steps: int) -> str:
             f" | eval loss {record['eval_loss']:.4f} acc {_slots(record['eval_acc'])} "
             f"tau {record['eval_tau']:.3f} (marginal {record['eval_tau_marginal']:.3f})"
         )
+    if record.get("dev_chained_tau") is not None:  # data.dev_store: the online tau, offline
+        line += f" | dev chained tau {record['dev_chained_tau']:.3f}"
     return line

@@ -35,6 +35,7 @@ FIXED_ON_RESUME = (
 )
 # Where and how the run executes; never what it computes (the store is compared by content).
 FREE_ON_RESUME = (
+    "data.dev_store",
     "run.out",
     "run.devices",
     "run.progress",

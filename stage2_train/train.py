@@ -30,12 +30,14 @@ from common.distributed import WorkerContext, finish_worker, init_worker, launch
 from common.errors import report_to_launcher
 from common.logging import get_logger, init_logger
 from common.store_files import check_store_files
+from evaluation.chained import chained_tau_on_store, open_dev_store
 from evaluation.heldout import evaluate
 from stage2_train.anchors import training_slot_weights
 from stage2_train.checkpoint import TrainState, save_checkpoint
 from stage2_train.config import TrainConfig
 from stage2_train.data import StoreSequences, count_damaged, make_loader
 from stage2_train.export import export_drafter, mask_token_string
+from stage2_train.follow import FollowHoldout, FollowPlan, check_stream_position, wait_for_store
 from stage2_train.inputs import check_inputs
 from stage2_train.metrics import MetricsWriter, format_line, memory_gb
 from stage2_train.model import DFlashDrafter
@@ -51,8 +53,11 @@ log = get_logger()
 
 def run_train(cfg: TrainConfig) -> None:
     """Check inputs, then train on every device of `run.devices` (see the module docstring)."""
+    if cfg.data.follow:  # extract may have just started: its store and first shard come later
+        wait_for_store(cfg.data)
     info, _ = check_inputs(cfg)
-    check_store_files(info)  # a deleted or cut file reads as zeros: caught before step 1
+    if info.complete:  # (--follow before completion: each sequence's files after its read)
+        check_store_files(info)  # a deleted or cut file reads as zeros: caught before step 1
     check_trackers(cfg.run.report_to)  # a missing package fails here, not in a worker
     devices = parse_devices(cfg.run.devices)
     Path(cfg.run.out).mkdir(parents=True, exist_ok=True)
@@ -75,7 +80,6 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
     out = Path(cfg.run.out)
     param_dtype, compute_dtype = run_dtypes(cfg.run.dtype)
     device = ctx.device
-    split = split_store(info, cfg.data.holdout_sequences)
     head = load_frozen_head(cfg.data.store, device, compute_dtype)
     B = cfg.drafter.block_size
     slot_w_B = training_slot_weights(B, cfg.loss.weighting, cfg.loss.gamma).to(device)
@@ -107,14 +111,15 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
 
     distill = cfg.loss.distill_weight > 0
     pin = device.type == "cuda"
-    plan = EpochPlan(
-        split.num_train,
-        ctx.world_size,
-        ctx.rank,
-        cfg.optim.batch_sequences,
-        cfg.optim.grad_accum,
-        cfg.data.seed,
-    )
+    layout = (ctx.world_size, ctx.rank, cfg.optim.batch_sequences, cfg.optim.grad_accum)
+    plan: EpochPlan | FollowPlan
+    if cfg.data.follow:  # epoch 0 streams shards as extract commits them (follow.py)
+        plan = FollowPlan(info, cfg.data, *layout)
+        holdout: HoldoutSampler | FollowHoldout = FollowHoldout(plan, device)
+    else:
+        split = split_store(info, cfg.data.holdout_sequences)
+        plan = EpochPlan(split.num_train, *layout, cfg.data.seed)
+        holdout = HoldoutSampler(split, ctx.world_size, ctx.rank, cfg.optim.batch_sequences)
     sampler = PlanSampler(plan)
     loader = make_loader(
         dataset(cfg.loss.target, distill),
@@ -124,7 +129,6 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         pin,
         on_damaged=cfg.data.on_damaged,
     )
-    holdout = HoldoutSampler(split, ctx.world_size, ctx.rank, cfg.optim.batch_sequences)
     eval_loader = make_loader(
         dataset("argmax", False), holdout, 0, cfg.data.prefetch, pin, cfg.data.on_damaged
     )
@@ -144,7 +148,8 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         scheduler=runner.scheduler,
         rank=ctx.rank,
         device=device,
-    ) or TrainState(step=0, epoch=0, step_in_epoch=0)
+    ) or TrainState(step=0, epoch=0, step_in_epoch=0, stream=cfg.data.follow)
+    check_stream_position(state, plan)
     metrics = MetricsWriter(out / "metrics.jsonl", enabled=ctx.is_main, keep_until=state.step)
     trackers = Trackers(
         cfg.run.report_to if ctx.is_main else [],
@@ -154,6 +159,25 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         config=config_dict,
         resumed_step=state.step,
     )
+
+    dev_info = open_dev_store(cfg.data.dev_store, info) if cfg.data.dev_store else None
+
+    def run_dev_eval() -> dict[str, Any]:
+        """Chained tau on data.dev_store (rank 0: the figure needs no other rank)."""
+        if dev_info is None or not ctx.is_main:
+            return {}
+        with compute_context(cfg.run.dtype, device):
+            chained = chained_tau_on_store(
+                model,
+                head,
+                dev_info,
+                block_size=B,
+                mask_token_id=shape.mask_token_id,
+                backend=backend,
+                chunk_tokens=cfg.loss.head_chunk_tokens,
+                device=device,
+            )
+        return {"dev_chained_tau": chained["chained_tau"]}
 
     def run_eval() -> dict[str, Any]:
         with compute_context(cfg.run.dtype, device):
@@ -199,10 +223,11 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         )
 
     log.info(
-        "training %s: %d sequences (%d held out), %d steps/epoch, %d steps, world %d, %s",
+        "training %s: %s%d sequences (%d held out), %d steps/epoch, %d steps, world %d, %s",
         shape,
-        split.num_train,
-        split.num_holdout,
+        "up to " if cfg.data.follow else "",
+        plan.num_train,
+        cfg.data.holdout_sequences,
         plan.steps_per_epoch,
         total_steps,
         ctx.world_size,
@@ -218,8 +243,9 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
     batches = None
     skipped_damaged = 0  # data.on_damaged=skip: sequences skipped by this run
     while state.step < total_steps:
-        if state.step_in_epoch >= plan.steps_per_epoch:
+        if plan.epoch_done(state.epoch, state.step_in_epoch):  # --follow: may wait for shards
             state.epoch, state.step_in_epoch = state.epoch + 1, 0
+            batches = None  # the epoch's iterator is exhausted
         if batches is None:
             sampler.set_position(state.epoch, state.step_in_epoch)
             batches = iter(loader)
@@ -232,15 +258,17 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         state.step += 1
         state.step_in_epoch += 1
         state.tokens_seen += record.pop("labelled_tokens")
-        if state.step_in_epoch >= plan.steps_per_epoch:
-            batches = None  # the epoch's iterator is exhausted
+        if state.stream and state.epoch == 0:
+            state.streamed_sequences = plan.streamed(state.step_in_epoch)
         record.update(step=state.step, epoch=state.epoch, mem_gb=memory_gb(device))
         record["step_s"] = round(time.perf_counter() - started, 4)
         record["tokens_per_s"] = round(record["tokens"] / record["step_s"], 1)
         last = state.step == total_steps
         due = (cfg.run.eval_every and state.step % cfg.run.eval_every == 0) or last
-        if due and split.num_holdout > 0:
+        if due and holdout.ready():  # --follow: once the held-out shards are committed
             record.update(run_eval())
+        if due:
+            record.update(run_dev_eval())
         metrics.write(record)
         trackers.log(record)
         if ctx.is_main and ("eval_tau" in record or last):

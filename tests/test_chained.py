@@ -62,8 +62,11 @@ def test_chained_offline_tau_equals_online(tiny_qwen3: Path, tmp_path: Path) -> 
     sets = [f"target.model={tiny_qwen3}", f"data.path={data}", f"store.out={store}"]
     run_extract(build_config(ExtractConfig, DEBUG, "extract", [*sets, "run.progress=false"]))
     train_sets = [f"data.store={store}", f"run.out={run}", "optim.max_steps=30"]
-    train_sets += ["data.holdout_sequences=0", "run.progress=false"]
+    train_sets += ["data.holdout_sequences=0", "run.progress=false", f"data.dev_store={store}"]
     run_train(build_config(TrainConfig, DEBUG, "train", train_sets))
+    # data.dev_store: the training log carries the chained figure at every evaluation
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["dev_chained_tau"] >= 1.0
 
     offline = run_offline_eval(OfflineEvalConfig(str(run / "export"), str(store)))
 
