@@ -244,11 +244,12 @@ def test_import_computes_the_verifier_from_the_head(extracted: Path, tmp_path: P
     assert same / total > 0.95
 
 
-def test_import_without_verifier_trains_on_the_data(extracted: Path, tmp_path: Path) -> None:
+def test_import_without_verifier_trains_on_the_data_fp8(extracted: Path, tmp_path: Path) -> None:
     flat = write_input(extracted, tmp_path / "in.h5", verifier=False, layers=[0, 1], head=True)
-    store = import_store(tmp_path / "in.h5", tmp_path / "store")
+    store = import_store(tmp_path / "in.h5", tmp_path / "store", "--hidden-dtype", "float8_e4m3fn")
     info = open_store(store)
     assert info.attrs["converted_from"]["verifier"] == "data" and info.topk == 1
+    assert info.hidden_dtype == "float8_e4m3fn"
     assert info.tapped_layers == [0, 1]
     group = shard(store, 0)
     docs = {k: group[k][...] for k in ("doc_sequence", "doc_start", "doc_length")}

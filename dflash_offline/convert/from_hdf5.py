@@ -65,6 +65,12 @@ class ImportOptions:
     hidden_dtype: str = "bfloat16"
     overwrite: bool = False
 
+    def problems(self) -> list[str]:
+        out = [f"--seq-len must be >= 16, got {self.seq_len}"] if self.seq_len < 16 else []
+        if self.sequences_per_shard < 1 or self.topk < 1:
+            out.append("--sequences-per-shard and --topk must be >= 1")
+        return out
+
 
 def _target(inp: Hdf5Input, target: str | None) -> dict[str, Any]:
     """The root attribute `target`, from the --target folder's config or the file's."""
@@ -83,7 +89,12 @@ def _target(inp: Hdf5Input, target: str | None) -> dict[str, Any]:
             "attribute target (that folder) or target_config (the target's config as JSON) "
             "with a /target_head group"
         )
-    name = target or str(inp.attrs.get("target_name", "hdf5-import"))
+    if not isinstance(layers, int):
+        raise ValueError(
+            f"{inp.path}: the target's config has no num_hidden_layers; give the full config "
+            "(save_pretrained's config.json) as target_config, or --target MODEL_FOLDER"
+        )
+    name = target or full.get("_name_or_path") or str(inp.path)
     attrs = {"name_or_path": name, "revision": None, "model_type": model_type}
     return attrs | {"num_hidden_layers": layers, "config": full}
 
@@ -137,81 +148,101 @@ def _write_head(inp: Hdf5Input, target: str | None, path: Path) -> None:
     save_target_head(AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32), path)
 
 
-def _read_head(path: Path) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
-    """(lm_head fp32 [V, D], embedding shape, norm shape) of the store's head file."""
-    with safe_open(str(path), framework="pt") as f:
-        head_VD = f.get_tensor("lm_head.weight").float()
-        embed = tuple(f.get_slice("embed_tokens.weight").get_shape())
-        norm = tuple(f.get_slice("norm.weight").get_shape())
-    return head_VD, embed, norm
-
-
 def hdf5_to_store(h5: str | Path, store: str | Path, opts: ImportOptions) -> Path:
-    """Import the HDF5 file `h5` into the store folder `store` (resumable); returns `store`."""
-    inp = open_input(h5)
-    store = Path(store)
-    try:
-        target = opts.target or inp.attrs.get("target")
-        target_attrs = _target(inp, target)
-        with writer_lock(store):
-            return _import(inp, store, opts, target, target_attrs)
-    finally:
-        inp.file.close()
-
-
-def _import(
-    inp: Hdf5Input, store: Path, opts: ImportOptions, target: str | None, tattrs: dict[str, Any]
-) -> Path:
-    log = get_logger()
+    """Import the HDF5 file `h5` into the store folder `store` (resumable); returns `store`.
+    Everything is checked before the store folder is created or touched."""
+    if problems := opts.problems():
+        raise ValueError("dflash convert: " + "; ".join(problems))
+    inp, store = open_input(h5), Path(store)
     # beside the store until prepare_store has checked or created it (it refuses a folder
     # holding anything but a store)
     head_file = store.parent / f".tmp-{store.name}-{HEAD_FILE}-{os.getpid()}"
-    _write_head(inp, target, head_file)
-    head_VD, embed, norm = _read_head(head_file)
-    V, D, K = head_VD.shape[0], inp.hidden_size, len(inp.tapped_layers)
-    layers = tattrs["num_hidden_layers"]
+    try:
+        target = opts.target or inp.attrs.get("target")
+        tattrs = _target(inp, target)
+        store.parent.mkdir(parents=True, exist_ok=True)
+        _write_head(inp, target, head_file)
+        head_VD = _check_head(inp, head_file, tattrs["num_hidden_layers"])
+        layers, V = tattrs["num_hidden_layers"], head_VD.shape[0]
+        last = inp.tapped_layers.index(layers - 1) if layers - 1 in inp.tapped_layers else -1
+        verifier = "input" if inp.verifier else "head" if last >= 0 else "data"
+        topk = inp.topk if verifier == "input" else min(opts.topk, V) if verifier == "head" else 1
+        if verifier == "data":
+            get_logger().warning(
+                "%s has no verifier outputs and does not tap the target's last layer (%d): "
+                "target_argmax is the data's next token (what loss.target=data trains on), "
+                "top-k a one-hot of it; add /target_argmax, /topk_ids, /topk_logits, "
+                "/logsumexp, or tap layer %d, to store the target's own predictions",
+                inp.path,
+                layers - 1,
+                layers - 1,
+            )
+        tok = _tokenizer(inp, target, V)
+        plan = plan_packing(inp.lengths, opts.seq_len, opts.overlong, opts.packing)
+        cfg = _extract_config(inp, store, opts, target, topk)
+        attrs = _root_attrs(inp, cfg, tattrs, tok, V, num_shards(plan, opts.sequences_per_shard))
+        attrs["converted_from"]["verifier"] = verifier
+        attrs["content_key"] = content_key(_key(inp, opts, tattrs, verifier))
+        fill = ShardFiller(
+            inp, plan, opts.sequences_per_shard, tok, verifier, topk, last, head_VD, opts.overlong
+        )
+        with writer_lock(store):
+            done = set(prepare_store(store, attrs, opts.overwrite))
+            os.replace(head_file, store / HEAD_FILE)
+            _write_shards(store, cfg, fill, attrs["num_shards"], done)
+            final = finalize_store(store, attrs, len(inp.lengths), {})
+    finally:
+        head_file.unlink(missing_ok=True)
+        inp.file.close()
+    get_logger().info("store %s complete: %s (verifier: %s)", store, final["counts"], verifier)
+    return store
+
+
+def _check_head(inp: Hdf5Input, head_file: Path, layers: int) -> torch.Tensor:
+    """The LM head (fp32 [V, D]) once the head's shapes and the tapped layers fit /hidden."""
+    with safe_open(str(head_file), framework="pt") as f:
+        head_VD = f.get_tensor("lm_head.weight").float()
+        embed = tuple(f.get_slice("embed_tokens.weight").get_shape())
+        norm = tuple(f.get_slice("norm.weight").get_shape())
+    D = inp.hidden_size
     if (head_VD.shape[1], embed[1], norm) != (D, D, (D,)):
         raise ValueError(
             f"{inp.path}: /hidden rows have D={D} values, but the target head holds embedding "
             f"{list(embed)}, norm {list(norm)}, lm_head {list(head_VD.shape)}; give the head "
             "of the target the hidden states came from"
         )
-    if bad := [i for i in inp.tapped_layers if layers is not None and not 0 <= i < layers]:
+    if bad := [i for i in inp.tapped_layers if not 0 <= i < layers]:
         raise ValueError(
-            f"{inp.path}: /hidden tapped_layers {bad} are not layers of a {layers}-layer target"
+            f"{inp.path}: /hidden tapped_layers {bad} are not layers of the {layers}-layer "
+            "target; give the ids of the decoder layers the hidden states came from"
         )
-    last = inp.tapped_layers.index(layers - 1) if layers and layers - 1 in inp.tapped_layers else -1
-    verifier = "input" if inp.verifier else "head" if last >= 0 else "data"
-    topk = inp.topk if verifier == "input" else min(opts.topk, V) if verifier == "head" else 1
-    if verifier == "data":
-        log.warning(
-            "%s has no verifier outputs and its last tapped layer is not the target's last "
-            "(%s): target_argmax is the data's next token (what loss.target=data trains on), "
-            "top-k a one-hot of it; add /target_argmax, /topk_ids, /topk_logits, /logsumexp "
-            "or tap layer %s to store the target's own predictions",
-            inp.path,
-            layers,
-            None if layers is None else layers - 1,
-        )
-    tok = _tokenizer(inp, target, V)
-    plan = plan_packing(inp.lengths, opts.seq_len, opts.overlong, opts.packing)
-    shards = num_shards(plan, opts.sequences_per_shard)
+    return head_VD
+
+
+def _extract_config(
+    inp: Hdf5Input, store: Path, opts: ImportOptions, target: str | None, topk: int
+) -> ExtractConfig:
+    """The extract settings that would describe the store (its `extract_config` attribute)."""
     cfg = ExtractConfig()
-    cfg.target.model, cfg.target.tapped_layers, cfg.data.path = (
-        target or "",
-        inp.tapped_layers,
-        str(inp.path),
-    )
-    cfg.packing.seq_len, cfg.packing.overlong, cfg.packing.strategy = (
-        opts.seq_len,
-        opts.overlong,
-        opts.packing,
-    )
-    cfg.verifier.topk, cfg.store.out, cfg.store.hidden_dtype = topk, str(store), opts.hidden_dtype
+    cfg.target.model, cfg.target.tapped_layers = target or "", inp.tapped_layers
+    cfg.data.path, cfg.verifier.topk = str(inp.path), topk
+    cfg.packing.seq_len, cfg.packing.overlong = opts.seq_len, opts.overlong
+    cfg.packing.strategy = opts.packing
+    cfg.store.out, cfg.store.hidden_dtype = str(store), opts.hidden_dtype
     cfg.store.sequences_per_shard = opts.sequences_per_shard
-    stat = inp.path.stat()
-    source = {"hdf5": _canonical_path(str(inp.path)), "verifier": verifier}
-    attrs: dict[str, Any] = {
+    return cfg
+
+
+def _root_attrs(
+    inp: Hdf5Input,
+    cfg: ExtractConfig,
+    tattrs: dict[str, Any],
+    tok: dict[str, Any],
+    vocab: int,
+    shards: int,
+) -> dict[str, Any]:
+    """FORMAT.md's root attributes of the imported store (without its content key)."""
+    return {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "complete": False,
@@ -219,38 +250,50 @@ def _import(
         "target": tattrs,
         "tokenizer": tok,
         "tapped_layers": inp.tapped_layers,
-        "hidden_size": D,
-        "vocab_size": V,
-        "seq_len": opts.seq_len,
-        "topk": topk,
+        "hidden_size": inp.hidden_size,
+        "vocab_size": vocab,
+        "seq_len": cfg.packing.seq_len,
+        "topk": cfg.verifier.topk,
         "full_logits": False,
-        "hidden_dtype": opts.hidden_dtype,
-        "sequences_per_shard": opts.sequences_per_shard,
+        "hidden_dtype": cfg.store.hidden_dtype,
+        "sequences_per_shard": cfg.store.sequences_per_shard,
         "num_shards": shards,
-        "dataset": {"path": str(inp.path), "split": None, "name": None, "format": "hdf5"},
+        "dataset": {
+            "path": str(inp.path),
+            "split": None,
+            "name": None,
+            "format": "hdf5",
+            "num_rows": len(inp.lengths),
+        },
         "extract_config": to_dict(cfg),
-        "converted_from": source,
+        "converted_from": {"hdf5": _canonical_path(str(inp.path))},
     }
-    attrs["dataset"]["num_rows"] = len(inp.lengths)
-    # the file's size and time stand for its contents: a rewritten file is not resumed into
-    key = {**source, "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "target": tattrs}
-    key |= {k: v for k, v in vars(opts).items() if k not in ("overwrite", "target")}
-    attrs["content_key"] = content_key(key)
-    done = set(prepare_store(store, attrs, opts.overwrite))
-    os.replace(head_file, store / HEAD_FILE)
-    fp8 = opts.hidden_dtype == "float8_e4m3fn"
-    shape = BufferShape(opts.sequences_per_shard * opts.seq_len, K, D, topk, None, fp8)
-    buffers = ShardBuffers.allocate(shape, pin=False)
-    layout = ShardLayout(opts.seq_len, cfg.store.chunk_tokens, cfg.store.compression_level)
-    fill = ShardFiller(
-        inp, plan, opts.sequences_per_shard, tok, verifier, topk, last, head_VD, opts.overlong
-    )
+
+
+def _key(
+    inp: Hdf5Input, opts: ImportOptions, tattrs: dict[str, Any], verifier: str
+) -> dict[str, Any]:
+    """What decides the store's content. The file's size and modification time stand for its
+    contents (hashing every hidden state would cost a read of the file): a rewritten file is
+    not resumed into."""
+    stat = inp.path.stat()
+    key = {"hdf5": _canonical_path(str(inp.path)), "bytes": stat.st_size}
+    key |= {"mtime_ns": stat.st_mtime_ns, "target": tattrs, "verifier": verifier}
+    return key | {k: v for k, v in vars(opts).items() if k not in ("overwrite", "target")}
+
+
+def _write_shards(
+    store: Path, cfg: ExtractConfig, fill: ShardFiller, shards: int, done: set[int]
+) -> None:
+    """Every shard not yet committed, one at a time through one reused set of buffers."""
+    K, D = len(cfg.target.tapped_layers or []), fill.inp.hidden_size
+    fp8 = cfg.store.hidden_dtype == "float8_e4m3fn"
+    slots = cfg.store.sequences_per_shard * cfg.packing.seq_len
+    buffers = ShardBuffers.allocate(BufferShape(slots, K, D, cfg.verifier.topk, None, fp8), False)
+    layout = ShardLayout(cfg.packing.seq_len, cfg.store.chunk_tokens, cfg.store.compression_level)
     try:
         for index in tqdm(range(shards), desc="import", unit="shard", disable=None):
             if index not in done:
                 write_shard(store, fill.shard(index, buffers), buffers, layout)
     finally:
         buffers.release()
-    final = finalize_store(store, attrs, len(inp.lengths), {})
-    log.info("store %s complete: %s (verifier: %s)", store, final["counts"], verifier)
-    return store
