@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from shapes import QWEN3_8B  # bench/ is on sys.path: scripts run as bench/x.py
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from common.tiny import tiny_config
@@ -35,20 +36,6 @@ from stage1_extract.config import TargetConfig
 from stage1_extract.target import resolve_tapped_layers
 from stage2_train.config import DrafterConfig
 from stage2_train.model import DFlashDrafter, drafter_shape
-
-QWEN3_8B = dict(
-    vocab_size=151936,
-    hidden_size=4096,
-    intermediate_size=12288,
-    num_hidden_layers=36,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=40960,
-    rope_theta=1e6,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
 
 
 def emit(record: dict[str, Any]) -> None:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from shapes import QWEN3_8B  # bench/ is on sys.path: scripts run as bench/x.py
 
 from common.config import build_config
 from common.logging import init_logger
@@ -37,20 +38,6 @@ from stage1_extract.job import _batches, plan_job, tapped_target
 from stage1_extract.packing import shard_pieces
 from stage1_extract.run import run_extract
 from stage1_extract.target import load_target
-
-QWEN3_8B = dict(
-    vocab_size=151936,
-    hidden_size=4096,
-    intermediate_size=12288,
-    num_hidden_layers=36,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=40960,
-    rope_theta=1e6,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
 
 
 def disk_ceiling(folder: Path, total_bytes: int = 4 << 30, block: int = 64 << 20) -> dict:

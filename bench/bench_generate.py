@@ -18,22 +18,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from shapes import QWEN3_8B  # bench/ is on sys.path: scripts run as bench/x.py
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from stage1_generate.config import SamplingConfig
 from stage1_generate.local_backend import LocalBackend
 
 SHAPES = {
-    # Qwen3-8B: 36 layers, hidden 4096, 32 query / 8 KV heads of 128, FFN 12288
-    "qwen3-8b": dict(
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=151936,
-    ),
+    "qwen3-8b": QWEN3_8B,
     "tiny": dict(
         hidden_size=64,
         intermediate_size=128,
@@ -59,7 +51,7 @@ def main() -> None:
     shape = "tiny" if args.tiny else args.shape
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    config = Qwen3Config(**SHAPES[shape], max_position_embeddings=8192, pad_token_id=0)
+    config = Qwen3Config(**{**SHAPES[shape], "max_position_embeddings": 8192}, pad_token_id=0)
     torch.manual_seed(0)
     with device:  # initialised where it runs: an 8B model never passes through host memory
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()

@@ -19,7 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
-def _fsync_path(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush a file's or a folder's entry to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -31,10 +32,10 @@ def commit_folder(tmp: Path, final: Path) -> None:
     """fsync every file and folder under `tmp`, rename it to `final`, fsync the parent."""
     for path in sorted(tmp.rglob("*")):
         if path.is_file() or path.is_dir():
-            _fsync_path(path)
-    _fsync_path(tmp)
+            fsync_path(path)
+    fsync_path(tmp)
     os.rename(tmp, final)
-    _fsync_path(final.parent)
+    fsync_path(final.parent)
 
 
 # A disk full, a quota or a file-size limit: the write cannot succeed until the user acts.

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from common.durable import fsync_path
 from common.generated import META_DIR, manifest_path, read_manifest
 from common.locks import exclusive_lock
 
@@ -34,14 +35,6 @@ def content_key(parts: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
     with open(tmp, "wb") as f:
@@ -49,7 +42,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def _differences(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:

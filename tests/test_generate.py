@@ -330,3 +330,22 @@ def test_chat_template_kwargs_reach_generate_and_extract(tiny_qwen3: Path, tmp_p
             [t for t, m in zip(doc["input_ids"], doc["loss_mask"], strict=True) if m]
         )
         assert loss_text.strip().startswith("A number with") and "[quiet]" not in loss_text
+
+
+def test_bench_generate_runs_tiny(tmp_path: Path) -> None:
+    """The device benchmark's code path, checked on the CPU (no timing asserted)."""
+    import subprocess
+    import sys
+
+    bench = Path(__file__).parents[1] / "bench" / "bench_generate.py"
+    args = ["--tiny", "--prompts", "4", "--prompt-tokens", "16", "--new-tokens", "3"]
+    done = subprocess.run(
+        [sys.executable, str(bench), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OUT": str(tmp_path)},
+        check=True,
+    )
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["new_tokens"] == 4 * 3  # random weights never stop early
+    assert json.loads((tmp_path / "generate-bench.json").read_text()) == result

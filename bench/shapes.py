@@ -1,0 +1,16 @@
+"""Model shapes the benchmarks build with random weights (no download)."""
+
+# Qwen3-8B: 36 layers, hidden 4096, 32 query / 8 KV heads of 128, FFN 12288, vocab 151,936
+QWEN3_8B = dict(
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
