@@ -199,6 +199,12 @@ def extract(
     help="on a resume, apply settings that differ from the checkpoint's (lr, schedule, steps, "
     "loss) instead of refusing (run.allow_config_change)",
 )
+@click.option(
+    "--follow",
+    is_flag=True,
+    help="train while `dflash extract` still writes the store: the first epoch reads shards as "
+    "they are committed, waiting when it catches up (data.follow)",
+)
 @click.option("--help-config", is_flag=True, help="list every config field and exit")
 @cli_errors
 def train(
@@ -208,6 +214,7 @@ def train(
     out: str | None,
     devices: str | None,
     allow_config_change: bool,
+    follow: bool,
     help_config: bool,
 ) -> None:
     """Train the DFlash drafter from a store; resumes from the newest checkpoint in --out."""
@@ -220,6 +227,8 @@ def train(
     extra = [f"{k}={v}" for k, v in flags.items() if v is not None]
     if allow_config_change:
         extra.append("run.allow_config_change=true")
+    if follow:
+        extra.append("data.follow=true")
     init_logger()
     quiet_launcher_logs()
     cfg = build_config(TrainConfig, config_path, "train", [*overrides, *extra])

@@ -87,6 +87,11 @@ class TrainState:
     epoch: int  # epoch of the next step
     step_in_epoch: int  # optimizer steps of `epoch` already done
     tokens_seen: int = 0  # query tokens with a label, summed over ranks
+    # --follow (stage2_train/follow.py): epoch 0 streams the store in shard order; a resume
+    # keeps that order. Its data position is step_in_epoch, as in shuffled epochs;
+    # streamed_sequences says what it consumed: sequences [0, n) of the store, all ranks.
+    stream: bool = False
+    streamed_sequences: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return dict(self.__dict__)

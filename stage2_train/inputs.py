@@ -97,8 +97,10 @@ def check_inputs(cfg: TrainConfig) -> tuple[StoreInfo, DrafterShape]:
     out = Path(cfg.run.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; pass a folder for the run (new or existing)")
-    info = open_store(cfg.data.store, require_complete=True)
-    split_store(info, cfg.data.holdout_sequences)
+    # --follow trains while extraction writes the store: its split comes later (follow.py)
+    info = open_store(cfg.data.store, require_complete=not cfg.data.follow)
+    if info.complete:
+        split_store(info, cfg.data.holdout_sequences)
     embed_VD, (head_rows, head_dim) = _read_head(info.path / HEAD_FILE)
     embed_rows, embed_dim = embed_VD.shape
     problems = []

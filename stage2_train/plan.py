@@ -10,16 +10,23 @@ is filled with *padding items*, copies of the epoch's first sequences whose loss
 zero. Every sequence is seen exactly once per epoch, every rank runs the same number of steps,
 and padding changes no loss and no gradient because the trainer normalises by the global sum
 of weights (all-reduced), never by item counts. Held-out sequences are spread the same way.
+
+`dflash train --follow` streams its first epoch in store order instead (stage2_train/follow.py),
+with the same layout of positions over ranks and micro-batches.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from common.store import StoreError, StoreInfo
+
+if TYPE_CHECKING:  # follow.py builds on this module
+    from stage2_train.follow import FollowPlan
 
 # Key of one item: (global sequence index, epoch, is padding).
 ItemKey = tuple[int, int, bool]
@@ -71,6 +78,10 @@ class EpochPlan:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(self.num_train, generator=gen)
 
+    def epoch_done(self, epoch: int, steps_done: int) -> bool:
+        """Whether `epoch` has no step past `steps_done` (every epoch has the same length)."""
+        return steps_done >= self.steps_per_epoch
+
     def micro_batches(self, epoch: int, start_step: int = 0) -> Iterator[list[ItemKey]]:
         """This rank's micro-batches of `epoch`, from optimizer step `start_step` on."""
         order = self.order(epoch).tolist()
@@ -87,9 +98,11 @@ class EpochPlan:
 
 
 class PlanSampler(torch.utils.data.Sampler[list[ItemKey]]):
-    """A batch sampler whose epoch and start step are set before each `iter(loader)`."""
+    """A batch sampler whose epoch and start step are set before each `iter(loader)`; `plan`
+    is an EpochPlan or a FollowPlan (stage2_train/follow.py, whose streamed epoch's length is
+    known only at its end: `__len__` is then the schedule's bound)."""
 
-    def __init__(self, plan: EpochPlan) -> None:
+    def __init__(self, plan: EpochPlan | FollowPlan) -> None:
         self.plan = plan
         self.epoch, self.start_step = 0, 0
 
@@ -119,6 +132,10 @@ class HoldoutSampler(torch.utils.data.Sampler[list[ItemKey]]):
                     for p in range(base, base + batch)
                 ]
             )
+
+    def ready(self) -> bool:
+        """Whether there is anything to evaluate."""
+        return bool(self.batches)
 
     def __iter__(self) -> Iterator[list[ItemKey]]:
         return iter(self.batches)
