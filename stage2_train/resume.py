@@ -53,6 +53,8 @@ FREE_ON_RESUME = (
     "data.store",
     "data.num_workers",
     "data.prefetch",
+    "data.follow_poll_s",  # --follow: how often and how long to wait for extraction
+    "data.follow_timeout_s",
     "loss.head_chunk_tokens",
 )
 

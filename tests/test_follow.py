@@ -11,15 +11,18 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from store_factory import FactorySpec, build_store
 from test_extract import DEBUG, SMALL, write_data
 
 import stage2_train.follow as follow
 from common.store import StoreError, committed_shards, open_store, shard_name, shards_dir
+from dflash_offline.cli import main as cli
 from stage1_extract.store_root import LOCK_FILE
 from stage2_train.checkpoint import TrainState
 from stage2_train.config import TrainDataConfig
@@ -238,3 +241,42 @@ def test_follow_beside_extract_killed_and_resumed(tiny_qwen3, tmp_path):
 def _timing(row: dict) -> dict:
     """The wall-clock fields of a metrics row (they differ between the two runs)."""
     return {k: row[k] for k in ("compute_s", "step_s", "tokens_per_s", "mem_gb") if k in row}
+
+
+def test_two_gloo_processes_share_the_streamed_epoch(tmp_path):
+    """Two ranks on a store still being extracted (root incomplete, its last shards committed
+    once the run has checkpointed step 2): together they read every sequence once, and the
+    held-out evaluation (collective) runs on both once its shards are there."""
+    store = build_store(tmp_path / "store", FactorySpec(num_sequences=13, sequences_per_shard=3))
+    meta = store / "zarr.json"
+    doc = json.loads(meta.read_text())
+    doc["attributes"]["dflash"]["complete"] = False
+    del doc["attributes"]["dflash"]["counts"]
+    meta.write_text(json.dumps(doc))
+    aside, out = tmp_path / "aside", tmp_path / "run"
+    aside.mkdir()
+    for index in (3, 4):
+        (shards_dir(store) / shard_name(index)).rename(aside / shard_name(index))
+
+    def commit_later() -> None:
+        deadline = time.monotonic() + 300  # a safety net only
+        while not (out / "step-000002").is_dir() and time.monotonic() < deadline:
+            REAL_SLEEP(0.05)
+        for index in (3, 4):
+            (aside / shard_name(index)).rename(shards_dir(store) / shard_name(index))
+
+    committer = threading.Thread(target=commit_later)
+    committer.start()
+    sets = ["optim.epochs=1", "run.progress=false", "data.holdout_sequences=2"]
+    sets += ["data.follow_poll_s=0.05", "run.eval_every=2", "run.checkpoint_every=1"]
+    args = ["train", "--config", str(DEBUG), "--store", str(store), "--out", str(out)]
+    args += ["--devices", "cpu,cpu", "--follow", *[a for s in sets for a in ("--set", s)]]
+    result = CliRunner().invoke(cli, args)
+    committer.join()
+    assert result.exit_code == 0, result.output
+    rows = _metrics(out)
+    streamed = [r["seqs"] for r in rows if r["epoch"] == 0]
+    rank0 = [i for step in streamed for i in step[0]]
+    rank1 = [i for step in streamed for i in step[1]]
+    assert rank0 == [0, 2, 4, 6, 8, 10] and rank1 == [1, 3, 5, 7, 9, -1]  # -1: padding
+    assert "eval_tau" in rows[-1]
