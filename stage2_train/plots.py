@@ -7,7 +7,8 @@
   per evaluation (at most eight, evenly spread, always the newest);
 - `acceptance.png`: left, held-out P(>= k drafted tokens accepted) by draft position k (from
   `eval_acc_cond`; its sum + 1 is tau), with the newest evaluation's curve under independent
-  slot errors dashed; right, tau and its independent-slot estimate over steps.
+  slot errors dashed; right, tau and its independent-slot estimate over steps (and
+  `dev_chained_tau` when `data.dev_store` is set).
 
 Drawn on bare matplotlib Figures (no pyplot: no display, no global backend switched) and
 written through a temporary file, so a reader never sees half a PNG. Training calls
@@ -49,7 +50,7 @@ def plot_run(run: str | Path) -> list[Path]:
     if evals:
         shown = _spread(evals)
         written.append(_save(_slot_figure(shown), folder / "slot_accuracy.png"))
-        written.append(_save(_acceptance_figure(shown, evals), folder / "acceptance.png"))
+        written.append(_save(_acceptance_figure(shown, evals, records), folder / "acceptance.png"))
     return written
 
 
@@ -126,7 +127,9 @@ def _slot_figure(shown: list[dict[str, Any]]) -> Any:
     return fig
 
 
-def _acceptance_figure(shown: list[dict[str, Any]], evals: list[dict[str, Any]]) -> Any:
+def _acceptance_figure(
+    shown: list[dict[str, Any]], evals: list[dict[str, Any]], records: list[dict[str, Any]]
+) -> Any:
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(11, 4.2))
@@ -155,6 +158,14 @@ def _acceptance_figure(shown: list[dict[str, Any]], evals: list[dict[str, Any]])
     over_steps.plot(
         steps, [r["eval_tau_marginal"] for r in evals], "--", label="tau, slots independent"
     )
+    dev = [r for r in records if "dev_chained_tau" in r]
+    if dev:  # data.dev_store: the online tau computed from a store of the target's continuations
+        over_steps.plot(
+            [r["step"] for r in dev],
+            [r["dev_chained_tau"] for r in dev],
+            "s-",
+            label="dev chained tau",
+        )
     over_steps.set(xlabel="step", ylabel="accepted tokens per block + 1", title="Held-out tau")
     for ax in (by_position, over_steps):
         ax.grid(alpha=0.3)

@@ -48,6 +48,8 @@ def flat_scalars(record: dict[str, Any]) -> dict[str, float]:
         if key in _SKIPPED or isinstance(value, bool):
             continue
         group, name = ("eval", key[5:]) if key.startswith("eval_") else ("train", key)
+        if key.startswith("dev_"):  # data.dev_store's figures come with the evaluations
+            group = "eval"
         if isinstance(value, (int, float)):
             scalars[f"{group}/{name}"] = float(value)
         elif isinstance(value, list) and all(isinstance(v, (int, float)) for v in value):
