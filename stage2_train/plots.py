@@ -110,6 +110,7 @@ def _loss_figure(records: list[dict[str, Any]], evals: list[dict[str, Any]]) -> 
 
 def _slot_figure(shown: list[dict[str, Any]]) -> Any:
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(7, 4.2))
     ax = fig.subplots()
@@ -122,6 +123,7 @@ def _slot_figure(shown: list[dict[str, Any]]) -> Any:
         ylim=(0, 1.02),
         title="Per-slot accuracy",
     )
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     return fig
@@ -131,6 +133,7 @@ def _acceptance_figure(
     shown: list[dict[str, Any]], evals: list[dict[str, Any]], records: list[dict[str, Any]]
 ) -> Any:
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(11, 4.2))
     by_position, over_steps = fig.subplots(1, 2)
@@ -153,6 +156,7 @@ def _acceptance_figure(
         ylim=(0, 1.02),
         title="Held-out acceptance by draft position",
     )
+    by_position.xaxis.set_major_locator(MaxNLocator(integer=True))
     steps = [r["step"] for r in evals]
     over_steps.plot(steps, [r["eval_tau"] for r in evals], "o-", label="tau")
     over_steps.plot(
