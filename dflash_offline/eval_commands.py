@@ -1,0 +1,75 @@
+"""`dflash evaluate` (online acceptance vs prompt lookup) and `dflash evaluate-offline`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from common.errors import cli_errors
+from common.logging import init_logger
+from dflash_offline.options import echo_json
+
+
+@click.command()
+@click.option("--target", required=True, help="target model folder or hub id")
+@click.option(
+    "--data",
+    required=True,
+    help="JSON/JSONL(.gz) of `text` documents (first tokens) or `messages` conversations (up to the last assistant turn)",
+)
+@click.option("--drafter", default=None, help="exported drafter folder (RUN/export)")
+@click.option("--num-prompts", default=12, show_default=True, type=int)
+@click.option("--prompt-tokens", default=256, show_default=True, type=int)
+@click.option("--new-tokens", default=128, show_default=True, type=int)
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda:N")
+@click.option(
+    "--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"])
+)
+@click.option("--json-out", default=None, help="also write the figures to this JSON file")
+@click.option(
+    "--plot",
+    default=None,
+    help="PNG of acceptance by draft position [default: beside --json-out, X.json -> X.png]",
+)
+@cli_errors
+def evaluate(json_out: str | None, plot: str | None, **kwargs: Any) -> None:
+    """Online acceptance length (tau) of a drafter vs prompt lookup, greedy verification:
+    tau, acceptance by draft position and the histogram of accepted tokens per forward."""
+
+    from evaluation.online import EvaluateConfig, run_evaluate
+
+    if plot is None and json_out:
+        plot = str(Path(json_out).with_suffix(".png"))
+    init_logger()
+    results = run_evaluate(EvaluateConfig(plot=plot, **kwargs))
+    echo_json(results, json_out)
+
+
+@click.command("evaluate-offline")
+@click.option("--drafter", required=True, help="exported drafter folder (RUN/export)")
+@click.option("--store", required=True, help="a store of the same target and tapped layers")
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda:N")
+@click.option("--num-anchors", default=512, show_default=True, type=int, help="per sequence")
+@click.option("--max-sequences", default=None, type=int, help="only the first N sequences")
+@click.option(
+    "--dtype",
+    default="float32",
+    show_default=True,
+    type=click.Choice(["float32", "bfloat16"]),
+    help="the drafter's compute dtype (as `dflash evaluate` runs it)",
+)
+@click.option("--json-out", default=None, help="also write the figures to this JSON file")
+@cli_errors
+def evaluate_offline(json_out: str | None, **kwargs: Any) -> None:
+    """Offline acceptance estimate (per-slot accuracy vs the stored target argmax, implied
+    tau) of an exported drafter over every sequence of a store, with random anchors, and
+    `chained_tau`: anchors chained as online decoding chains them. On a store of the target's
+    own continuation of the online prompts (`dflash generate` then `dflash extract`),
+    chained_tau is the online tau computed from the store."""
+    from evaluation.offline import OfflineEvalConfig, run_offline_eval
+
+    init_logger()
+    results = run_offline_eval(OfflineEvalConfig(**kwargs))
+    echo_json(results, json_out)

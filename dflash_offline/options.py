@@ -1,0 +1,46 @@
+"""Shared pieces of the `dflash` commands: the config options, one-line errors, JSON output."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+
+def config_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    fn = click.option(
+        "--set",
+        "overrides",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="override any config field, e.g. --set packing.seq_len=4096 (repeatable; "
+        "values are YAML). --help-config lists every field.",
+    )(fn)
+    fn = click.option(
+        "--config",
+        "config_path",
+        type=click.Path(dir_okay=False),
+        default=None,
+        help="YAML config file (see configs/); its section for this command is used",
+    )(fn)
+    return fn
+
+
+def fail(err: Exception) -> None:
+    """The one-line error of a ValueError (cli_errors, on every command, does the same for
+    every exception; this remains for commands that catch their own)."""
+    click.echo(f"error: {err}", err=True)
+    sys.exit(2)
+
+
+def echo_json(results: dict[str, Any], json_out: str | None) -> None:
+    """Print the figures as JSON and, when asked, write them to `json_out` too."""
+    import json
+
+    text = json.dumps(results, indent=2)
+    click.echo(text)
+    if json_out:
+        with open(json_out, "w") as f:
+            f.write(text)
