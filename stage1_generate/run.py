@@ -20,15 +20,13 @@ import tempfile
 import time
 from collections import Counter
 from contextlib import ExitStack
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import datasets
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from common.config import to_dict
 from common.distributed import (
     WorkerContext,
     barrier,
@@ -38,16 +36,13 @@ from common.distributed import (
     parse_devices,
     under_torchrun,
 )
-from common.generated import FORMAT, VERSION, read_manifest
+from common.generated import read_manifest
 from common.logging import get_logger, init_logger
-from stage1_extract.data import detect_format, load_raw_dataset
-from stage1_extract.fingerprints import weights_fingerprint
-from stage1_extract.store_root import _canonical_path
 from stage1_generate.config import GenerateConfig
+from stage1_generate.inputs import build_manifest, check_inputs, load_tokenizer
 from stage1_generate.output import (
     check_output_folder,
     chunk_stats,
-    content_key,
     done_chunks,
     finalize_output,
     output_lock,
@@ -64,75 +59,6 @@ from stage1_generate.rows import (
 
 # a rank that finished its chunks waits at the final barrier for the slowest one
 BARRIER_TIMEOUT = timedelta(hours=48)
-
-
-def load_tokenizer(cfg: GenerateConfig) -> PreTrainedTokenizerBase:
-    from stage1_extract.job import load_tokenizer as load_extract_tokenizer
-
-    return load_extract_tokenizer(_as_extract_config(cfg))
-
-
-def _as_extract_config(cfg: GenerateConfig) -> Any:
-    from stage1_extract.config import ExtractConfig
-
-    return ExtractConfig(target=cfg.target.as_target_config(), data=cfg.data)
-
-
-def _check_inputs(
-    cfg: GenerateConfig, tokenizer: PreTrainedTokenizerBase
-) -> tuple[datasets.Dataset, str, str]:
-    """The raw rows, their format and column; ValueError for what cannot be generated."""
-    raw = load_raw_dataset(cfg.data)
-    fmt, column = detect_format(cfg.data, raw.features)
-    if fmt in ("messages", "sharegpt") and not tokenizer.chat_template:
-        name = tokenizer.name_or_path or type(tokenizer).__name__
-        raise ValueError(
-            f"tokenizer {name} has no chat_template, but data {cfg.data.path} holds "
-            f"conversations ({column!r}): the target's replies are rendered by its own "
-            "template; use a tokenizer that has one (--set target.tokenizer=...) or give "
-            "plain text (--set data.format=text)"
-        )
-    if len(raw) == 0:
-        raise ValueError(f"data {cfg.data.path} has no rows")
-    return raw, fmt, column
-
-
-def build_manifest(cfg: GenerateConfig, raw: datasets.Dataset, fmt: str) -> dict[str, Any]:
-    """Provenance and the settings that decide the rows (hashed into `key`)."""
-    config = to_dict(cfg)
-    # a chunk finished under on_invalid=error holds the same rows it would under skip
-    data = {k: v for k, v in config["data"].items() if k not in ("num_proc", "on_invalid")}
-    data["path"] = _canonical_path(data["path"])
-    backend = cfg.run.backend
-    content = {
-        "target": {
-            "model": _canonical_path(cfg.target.model),
-            "revision": cfg.target.revision,
-            "tokenizer": cfg.target.tokenizer,
-            "dtype": cfg.target.dtype if backend == "local" else None,
-            "weights_sha256": weights_fingerprint(cfg.target.model),
-        },
-        "backend": backend,
-        "served_model": cfg.endpoint.model or cfg.target.model if backend == "openai" else None,
-        "data": data,
-        "data_fingerprint": raw._fingerprint,
-        "format": fmt,
-        "sampling": config["sampling"],
-        "text": config["text"] if fmt == "text" else None,
-        "rows_per_chunk": cfg.output.rows_per_chunk,
-    }
-    return {
-        "format": FORMAT,
-        "version": VERSION,
-        "key": content_key(content),
-        "content": content,
-        "target": content["target"],
-        "source": {"path": cfg.data.path, "format": fmt, "num_rows": len(raw)},
-        "backend": {"kind": backend, "endpoint": cfg.endpoint.url if backend == "openai" else None},
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "num_chunks": -(-len(raw) // cfg.output.rows_per_chunk),
-        "complete": False,
-    }
 
 
 def _make_backend(
@@ -159,7 +85,7 @@ def _generate_chunks(cfg: GenerateConfig, ctx: WorkerContext, devices: list[str]
     log = get_logger()
     out = Path(cfg.output.out).expanduser()
     tokenizer = load_tokenizer(cfg)
-    raw, fmt, column = _check_inputs(cfg, tokenizer)
+    raw, fmt, column = check_inputs(cfg, tokenizer)
     per_chunk = cfg.output.rows_per_chunk
     num_chunks = -(-len(raw) // per_chunk)
     done = done_chunks(out)
@@ -259,7 +185,7 @@ def summarize(out: Path, num_chunks: int) -> dict[str, Any]:
 
 def _prepare(cfg: GenerateConfig) -> None:
     tokenizer = load_tokenizer(cfg)
-    raw, fmt, _ = _check_inputs(cfg, tokenizer)
+    raw, fmt, _ = check_inputs(cfg, tokenizer)
     manifest = build_manifest(cfg, raw, fmt)
     prepare_output(Path(cfg.output.out).expanduser(), manifest, cfg.output.overwrite)
 

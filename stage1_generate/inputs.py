@@ -1,0 +1,88 @@
+"""What `dflash generate` reads and records before it generates: the tokenizer, the source
+rows (checked), and the manifest of provenance whose `content` decides whether a rerun resumes.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+import datasets
+from transformers import PreTrainedTokenizerBase
+
+from common.config import to_dict
+from common.generated import FORMAT, VERSION
+from stage1_extract.data import detect_format, load_raw_dataset
+from stage1_extract.fingerprints import weights_fingerprint
+from stage1_extract.store_root import _canonical_path
+from stage1_generate.config import GenerateConfig
+from stage1_generate.output import content_key
+
+
+def load_tokenizer(cfg: GenerateConfig) -> PreTrainedTokenizerBase:
+    from stage1_extract.job import load_tokenizer as load_extract_tokenizer
+
+    return load_extract_tokenizer(_as_extract_config(cfg))
+
+
+def _as_extract_config(cfg: GenerateConfig) -> Any:
+    from stage1_extract.config import ExtractConfig
+
+    return ExtractConfig(target=cfg.target.as_target_config(), data=cfg.data)
+
+
+def check_inputs(
+    cfg: GenerateConfig, tokenizer: PreTrainedTokenizerBase
+) -> tuple[datasets.Dataset, str, str]:
+    """The raw rows, their format and column; ValueError for what cannot be generated."""
+    raw = load_raw_dataset(cfg.data)
+    fmt, column = detect_format(cfg.data, raw.features)
+    if fmt in ("messages", "sharegpt") and not tokenizer.chat_template:
+        name = tokenizer.name_or_path or type(tokenizer).__name__
+        raise ValueError(
+            f"tokenizer {name} has no chat_template, but data {cfg.data.path} holds "
+            f"conversations ({column!r}): the target's replies are rendered by its own "
+            "template; use a tokenizer that has one (--set target.tokenizer=...) or give "
+            "plain text (--set data.format=text)"
+        )
+    if len(raw) == 0:
+        raise ValueError(f"data {cfg.data.path} has no rows")
+    return raw, fmt, column
+
+
+def build_manifest(cfg: GenerateConfig, raw: datasets.Dataset, fmt: str) -> dict[str, Any]:
+    """Provenance and the settings that decide the rows (hashed into `key`)."""
+    config = to_dict(cfg)
+    # a chunk finished under on_invalid=error holds the same rows it would under skip
+    data = {k: v for k, v in config["data"].items() if k not in ("num_proc", "on_invalid")}
+    data["path"] = _canonical_path(data["path"])
+    backend = cfg.run.backend
+    content = {
+        "target": {
+            "model": _canonical_path(cfg.target.model),
+            "revision": cfg.target.revision,
+            "tokenizer": cfg.target.tokenizer,
+            "dtype": cfg.target.dtype if backend == "local" else None,
+            "weights_sha256": weights_fingerprint(cfg.target.model),
+        },
+        "backend": backend,
+        "served_model": cfg.endpoint.model or cfg.target.model if backend == "openai" else None,
+        "data": data,
+        "data_fingerprint": raw._fingerprint,
+        "format": fmt,
+        "sampling": config["sampling"],
+        "text": config["text"] if fmt == "text" else None,
+        "rows_per_chunk": cfg.output.rows_per_chunk,
+    }
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "key": content_key(content),
+        "content": content,
+        "target": content["target"],
+        "source": {"path": cfg.data.path, "format": fmt, "num_rows": len(raw)},
+        "backend": {"kind": backend, "endpoint": cfg.endpoint.url if backend == "openai" else None},
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "num_chunks": -(-len(raw) // cfg.output.rows_per_chunk),
+        "complete": False,
+    }
