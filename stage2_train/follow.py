@@ -46,6 +46,7 @@ from common.store import (
     StoreError,
     StoreInfo,
     committed_shards,
+    open_store,
     shard_name,
     shards_dir,
 )
@@ -143,8 +144,8 @@ def wait_for_store(cfg: TrainDataConfig) -> None:
         )
 
     watch_for(cfg).wait(ready, "its first shard")
-    attrs = json.loads((store / "zarr.json").read_text())["attributes"].get("dflash", {})
-    planned = int(attrs.get("num_shards", 0)) * int(attrs.get("sequences_per_shard", 0))
+    info = open_store(store)  # format and version first, with their own messages
+    planned = info.num_shards * int(info.attrs["sequences_per_shard"])
     if planned <= cfg.holdout_sequences:
         raise StoreError(
             f"{store}: its plan holds at most {planned} sequences, which cannot spare "
@@ -195,8 +196,7 @@ class FollowPlan:
 
     def split(self) -> SequenceSplit:
         """The split, waiting for the last shard if it is not committed yet."""
-        last = self.num_shards - 1
-        what = f"its last shard {last} (where the held-out sequences begin)"
+        what = f"its last shard {self.num_shards - 1} (it places the held-out sequences)"
         self.watch.wait(lambda: self.known_split() is not None, what)
         assert self._split is not None
         return self._split
