@@ -249,5 +249,7 @@ def test_resume_check_takes_defaults_for_fields_an_older_checkpoint_lacks(tmp_pa
         check_same_run(meta, current, 1, tmp_path, "k")
     current["loss"]["weighting"] = "decay"
     current["drafter"]["init_norm_from_target"] = False
-    with pytest.raises(ValueError, match=r"cannot change: drafter.init_norm_from_target: True -> False"):
+    with pytest.raises(
+        ValueError, match=r"cannot change: drafter.init_norm_from_target: True -> False"
+    ):
         check_same_run(meta, current, 1, tmp_path, "k")
