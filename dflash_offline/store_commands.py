@@ -108,7 +108,11 @@ def plot(run: str) -> None:
     type=click.Choice(["bfloat16", "float8_e4m3fn"]),
     help="import: the store's hidden_dtype [bfloat16]",
 )
-@click.option("--overwrite", is_flag=True, help="import: delete an existing store at DEST first")
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="replace an existing DEST (export: the HDF5 file; import: the store, deleted first)",
+)
 @cli_errors
 def convert(source: str, dest: str, **options: Any) -> None:
     """Convert a store to one HDF5 file, or an HDF5 file of documents to a store.

@@ -123,6 +123,20 @@ def test_fp8_keeps_scales_and_decodes_on_request(fp8_store: Path, tmp_path: Path
         assert f["target_head/lm_head.weight"].dtype == np.float32
 
 
+def test_existing_out_is_refused_without_overwrite(fp8_store: Path, tmp_path: Path) -> None:
+    """An existing OUT.h5 is not silently replaced (extract and generate refuse too), and a
+    folder as OUT is named as such, not a raw 'Is a directory' on a temporary file."""
+    out = tmp_path / "store.h5"
+    out.write_bytes(b"precious")
+    code, text = convert(fp8_store, out, "--arrays", "tokens")
+    assert code == 2 and text.startswith("error:") and "--overwrite" in text, text
+    assert out.read_bytes() == b"precious"
+    code, text = convert(fp8_store, out, "--arrays", "tokens", "--overwrite")
+    assert code == 0 and h5py.is_hdf5(out), text
+    code, text = convert(fp8_store, tmp_path, "--arrays", "tokens")
+    assert code == 2 and "is a folder" in text and len(text.strip().splitlines()) == 1, text
+
+
 def test_shard_and_array_selection(extracted: Path, tmp_path: Path) -> None:
     out = tmp_path / "some.h5"
     code, text = convert(

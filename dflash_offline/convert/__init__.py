@@ -16,7 +16,7 @@ from typing import Any
 # options of each direction (the CLI passes None for those not given)
 EXPORT_OPTIONS = ("shards", "arrays", "compression", "hidden_as")
 IMPORT_OPTIONS = ("target", "seq_len", "sequences_per_shard", "packing", "overlong", "topk")
-IMPORT_OPTIONS += ("hidden_dtype", "overwrite")
+IMPORT_OPTIONS += ("hidden_dtype",)  # --overwrite applies to both directions
 
 
 def run_convert(source: str, dest: str, **options: Any) -> Path:

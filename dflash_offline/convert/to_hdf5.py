@@ -157,10 +157,16 @@ def store_to_hdf5(
     arrays: str | None = None,
     compression: str = "gzip",
     hidden_as: str = "bits",
+    overwrite: bool = False,
 ) -> Path:
-    """Write the selected shards and arrays of `store` to the HDF5 file `out`; returns `out`."""
+    """Write the selected shards and arrays of `store` to the HDF5 file `out`; returns `out`.
+    An existing `out` is replaced only with `overwrite` (as extract and generate treat --out)."""
     info = open_store(store)
     out = Path(out)
+    if out.is_dir():
+        raise ValueError(f"{out} is a folder; pass the HDF5 file to write, e.g. {out / 'store.h5'}")
+    if out.exists() and not overwrite:
+        raise ValueError(f"{out} exists; pass --overwrite to replace it, or choose another file")
     if compression not in COMPRESSIONS or hidden_as not in HIDDEN_AS:
         raise ValueError(f"--compression must be one of {COMPRESSIONS}, --hidden-as of {HIDDEN_AS}")
     selected = parse_shards(shards, committed_shards(info.path), info.path)
