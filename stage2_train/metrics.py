@@ -21,17 +21,34 @@ class MetricsWriter:
     def __init__(self, path: Path, *, enabled: bool, keep_until: int) -> None:
         self.path, self.enabled = path, enabled
         if enabled and path.exists():
-            kept = [
-                line
-                for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] <= keep_until
-            ]
-            path.write_text("".join(line + "\n" for line in kept))
+            kept = [r for r in read_records(path) if r["step"] <= keep_until]
+            path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
     def write(self, record: dict[str, Any]) -> None:
         if self.enabled:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl. A last line without its newline is dropped: a run
+    killed (or out of disk space) mid-write leaves one, and a run still writing may be caught
+    mid-line by `dflash plot`; any other unreadable line is a ValueError naming it."""
+    text = path.read_text()
+    lines = text.split("\n")
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if number == len(lines):  # the unterminated last line
+                break
+            raise ValueError(
+                f"{path}, line {number} is not a JSON record ({err}); delete that line"
+            ) from None
+    return records
 
 
 def memory_gb(device: torch.device) -> float:

@@ -17,13 +17,12 @@ written through a temporary file, so a reader never sees half a PNG. Training ca
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 from common.logging import get_logger
-from stage2_train.metrics import acceptance_by_position
+from stage2_train.metrics import acceptance_by_position, read_records
 
 log = get_logger()
 MAX_CURVES = 8  # evaluations drawn per per-slot figure; more would be an unreadable legend
@@ -34,7 +33,7 @@ def read_metrics(run: str | Path) -> list[dict[str, Any]]:
     path = Path(run) / "metrics.jsonl"
     if not path.is_file():
         raise ValueError(f"{path} does not exist: is {run} a `dflash train` run folder (--out)?")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_records(path)
 
 
 def plot_run(run: str | Path) -> list[Path]:

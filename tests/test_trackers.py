@@ -22,7 +22,7 @@ from dflash_offline.cli import main as cli
 from evaluation.heldout import summarize
 from stage2_train import trackers
 from stage2_train.config import TrainConfig
-from stage2_train.metrics import acceptance_by_position
+from stage2_train.metrics import MetricsWriter, acceptance_by_position
 from stage2_train.plots import draw_plots_safely, plot_run
 from stage2_train.train import run_train
 
@@ -138,6 +138,21 @@ def test_plot_without_evaluation_draws_the_loss_only(tmp_path: Path) -> None:
     check_png(tmp_path / "plots" / "loss.png")
     result = CliRunner().invoke(cli, ["plot", str(tmp_path / "nothing")])
     assert result.exit_code == 2 and "metrics.jsonl does not exist" in result.output
+
+
+def test_a_line_cut_mid_write_is_dropped_by_plot_and_resume(tmp_path: Path) -> None:
+    """A run killed (or out of space) mid-write leaves a last line without its newline; a run
+    still writing can be read mid-line. `dflash plot` and a resume read past it; a bad line
+    elsewhere is one error naming it."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n{"step": 3, "lo')
+    result = CliRunner().invoke(cli, ["plot", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    MetricsWriter(path, enabled=True, keep_until=2)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+    path.write_text('{"step": 1, "loss": 5.0}\n{"st\n{"step": 2, "loss": 4.0}\n')
+    result = CliRunner().invoke(cli, ["plot", str(tmp_path)])
+    assert result.exit_code == 2 and "line 2 is not a JSON record" in result.output
 
 
 def test_a_plotting_error_is_a_warning(tmp_path: Path) -> None:
