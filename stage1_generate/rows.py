@@ -142,6 +142,13 @@ def generate_chat(
             positions = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
             if not positions:
                 raise InvalidRow("no_assistant_turn", "the conversation has no assistant turn")
+            if positions[0] == 0:  # the template has nothing to render a prompt from
+                raise InvalidRow(
+                    "assistant_first",
+                    "message 0 is an assistant turn with nothing before it, so the target has "
+                    "no prompt to write it from; remove that message or put a user or system "
+                    "message before it",
+                )
         except InvalidRow as err:
             _invalid(cfg, indices[k], err, result)
             continue
