@@ -101,13 +101,14 @@ def _check_shard(store: Path, index: int) -> tuple[list[str], bool]:
     return [f"{folder.name} array {array}: {what}" for array, what, _ in found], True
 
 
-def check_store_files(info: StoreInfo) -> None:
-    """Every planned shard present, every recorded file there with its recorded size; else one
-    StoreError naming the shards, arrays and files, and the fix. Shards without a record
-    (written before format version 2) are skipped, with a log line."""
+def check_store_files(info: StoreInfo, shards: list[int] | None = None) -> None:
+    """Every planned shard (or each of `shards`) present, every recorded file there with its
+    recorded size; else one StoreError naming the shards, arrays and files, and the fix.
+    Shards without a record (written before format version 2) are skipped, with a log line."""
     store = info.path
+    indices = range(info.num_shards) if shards is None else shards
     with ThreadPoolExecutor(STAT_THREADS) as pool:
-        results = list(pool.map(lambda i: _check_shard(store, i), range(info.num_shards)))
+        results = list(pool.map(lambda i: _check_shard(store, i), indices))
     problems = [p for found, _ in results for p in found]
     unrecorded = sum(not checked for _, checked in results)
     if unrecorded:
@@ -116,7 +117,7 @@ def check_store_files(info: StoreInfo) -> None:
             "sizes; their files are not checked before training",
             store,
             unrecorded,
-            info.num_shards,
+            len(indices),
         )
     if problems:
         listed = "; ".join(problems[:MAX_LISTED])

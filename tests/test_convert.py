@@ -5,6 +5,7 @@ array selection, an HDF5 file in the documented input layout imported into a sto
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import h5py
@@ -135,6 +136,19 @@ def test_existing_out_is_refused_without_overwrite(fp8_store: Path, tmp_path: Pa
     assert code == 0 and h5py.is_hdf5(out), text
     code, text = convert(fp8_store, tmp_path, "--arrays", "tokens")
     assert code == 2 and "is a folder" in text and len(text.strip().splitlines()) == 1, text
+
+
+def test_a_deleted_chunk_file_is_refused_not_exported_as_zeros(
+    fp8_store: Path, tmp_path: Path
+) -> None:
+    store = tmp_path / "store"
+    shutil.copytree(fp8_store, store)
+    (shards_dir(store) / shard_name(1) / "tokens" / "c" / "0" / "0").unlink()
+    code, text = convert(store, tmp_path / "out.h5")
+    assert code == 2 and "shard-000001 array tokens" in text and "missing" in text, text
+    assert not (tmp_path / "out.h5").exists()
+    code, text = convert(store, tmp_path / "out.h5", "--shards", "0,2")  # the others are whole
+    assert code == 0, text
 
 
 def test_shard_and_array_selection(extracted: Path, tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ import zarr
 from safetensors import safe_open
 from tqdm import tqdm
 
+from common.logging import get_logger
 from common.store import (
     DOCUMENT_ARRAYS,
     HEAD_FILE,
@@ -40,6 +41,7 @@ from common.store import (
     shard_name,
     shards_dir,
 )
+from common.store_files import check_store_files
 
 HDF5_FORMAT = "dflash-offline-hdf5"
 LAYOUT_VERSION = 1
@@ -172,6 +174,15 @@ def store_to_hdf5(
     selected = parse_shards(shards, committed_shards(info.path), info.path)
     if not selected:
         raise ValueError(f"store {info.path} has no committed shard; run `dflash extract` first")
+    if not info.complete:  # e.g. converted while extract runs: say the file is partial
+        get_logger().warning(
+            "store %s is not complete (%d of %d shards committed): exporting committed shards",
+            info.path,
+            len(committed_shards(info.path)),
+            info.num_shards,
+        )
+    # zarr reads a missing chunk file as zeros: refuse a damaged shard rather than export zeros
+    check_store_files(info, selected)
     names = parse_arrays(arrays, info)
     metas = [_shard_meta(info, i) for i in selected]
     seq_off = np.cumsum([0] + [m["num_sequences"] for m in metas]).astype(np.int64)
