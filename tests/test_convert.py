@@ -151,6 +151,21 @@ def test_a_deleted_chunk_file_is_refused_not_exported_as_zeros(
     assert code == 0, text
 
 
+def test_a_flipped_byte_is_one_line_naming_shard_and_array(fp8_store: Path, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    shutil.copytree(fp8_store, store)
+    chunk = next((shards_dir(store) / shard_name(2) / "tokens" / "c").rglob("*"))
+    while chunk.is_dir():
+        chunk = next(chunk.iterdir())
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only decoding finds it
+    chunk.write_bytes(bytes(data))
+    code, text = convert(store, tmp_path / "out.h5")
+    assert code == 2 and len(text.strip().splitlines()) == 1, text
+    assert "shard-000002 array tokens cannot be decoded" in text and "rerun" in text, text
+    assert not (tmp_path / "out.h5").exists()
+
+
 def test_shard_and_array_selection(extracted: Path, tmp_path: Path) -> None:
     out = tmp_path / "some.h5"
     code, text = convert(

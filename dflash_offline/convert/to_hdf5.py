@@ -31,7 +31,9 @@ from common.logging import get_logger
 from common.store import (
     DOCUMENT_ARRAYS,
     HEAD_FILE,
+    REEXTRACT,
     SHARD_ATTR,
+    StoreError,
     StoreInfo,
     bits_to_bf16,
     committed_shards,
@@ -243,10 +245,23 @@ def _copy_shard(
 ) -> None:
     """One shard's arrays into rows [seq0, ...) (documents: [doc0, ...)) of the datasets."""
     group = zarr.open_group(shards_dir(info.path) / shard_name(shard), mode="r")
+
+    def read(name: str, where: Any) -> np.ndarray:
+        """A block of the store; StoreError naming shard and array when its bytes do not
+        decode (a flipped byte: zarr raises checksum and codec errors of many types). Only
+        reads are wrapped: an error writing OUT (disk full) keeps its own message."""
+        try:
+            return np.asarray(group[name][where])
+        except Exception as err:
+            raise StoreError(
+                f"store {info.path}: {shard_name(shard)} array {name} cannot be decoded "
+                f"({type(err).__name__}: {err}); {REEXTRACT}"
+            ) from err
+
     for name, ds in datasets.items():
         array = group[name]
         if name in DOCUMENT_ARRAYS:
-            ds[doc0 : doc0 + array.shape[0]] = array[...]
+            ds[doc0 : doc0 + array.shape[0]] = read(name, np.s_[...])
             continue
         n, S = array.shape[:2]
         token_bytes = int(np.prod(array.shape[2:], dtype=np.int64)) * 4  # decoded: up to fp32
@@ -256,9 +271,9 @@ def _copy_shard(
         for r in range(0, n, rows):
             for t in range(0, S, toks):
                 where = np.s_[r : r + rows, t : t + toks]
-                block = np.asarray(array[where])
+                block = read(name, where)
                 if hidden_as != "bits" and name in BITS_ARRAYS:
                     scaled = name == "hidden" and info.hidden_dtype == "float8_e4m3fn"
-                    scale = np.asarray(group["hidden_scale"][where]) if scaled else None
+                    scale = read("hidden_scale", where) if scaled else None
                     block = _decode(block, scale, hidden_as)
                 ds[seq0 + r : seq0 + r + block.shape[0], t : t + block.shape[1]] = block
