@@ -54,7 +54,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         return from_dict(tp, value, where)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            raise ValueError(f"{where}: expected a list, got {value!r}")
+            # a bare `--set run.report_to=tensorboard` is the usual slip: show the list form
+            raise ValueError(f"{where}: expected a list, got {value!r}; write it as [{value}]")
         inner = args[0] if args else Any
         return [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict:

@@ -219,6 +219,11 @@ class _Choices:
     count: int = doc(3, "a plain field")
 
 
+def test_report_to_as_a_bare_name_shows_the_list_form() -> None:
+    with pytest.raises(ValueError, match=r"write it as \[tensorboard\]"):
+        build_config(TrainConfig, None, "train", ["run.report_to=tensorboard"])
+
+
 def test_help_config_lists_the_choices() -> None:
     assert describe(_Choices) == [
         "mode (one of: a, b; default 'a'): a choice",
