@@ -69,6 +69,7 @@ class LocalBackend:
         self.batch_size = batch_size
         self.batch_tokens = batch_tokens
         self.device = next(model.parameters()).device
+        self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else stop_ids[0]
 

@@ -54,6 +54,8 @@ def _server_message(body: bytes) -> str:
 class OpenAIBackend:
     """Replies from an OpenAI-compatible server; the same interface as `LocalBackend`."""
 
+    max_positions: int | None = None  # the server refuses prompts past its context itself
+
     def __init__(
         self,
         endpoint: EndpointConfig,

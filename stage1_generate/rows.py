@@ -30,6 +30,9 @@ from stage1_generate.local_backend import Completion
 
 
 class Backend(Protocol):
+    # the target's positions (max_position_embeddings), when the backend knows them
+    max_positions: int | None
+
     def generate(
         self,
         prompts: list[list[int]],
@@ -113,6 +116,19 @@ def _render(
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def _check_fits(backend: Backend, prompt: list[int], max_new: int) -> None:
+    """A prompt past the target's positions generates garbage without any error (rotary
+    models run on, out of what they were trained for): such a row is invalid."""
+    limit = backend.max_positions
+    if limit is not None and len(prompt) + max_new > limit:
+        raise InvalidRow(
+            "too_long",
+            f"the prompt has {len(prompt)} tokens, which with {max_new} new tokens exceeds the "
+            f"target's {limit} positions (max_position_embeddings); shorten it, or lower "
+            "sampling.max_new_tokens",
+        )
+
+
 def _invalid(cfg: GenerateConfig, index: int, err: InvalidRow, result: ChunkResult) -> None:
     if cfg.data.on_invalid != "skip":
         raise ValueError(
@@ -160,7 +176,9 @@ def generate_chat(
             if len(turns[k]) <= r:
                 continue
             try:
-                prompts.append(_render(tokenizer, convs[k][: turns[k][r]], kwargs))
+                prompt = _render(tokenizer, convs[k][: turns[k][r]], kwargs)
+                _check_fits(backend, prompt, cfg.sampling.max_new_tokens)
+                prompts.append(prompt)
             except InvalidRow as err:
                 _invalid(cfg, indices[k], err, result)
                 del convs[k]
@@ -201,6 +219,13 @@ def generate_text(
     on_batch: Callable[[int, int], None] | None = None,
 ) -> ChunkResult:
     """Continue every window of the chunk's text documents."""
+    limit = backend.max_positions
+    if limit is not None and cfg.text.prompt_tokens + cfg.text.new_tokens > limit:
+        raise ValueError(
+            f"text.prompt_tokens {cfg.text.prompt_tokens} + text.new_tokens "
+            f"{cfg.text.new_tokens} exceed the target's {limit} positions "
+            "(max_position_embeddings); lower them"
+        )
     result = ChunkResult()
     windows: list[tuple[int, int, list[int]]] = []  # (source index, start, prompt ids)
     valid = [(k, t) for k, t in enumerate(raw_rows) if isinstance(t, str) and t.strip()]
@@ -252,13 +277,19 @@ def generate_completion(
     is dropped)."""
     result = ChunkResult()
     keep: list[int] = []
+    prompts: list[list[int]] = []
     for k, prompt in enumerate(raw_prompts):
-        if isinstance(prompt, str) and prompt:
-            keep.append(k)
-        else:
-            err = InvalidRow("bad_prompt", f"{cfg.data.prompt_field!r} is empty or not a string")
+        try:
+            if not (isinstance(prompt, str) and prompt):
+                field_name = cfg.data.prompt_field
+                raise InvalidRow("bad_prompt", f"{field_name!r} is empty or not a string")
+            ids = list(tokenizer(prompt)["input_ids"])
+            _check_fits(backend, ids, cfg.sampling.max_new_tokens)
+        except InvalidRow as err:
             _invalid(cfg, indices[k], err, result)
-    prompts = [list(ids) for ids in tokenizer([raw_prompts[k] for k in keep])["input_ids"]]
+            continue
+        keep.append(k)
+        prompts.append(ids)
     completions = backend.generate(prompts, cfg.sampling.max_new_tokens, on_batch)
     result.count(completions)
     for k, prompt, completion in zip(keep, prompts, completions, strict=True):

@@ -4,6 +4,8 @@ output folder."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -31,3 +33,46 @@ def test_leading_assistant_turn_is_named(tiny_qwen3: Path, tmp_path: Path) -> No
     manifest = run_generate(config(tiny_qwen3, data, tmp_path / "out", "data.on_invalid=skip"))
     assert manifest["counts"]["skipped"] == {"assistant_first": 1}
     assert [r["source_index"] for r in read_rows(tmp_path / "out")] == [1]
+
+
+@pytest.fixture(scope="module")
+def tiny_short(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny target with only 48 positions."""
+    folder = tmp_path_factory.mktemp("tiny-short") / "model"
+    shutil.copytree(tiny_qwen3, folder)
+    path = folder / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "max_position_embeddings": 48}))
+    return folder
+
+
+def test_prompt_past_the_target_positions_is_invalid(tiny_short: Path, tmp_path: Path) -> None:
+    """A prompt that with max_new_tokens exceeds max_position_embeddings is refused (or
+    skipped), never generated past the positions the target knows."""
+    long_question = "tell me about the quick brown fox " * 12
+    rows = [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+        {
+            "messages": [
+                {"role": "user", "content": long_question},
+                {"role": "assistant", "content": "ok"},
+            ]
+        },
+    ]
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    with pytest.raises(ValueError, match=r"row 1: the prompt has \d+ tokens.*48 positions"):
+        run_generate(config(tiny_short, data, tmp_path / "out"))
+    manifest = run_generate(config(tiny_short, data, tmp_path / "out", "data.on_invalid=skip"))
+    assert manifest["counts"]["skipped"] == {"too_long": 1}
+    assert [r["source_index"] for r in read_rows(tmp_path / "out")] == [0]
+
+    completions = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": long_question, "completion": "x"}])
+    with pytest.raises(ValueError, match=r"row 0: the prompt has \d+ tokens"):
+        run_generate(config(tiny_short, completions, tmp_path / "out-pc"))
+
+    text = write_jsonl(tmp_path / "text.jsonl", [{"text": long_question}])
+    with pytest.raises(ValueError, match=r"text.prompt_tokens 40 \+ text.new_tokens 10 exceed"):
+        run_generate(
+            config(
+                tiny_short, text, tmp_path / "out-t", "text.prompt_tokens=40", "text.new_tokens=10"
+            )
+        )
