@@ -166,6 +166,32 @@ def test_a_flipped_byte_is_one_line_naming_shard_and_array(fp8_store: Path, tmp_
     assert not (tmp_path / "out.h5").exists()
 
 
+def test_disk_full_is_one_line_naming_the_file_then_a_rerun_writes_it(
+    fp8_store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """h5py reports a failed write as a RuntimeError whose text holds the errno (injected
+    here: a real one also leaves HDF5's library state behind in this process)."""
+    from dflash_offline.convert import to_hdf5
+
+    real = to_hdf5._copy_shard
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(
+            "Can't write data (file write failed: errno = 28, error message = "
+            "'No space left on device')"
+        )
+
+    monkeypatch.setattr(to_hdf5, "_copy_shard", full)
+    out = tmp_path / "out.h5"
+    code, text = convert(fp8_store, out)
+    assert code == 2 and len(text.strip().splitlines()) == 1, text
+    assert f"no space left writing the HDF5 file {out}" in text and "needs about" in text, text
+    assert list(tmp_path.iterdir()) == []  # no half file, no temporary left
+    monkeypatch.setattr(to_hdf5, "_copy_shard", real)
+    code, text = convert(fp8_store, out)
+    assert code == 0, text
+
+
 def test_shard_and_array_selection(extracted: Path, tmp_path: Path) -> None:
     out = tmp_path / "some.h5"
     code, text = convert(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +28,11 @@ import zarr
 from safetensors import safe_open
 from tqdm import tqdm
 
+from common.durable import NO_SPACE_ERRNOS, space_checked
 from common.logging import get_logger
 from common.store import (
     DOCUMENT_ARRAYS,
+    FILES_KEY,
     HEAD_FILE,
     REEXTRACT,
     SHARD_ATTR,
@@ -229,10 +232,23 @@ def store_to_hdf5(
             if HEAD in names:
                 _write_head(f, info, hidden_as, filters)
         os.replace(tmp, out)
-    except BaseException:
+    except BaseException as err:
         tmp.unlink(missing_ok=True)
+        if (code := _h5_errno(err)) in NO_SPACE_ERRNOS:
+            # about the store's size of these shards (the file compresses like the store)
+            needed = sum(sum(m.get(FILES_KEY, {}).values()) for m in metas)
+            fix = "free space (or raise the limit), or pick fewer --shards/--arrays; then rerun"
+            with space_checked("the HDF5 file", out, needed, fix):
+                raise OSError(code, str(err)) from err
         raise
     return out
+
+
+def _h5_errno(err: BaseException) -> int | None:
+    """The errno of a failed HDF5 write: h5py raises it as a RuntimeError or OSError whose
+    text holds `errno = N` (its errno attribute is not set)."""
+    found = re.search(r"errno = (\d+)", str(err))
+    return int(found.group(1)) if found else None
 
 
 def _copy_shard(
