@@ -123,6 +123,14 @@ def plan_job(cfg: ExtractConfig) -> ExtractJob:
     out = Path(cfg.store.out).expanduser()
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; pass a folder for the store (new or existing)")
+    manifest = read_manifest(cfg.data.path)
+    if manifest is not None and not manifest.get("complete"):
+        # a killed or running `dflash generate` left only some chunks: a store of them would
+        # silently miss the rest, and a rerun of generate would not change the store
+        raise ValueError(
+            f"data {cfg.data.path} is an unfinished `dflash generate` folder (its manifest "
+            "says complete: false); rerun the same `dflash generate` to finish it, then extract"
+        )
     config = load_target_config(cfg.target)
     text = text_config(config)
     tapped = resolve_tapped_layers(cfg.target, text.num_hidden_layers)
@@ -192,7 +200,6 @@ def plan_job(cfg: ExtractConfig) -> ExtractJob:
         },
         "extract_config": to_dict(cfg),
     }
-    manifest = read_manifest(cfg.data.path)
     if manifest is not None:  # the data were written by `dflash generate`: keep where from
         attrs["generation"] = provenance(manifest)
     digest = hashlib.sha256(lengths.tobytes()).hexdigest()

@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 from test_generate import config, read_rows, write_jsonl
 
+from common.config import build_config
+from common.generated import manifest_path
+from stage1_extract.config import ExtractConfig
+from stage1_extract.run import run_extract
 from stage1_generate.run import run_generate
+
+DEBUG = Path(__file__).parents[1] / "configs" / "debug.yaml"
 
 
 def test_leading_assistant_turn_is_named(tiny_qwen3: Path, tmp_path: Path) -> None:
@@ -76,3 +82,19 @@ def test_prompt_past_the_target_positions_is_invalid(tiny_short: Path, tmp_path:
                 tiny_short, text, tmp_path / "out-t", "text.prompt_tokens=40", "text.new_tokens=10"
             )
         )
+
+
+def test_extract_refuses_an_unfinished_generate_folder(tiny_qwen3: Path, tmp_path: Path) -> None:
+    """A generate run killed before its last chunk leaves a folder extract used to read as
+    if complete (a store silently missing rows); now refused with the fix."""
+    rows = [{"text": f"line {i} of some text to continue"} for i in range(4)]
+    data = write_jsonl(tmp_path / "text.jsonl", rows)
+    out = tmp_path / "gen"
+    run_generate(config(tiny_qwen3, data, out))
+    path = manifest_path(out)
+    path.write_text(json.dumps({**json.loads(path.read_text()), "complete": False}))
+    sets = [f"target.model={tiny_qwen3}", f"data.path={out}", f"store.out={tmp_path / 'store'}"]
+    cfg = build_config(ExtractConfig, DEBUG, "extract", [*sets, "run.progress=false"])
+    with pytest.raises(ValueError, match=r"unfinished `dflash generate` folder.*rerun the same"):
+        run_extract(cfg)
+    assert not (tmp_path / "store").exists()
