@@ -77,12 +77,31 @@ def load_prompts(cfg: EvaluateConfig, tokenizer) -> list[list[int]]:
             raise ValueError(
                 f"{path} holds conversations but the target's tokenizer has no chat template"
             )
-        return [_chat_prompt(tokenizer, m, cfg.prompt_tokens) for m in rows["messages"]]
-    if cfg.text_field not in rows.column_names:
+        prompts = []
+        for i, messages in enumerate(rows["messages"]):
+            try:
+                prompts.append(_chat_prompt(tokenizer, messages, cfg.prompt_tokens))
+            except Exception as err:  # the template's raise_exception, or a Jinja error
+                raise ValueError(
+                    f"--data {path} row {i}: the chat template failed ({err}); fix or remove "
+                    "the row (a conversation needs a user turn before its last assistant turn)"
+                ) from err
+    elif cfg.text_field not in rows.column_names:
         raise ValueError(
             f"{path}: no column {cfg.text_field!r} or 'messages' (found {rows.column_names})"
         )
-    return [tokenizer(text)["input_ids"][: cfg.prompt_tokens] for text in rows[cfg.text_field]]
+    else:
+        texts = rows[cfg.text_field]
+        prompts = [tokenizer(text or "")["input_ids"][: cfg.prompt_tokens] for text in texts]
+    # an empty prompt has nothing to prefill: the target would fail deep inside its forward,
+    # after minutes of prompt lookup on the rows before it
+    empty = [i for i, prompt in enumerate(prompts) if not prompt]
+    if empty:
+        raise ValueError(
+            f"--data {path} row {empty[0]}: the prompt is empty (no tokens); remove the row or "
+            "give it text"
+        )
+    return prompts
 
 
 def run_evaluate(cfg: EvaluateConfig) -> dict:

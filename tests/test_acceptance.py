@@ -260,3 +260,38 @@ def test_evaluate_command_reports_both_methods(tiny_qwen3: Path, tmp_path: Path)
     assert (
         not_export.exit_code == 2 and "config.json, model.safetensors missing" in not_export.output
     )
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ({"text": ""}, r"row 1: the prompt is empty"),
+        (
+            {"messages": [{"role": "assistant", "content": "hi"}]},
+            r"row 1: the chat template failed",
+        ),
+    ],
+)
+def test_bad_prompt_rows_are_named(
+    tiny_qwen3: Path, tmp_path: Path, row: dict, message: str
+) -> None:
+    """An empty prompt used to fail inside the target's forward (a float index tensor) after
+    the earlier prompts had run; a template error was the bare Jinja message."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from evaluation.online import EvaluateConfig, load_prompts
+
+    first = (
+        {"text": "hello there"}
+        if "text" in row
+        else {
+            "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+        }
+    )
+    data = tmp_path / "dev.jsonl"
+    data.write_text(json.dumps(first) + "\n" + json.dumps(row) + "\n")
+    cfg = EvaluateConfig(target=str(tiny_qwen3), data=str(data))
+    with pytest.raises(ValueError, match=message):
+        load_prompts(cfg, AutoTokenizer.from_pretrained(tiny_qwen3))
