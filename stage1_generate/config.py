@@ -43,7 +43,12 @@ class GenTargetConfig:
 class SamplingConfig:
     temperature: float = doc(0.0, "0: greedy (what a greedy-verified drafter must predict)")
     top_p: float = doc(1.0, "nucleus sampling mass when temperature > 0")
-    max_new_tokens: int = doc(1024, "longest reply per assistant turn (chat rows)")
+    max_new_tokens: int = doc(
+        1024,
+        "longest reply per assistant turn (chat rows) or completion (completion rows; text "
+        "rows: text.new_tokens); a prompt that with it exceeds the target's positions is an "
+        "invalid row (too_long)",
+    )
     seed: int = doc(0, "sampling seed; each chunk seeds seed + chunk index, so resumes agree")
 
     def problems(self) -> list[str]:
