@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Bytes per token of the store's options on real features (no GPU needed: bytes are bytes):
+# extract the same rows once per option and read `dflash inspect --json`. Default data: the
+# first 200 rows of pystd-28m's target-written windows (.carry/gen, from `dflash generate`).
+#   MODEL=.carry/pystd-28m DATA=.carry/gen ROWS=200 DEVICES=cpu bash bench/store_size.sh
+# One JSON line per option on stdout (and $OUT/store-size.jsonl when OUT is set).
+set -uo pipefail
+MODEL=${MODEL:-.carry/pystd-28m}
+DATA=${DATA:-.carry/gen}
+ROWS=${ROWS:-200}
+DEVICES=${DEVICES:-cpu}
+WORK=${WORK:-/tmp/store-size}
+LAYERS=${LAYERS:-[1,3,5,7,8]}
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+mkdir -p "$WORK"
+option() {  # $1 = name, the rest: extract --set arguments
+  local name=$1; shift
+  dflash extract --model "$MODEL" --data "$DATA" --out "$WORK/$name" --devices "$DEVICES" \
+    --overwrite --set data.max_samples="$ROWS" --set target.dtype=float32 \
+    --set target.tapped_layers="$LAYERS" --set run.writer_processes=0 --set run.progress=false \
+    --set store.sequences_per_shard=16 "$@" > "$WORK/$name.log" 2>&1 || { tail -3 "$WORK/$name.log"; return; }
+  dflash inspect "$WORK/$name" --json | python3 -c "
+import json, sys
+s = json.load(sys.stdin)
+hidden = s['arrays'].get('hidden', {}).get('stored', 0) + s['arrays'].get('hidden_scale', {}).get('stored', 0)
+print(json.dumps({'option': '$name', 'tokens': s['tokens'], 'bytes_per_token': round(s['bytes_per_token'], 1),
+  'hidden_bytes_per_token': round(hidden / s['tokens'], 1),
+  'other_bytes_per_token': round((s['array_bytes_stored'] - hidden) / s['tokens'], 1),
+  'compression_ratio': round(s['compression_ratio'], 3)}))" | tee -a "${OUT:-$WORK}/store-size.jsonl"
+}
+option bf16-zstd1
+option bf16-zstd0 --set store.compression_level=0
+option bf16-zstd3 --set store.compression_level=3
+option bf16-zstd9 --set store.compression_level=9
+option fp8-zstd1 --set store.hidden_dtype=float8_e4m3fn
+option fp8-zstd3 --set store.hidden_dtype=float8_e4m3fn --set store.compression_level=3
+option bf16-zstd1-top8 --set verifier.topk=8
+LAYERS='[2,5,8]' option bf16-zstd1-3layers
