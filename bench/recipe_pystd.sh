@@ -85,11 +85,13 @@ import json, sys
 out, name = sys.argv[1], sys.argv[2]
 online = json.load(open(f"{out}/{name}-acceptance.json"))
 try:
-    offline = json.load(open(f"{out}/{name}-offline-dev.json"))["eval_tau"]
-except (OSError, KeyError, ValueError):
-    offline = None
+    offline = json.load(open(f"{out}/{name}-offline-dev.json"))
+except (OSError, ValueError):
+    offline = {}
 print(json.dumps({"variant": name, "dflash_tau": online.get("dflash", {}).get("tau"),
-                  "prompt_lookup_tau": online["prompt_lookup"]["tau"], "offline_dev_tau": offline}))
+                  "prompt_lookup_tau": online["prompt_lookup"]["tau"],
+                  "chained_dev_tau": offline.get("chained_tau"),
+                  "random_anchor_dev_tau": offline.get("eval_tau")}))
 EOF
   fi
 }
