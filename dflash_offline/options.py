@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -39,8 +40,20 @@ def echo_json(results: dict[str, Any], json_out: str | None) -> None:
     """Print the figures as JSON and, when asked, write them to `json_out` too."""
     import json
 
-    text = json.dumps(results, indent=2)
+    # NaN (e.g. a loss over zero labelled slots) is not JSON: null keeps the file readable
+    text = json.dumps(_finite(results), indent=2, allow_nan=False)
     click.echo(text)
     if json_out:
         with open(json_out, "w") as f:
             f.write(text)
+
+
+def _finite(value: Any) -> Any:
+    """`value` with every NaN or infinite float replaced by None, through dicts and lists."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value

@@ -94,6 +94,9 @@ def prepare_output(out: Path, manifest: dict[str, Any], overwrite: bool) -> None
     if overwrite:
         for path in _others(out):  # the held lock file stays
             shutil.rmtree(path) if path.is_dir() else path.unlink()
+    # temporary files of a killed run (the lock says no writer is alive): never committed
+    for leftover in [*out.glob(".tmp-*"), *(out / META_DIR).glob(".tmp-*")]:
+        leftover.unlink()
     old = read_manifest(out) if out.exists() else None
     if old is not None:
         if old["key"] != manifest["key"]:

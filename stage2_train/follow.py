@@ -106,6 +106,12 @@ class ExtractionWatch:
             if idle < self.timeout_s:
                 continue
             if not writer_lock_held(self.store):
+                if not seen[0]:  # no store was ever created: nothing was started here
+                    raise StoreError(
+                        f"store {self.store}: no `dflash extract` has created it in {idle:.0f} s; "
+                        "start `dflash extract --out` with this folder (train --follow waits for "
+                        "it), check the --store path, or raise data.follow_timeout_s"
+                    )
                 raise StoreError(
                     f"store {self.store}: extraction seems to have stopped: nothing new for "
                     f"{idle:.0f} s ({seen[2]} shards committed, waiting for {what}) and no "

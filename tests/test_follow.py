@@ -280,3 +280,10 @@ def test_two_gloo_processes_share_the_streamed_epoch(tmp_path):
     rank1 = [i for step in streamed for i in step[1]]
     assert rank0 == [0, 2, 4, 6, 8, 10] and rank1 == [1, 3, 5, 7, 9, -1]  # -1: padding
     assert "eval_tau" in rows[-1]
+
+
+def test_a_store_never_created_is_named_as_such(tmp_path: Path) -> None:
+    """No `dflash extract` ever started: the error says so, not that extraction stopped."""
+    watch = ExtractionWatch(tmp_path / "never", poll_s=0.001, timeout_s=0.01)
+    with pytest.raises(StoreError, match=r"no `dflash extract` has created it.*--store path"):
+        watch.wait(lambda: False, "the store")

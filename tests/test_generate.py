@@ -349,3 +349,26 @@ def test_bench_generate_runs_tiny(tmp_path: Path) -> None:
     result = json.loads(done.stdout.splitlines()[-1])
     assert result["new_tokens"] == 4 * 3  # random weights never stop early
     assert json.loads((tmp_path / "generate-bench.json").read_text()) == result
+
+
+def test_rerun_removes_a_killed_runs_temporary_files(
+    chat_out: Path, tiny_qwen3: Path, tmp_path: Path
+) -> None:
+    """A kill mid-write leaves `.tmp-*` files (never committed); the next run clears them."""
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(chat_out, out)
+    (out / ".tmp-part-000001.jsonl.gz-999").write_bytes(b"half a file")
+    (out / ".dflash-generate" / ".tmp-chunk-000001.json-999").write_text("{")
+    data = Path(read_manifest(chat_out)["content"]["data"]["path"])
+    run_generate(config(tiny_qwen3, data, out))
+    assert not list(out.glob(".tmp-*")) and not list((out / ".dflash-generate").glob(".tmp-*"))
+    assert digests(out) == digests(chat_out)
+
+
+def test_json_output_has_no_nan(tmp_path: Path) -> None:
+    from dflash_offline.options import echo_json
+
+    echo_json({"eval_loss": float("nan"), "acc": [1.0, float("inf")]}, str(tmp_path / "r.json"))
+    assert json.loads((tmp_path / "r.json").read_text()) == {"eval_loss": None, "acc": [1.0, None]}
