@@ -234,9 +234,13 @@ def generate_text(
             err = InvalidRow("empty_text", f"{cfg.data.text_field!r} is empty or not a string")
             _invalid(cfg, indices[k], err, result)
     encoded = tokenizer([t for _, t in valid], add_special_tokens=False)["input_ids"]
+    # extract tokenizes the written row with the tokenizer's defaults (e.g. Llama's BOS first):
+    # the target writes after that same prefix, so it sees what the drafter's context will be
+    prefix = special_prefix(tokenizer)
     for (k, _), ids in zip(valid, encoded, strict=True):
         for start in text_windows(ids, cfg.text.prompt_tokens, cfg.text.stride):
-            windows.append((indices[k], start, ids[start : start + cfg.text.prompt_tokens]))
+            window = ids[start : start + cfg.text.prompt_tokens]
+            windows.append((indices[k], start, prefix + window))
     completions = backend.generate([w[2] for w in windows], cfg.text.new_tokens, on_batch)
     result.count(completions)
     for (index, start, prompt), completion in zip(windows, completions, strict=True):
@@ -246,6 +250,16 @@ def generate_text(
         row.update(source_index=index, window_start=start, new_tokens=completion.num_tokens)
         result.rows.append(row)
     return result
+
+
+def special_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The ids the tokenizer puts before a text by default (a BOS for Llama; none for Qwen)."""
+    plain = tokenizer("x", add_special_tokens=False)["input_ids"]
+    default = tokenizer("x")["input_ids"]
+    for i in range(len(default) - len(plain) + 1):
+        if default[i : i + len(plain)] == plain:
+            return list(default[:i])
+    return []
 
 
 def _split_row(

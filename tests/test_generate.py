@@ -372,3 +372,31 @@ def test_json_output_has_no_nan(tmp_path: Path) -> None:
 
     echo_json({"eval_loss": float("nan"), "acc": [1.0, float("inf")]}, str(tmp_path / "r.json"))
     assert json.loads((tmp_path / "r.json").read_text()) == {"eval_loss": None, "acc": [1.0, None]}
+
+
+def test_text_windows_follow_the_tokenizers_bos(tiny_qwen3: Path, tmp_path: Path) -> None:
+    """A tokenizer that puts a BOS before every text (Llama): extract will see BOS + window, so
+    the target writes its continuation after BOS + window too."""
+    from tokenizers import processors
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    bos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)]
+    )
+    assert tokenizer("a b")["input_ids"][0] == bos
+    model_dir = tmp_path / "target"
+    AutoModelForCausalLM.from_pretrained(tiny_qwen3).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    data = write_jsonl(tmp_path / "text.jsonl", [{"text": TEXTS[0]}])
+    run_generate(config(model_dir, data, tmp_path / "out", "text.loss_on_prompt=false"))
+    rows = read_rows(tmp_path / "out")
+    ids = tokenizer(TEXTS[0], add_special_tokens=False)["input_ids"]
+    for row in rows:
+        prompt = [bos, *ids[row["window_start"] : row["window_start"] + 12]]
+        reply = greedy_reply(model_dir, prompt, 5)
+        assert (
+            row["completion"]
+            == tokenizer.decode(prompt + reply, skip_special_tokens=True)[len(row["prompt"]) :]
+        )
+        assert tokenizer(row["prompt"])["input_ids"][0] == bos  # what extract will see
