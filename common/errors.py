@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 from safetensors import SafetensorError
 
-from common.durable import OutOfSpaceError
+from common.durable import NO_SPACE_ERRNOS, OutOfSpaceError
 from common.logging import LEVEL_ENV, global_rank
 
 ERROR_DIR_ENV = "DFLASH_ERROR_DIR"
@@ -50,11 +50,8 @@ _USER_ERRNOS = {
     errno.EEXIST,
     errno.ENOTEMPTY,
     errno.EROFS,
-    errno.ENOSPC,
-    errno.EFBIG,
-    errno.EDQUOT,
     errno.EIO,
-}
+} | NO_SPACE_ERRNOS
 
 
 class WorkerError(Exception):

@@ -57,6 +57,13 @@ class InvalidRow(Exception):
         self.reason = reason
         self.detail = detail
 
+    def refusal(self, where: str, index: int) -> ValueError:
+        """The error when rows are not skipped: the data, the row, what is wrong, the fix."""
+        return ValueError(
+            f"data {where} row {index}: {self.detail}; fix or remove the row, or pass "
+            "--set data.on_invalid=skip to skip such rows"
+        )
+
 
 def normalize_conversation(raw: Any, fmt: str) -> list[dict[str, Any]]:
     """A row's `messages` ([{role, content}]) or ShareGPT `conversations` ([{from, value}]) as

@@ -179,10 +179,7 @@ def _tokenize_batch(
             result = InvalidRow("no_loss_tokens", "the row has no loss tokens after tokenization")
         if isinstance(result, InvalidRow):
             if not skip_invalid:
-                raise ValueError(
-                    f"data {where} row {indices[k]}: {result.detail}; fix or remove the row, "
-                    "or pass --set data.on_invalid=skip to skip such rows"
-                )
+                raise result.refusal(where, indices[k])
             result_ids, result_mask, reason = [], [], result.reason
         else:
             (result_ids, result_mask), reason = result, ""

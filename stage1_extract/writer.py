@@ -11,7 +11,6 @@ Legend: P documents (pieces) of a shard.
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ import numpy as np
 import zarr
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
-from common.durable import commit_folder
+from common.durable import NO_SPACE_ERRNOS, commit_folder
 from common.store import SHARD_ATTR, StoreError, shard_name, shards_dir
 from common.store_files import record_shard_files
 from stage1_extract.host_buffers import ShardBuffers
@@ -48,7 +47,6 @@ class ShardLayout:
 
 # A disk full, a quota, or a file-size limit (`ulimit -f`; SIGXFSZ is ignored so that it shows
 # as EFBIG instead of killing the process): no rerun succeeds until the user makes room.
-NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def no_space_errno(err: BaseException | None) -> int | None:

@@ -5,7 +5,7 @@ rows (checked), and the manifest of provenance whose `content` decides whether a
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, NamedTuple
 
 import datasets
 from transformers import PreTrainedTokenizerBase
@@ -14,9 +14,8 @@ from common.config import to_dict
 from common.generated import FORMAT, VERSION
 from stage1_extract.data import detect_format, load_raw_dataset
 from stage1_extract.fingerprints import weights_fingerprint
-from stage1_extract.store_root import _canonical_path
+from stage1_extract.store_root import _canonical_path, content_key
 from stage1_generate.config import GenerateConfig
-from stage1_generate.output import content_key
 
 
 def load_tokenizer(cfg: GenerateConfig) -> PreTrainedTokenizerBase:
@@ -86,3 +85,17 @@ def build_manifest(cfg: GenerateConfig, raw: datasets.Dataset, fmt: str) -> dict
         "num_chunks": -(-len(raw) // cfg.output.rows_per_chunk),
         "complete": False,
     }
+
+
+class Inputs(NamedTuple):
+    """What a process reads before generating: the tokenizer and the checked source rows."""
+
+    tokenizer: PreTrainedTokenizerBase
+    raw: datasets.Dataset
+    fmt: str
+    column: str
+
+
+def read_inputs(cfg: GenerateConfig) -> Inputs:
+    tokenizer = load_tokenizer(cfg)
+    return Inputs(tokenizer, *check_inputs(cfg, tokenizer))

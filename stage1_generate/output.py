@@ -15,7 +15,6 @@ The folder's hidden entries are skipped by extract's data loader.
 from __future__ import annotations
 
 import gzip
-import hashlib
 import json
 import os
 import shutil
@@ -29,10 +28,6 @@ from common.generated import META_DIR, manifest_path, read_manifest
 from common.locks import exclusive_lock
 
 LOCK_FILE = ".dflash-generate.lock"  # hidden: extract's data loader skips it
-
-
-def content_key(parts: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

@@ -131,10 +131,8 @@ def _check_fits(backend: Backend, prompt: list[int], max_new: int) -> None:
 
 def _invalid(cfg: GenerateConfig, index: int, err: InvalidRow, result: ChunkResult) -> None:
     if cfg.data.on_invalid != "skip":
-        raise ValueError(
-            f"data {cfg.data.path} row {index}: {err.detail}; fix or remove the row, or pass "
-            "--set data.on_invalid=skip to skip such rows (finished chunks are kept)"
-        )
+        refusal = err.refusal(cfg.data.path, index)
+        raise ValueError(f"{refusal} (finished chunks are kept)")
     result.skipped[err.reason] += 1
 
 

@@ -39,7 +39,7 @@ from common.distributed import (
 from common.generated import read_manifest
 from common.logging import get_logger, init_logger
 from stage1_generate.config import GenerateConfig
-from stage1_generate.inputs import build_manifest, check_inputs, load_tokenizer
+from stage1_generate.inputs import Inputs, build_manifest, read_inputs
 from stage1_generate.output import (
     check_output_folder,
     chunk_stats,
@@ -80,12 +80,13 @@ def _make_backend(
     )
 
 
-def _generate_chunks(cfg: GenerateConfig, ctx: WorkerContext, devices: list[str]) -> None:
+def _generate_chunks(
+    cfg: GenerateConfig, ctx: WorkerContext, devices: list[str], inputs: Inputs
+) -> None:
     """Generate and commit this process's chunks that are not done yet."""
     log = get_logger()
     out = Path(cfg.output.out).expanduser()
-    tokenizer = load_tokenizer(cfg)
-    raw, fmt, column = check_inputs(cfg, tokenizer)
+    tokenizer, raw, fmt, column = inputs
     per_chunk = cfg.output.rows_per_chunk
     num_chunks = -(-len(raw) // per_chunk)
     done = done_chunks(out)
@@ -141,21 +142,29 @@ def _generate_chunks(cfg: GenerateConfig, ctx: WorkerContext, devices: list[str]
     )
 
 
-def _worker(cfg: GenerateConfig, devices: list[str], error_dir: str, prepared: bool) -> None:
+def _worker(
+    cfg: GenerateConfig,
+    devices: list[str],
+    error_dir: str,
+    prepared: bool,
+    inputs: Inputs | None = None,
+) -> None:
     """One process. `prepared`: the launcher prepared the folder and will finalize it; else
-    (under torchrun) rank 0 does both, around barriers."""
+    (under torchrun) rank 0 does both, around barriers. `inputs`: already read by the caller
+    when this runs in its process."""
     init_logger()
     ctx = init_worker(devices, timeout=BARRIER_TIMEOUT)
     try:
+        inputs = inputs or read_inputs(cfg)
         with ExitStack() as lock:
             if not prepared:  # under torchrun: rank 0 holds the lock for the run
                 if ctx.is_main:
                     out = Path(cfg.output.out).expanduser()
                     check_output_folder(out, cfg.output.overwrite)
                     lock.enter_context(output_lock(out))
-                    _prepare(cfg)
+                    _prepare(cfg, inputs)
                 barrier()
-            _generate_chunks(cfg, ctx, devices)
+            _generate_chunks(cfg, ctx, devices, inputs)
             if not prepared:
                 barrier()
                 if ctx.is_main:
@@ -183,10 +192,8 @@ def summarize(out: Path, num_chunks: int) -> dict[str, Any]:
     return {**dict(totals), "skipped": dict(skipped)}
 
 
-def _prepare(cfg: GenerateConfig) -> None:
-    tokenizer = load_tokenizer(cfg)
-    raw, fmt, _ = check_inputs(cfg, tokenizer)
-    manifest = build_manifest(cfg, raw, fmt)
+def _prepare(cfg: GenerateConfig, inputs: Inputs) -> None:
+    manifest = build_manifest(cfg, inputs.raw, inputs.fmt)
     prepare_output(Path(cfg.output.out).expanduser(), manifest, cfg.output.overwrite)
 
 
@@ -223,10 +230,11 @@ def run_generate(cfg: GenerateConfig) -> dict[str, Any] | None:
         check_output_folder(out, cfg.output.overwrite)
         with output_lock(out):
             # checked and prepared here, so user errors stay ValueErrors of this process
-            _prepare(cfg)
+            inputs = read_inputs(cfg)
+            _prepare(cfg, inputs)
             try:
-                if len(devices) == 1:
-                    _worker(cfg, devices, error_dir, prepared=True)
+                if len(devices) == 1:  # in this process: the inputs are read once
+                    _worker(cfg, devices, error_dir, True, inputs)
                 else:
                     launch(_worker, devices, cfg, devices, error_dir, True)
             except Exception as err:
