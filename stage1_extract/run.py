@@ -62,7 +62,12 @@ def _extract_shards(job: ExtractJob, ctx: WorkerContext, devices: list[str]) -> 
     # the writers start before the target loads, so their start-up overlaps the load
     writer = ShardWriter(
         job.store,
-        ShardLayout(cfg.packing.seq_len, cfg.store.chunk_tokens, cfg.store.compression_level),
+        ShardLayout(
+            cfg.packing.seq_len,
+            cfg.store.chunk_tokens,
+            cfg.store.compression_level,
+            cfg.store.byte_shuffle,
+        ),
         cfg.run.writer_processes,
         cfg.run.writer_threads,
         len(todo),

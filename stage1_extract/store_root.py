@@ -53,6 +53,7 @@ _EXPLAINED = [
     ("sequences_per_shard", lambda a: a["sequences_per_shard"]),
     ("dataset", lambda a: {k: a["dataset"][k] for k in ("path", "split", "name", "num_rows")}),
     ("extract_config.packing", lambda a: a["extract_config"]["packing"]),
+    # (not byte_shuffle: it changes codecs only, and shards of both kinds read alike)
     (
         "extract_config.store",
         lambda a: {

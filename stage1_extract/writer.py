@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import zarr
-from zarr.codecs import Crc32cCodec, ZstdCodec
+from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
 from common.durable import NO_SPACE_ERRNOS, commit_folder
 from common.store import SHARD_ATTR, StoreError, shard_name, shards_dir
@@ -43,6 +43,34 @@ class ShardLayout:
     seq_len: int
     chunk_tokens: int
     compression_level: int
+    byte_shuffle: bool = False
+
+
+# Arrays of floats of 2 or more bytes: their exponent bytes repeat, their mantissa bytes do
+# not, and zstd sees them interleaved. Grouping byte k of every element first (Blosc's byte
+# shuffle) lets it find the repeats: pystd-28m's bf16 hidden states 1.90x instead of 1.53x,
+# top-k logits 1.56x instead of 1.38x, and the chunks decode faster (less to decompress).
+# Blosc splits a chunk into blocks compressed apart; blocks under ~1 MiB lost most of the gain.
+SHUFFLED_ARRAYS = ("hidden", "topk_logits", "logsumexp", "logits")
+BLOSC_BLOCK_BYTES = 1 << 20
+
+
+def chunk_codecs(name: str, itemsize: int, layout: ShardLayout) -> list[Any]:
+    """The bytes-to-bytes codecs of one array's chunks. Every chunk is checksummed: a flipped
+    bit on disk must fail to decode, not train silently (Blosc has no checksum: crc32c)."""
+    level = layout.compression_level
+    if not level:
+        return [Crc32cCodec()]
+    if layout.byte_shuffle and itemsize > 1 and name in SHUFFLED_ARRAYS:
+        blosc = BloscCodec(
+            cname="zstd",
+            clevel=level,
+            shuffle="shuffle",
+            typesize=itemsize,
+            blocksize=BLOSC_BLOCK_BYTES,
+        )
+        return [blosc, Crc32cCodec()]
+    return [ZstdCodec(level=level, checksum=True)]
 
 
 # A disk full, a quota, or a file-size limit (`ulimit -f`; SIGXFSZ is ignored so that it shows
@@ -72,9 +100,6 @@ def write_shard(store: Path, task: ShardTask, buffers: ShardBuffers, layout: Sha
             "target.dtype and the model weights"
         )
     arrays = buffers.sequence_arrays(task.num_sequences, layout.seq_len)
-    # every chunk checksummed: a flipped bit on disk must fail to decode, not train silently
-    level = layout.compression_level
-    compressors = ZstdCodec(level=level, checksum=True) if level else Crc32cCodec()
     tok_chunk = min(layout.chunk_tokens, layout.seq_len)
     shard_tokens = -(-layout.seq_len // tok_chunk) * tok_chunk
     try:
@@ -86,13 +111,14 @@ def write_shard(store: Path, task: ShardTask, buffers: ShardBuffers, layout: Sha
                 data=data,
                 chunks=(1, tok_chunk, *trailing),
                 shards=(task.num_sequences, shard_tokens, *trailing),
-                compressors=compressors,
+                compressors=chunk_codecs(name, data.dtype.itemsize, layout),
                 # zarr's default compares every chunk with the fill value to skip empty ones:
                 # a full extra pass over the data that made writes ~1.7x slower (bench/zarr_write.py)
                 config={"write_empty_chunks": True},
             )
         for name, data in task.documents.items():
-            group.create_array(name, data=data, chunks=data.shape, compressors=compressors)
+            codecs = chunk_codecs(name, data.dtype.itemsize, layout)
+            group.create_array(name, data=data, chunks=data.shape, compressors=codecs)
         _verify(tmp, arrays, task)
         record_shard_files(tmp)
         commit_folder(tmp, final)

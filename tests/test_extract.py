@@ -346,13 +346,18 @@ def test_store_from_before_fingerprints_still_resumes(existing_store, qwen3_stor
     assert result.exit_code == 0, result.output
 
 
-@pytest.mark.parametrize("level", [1, 0])
-def test_a_flipped_byte_in_a_shard_fails_to_decode(level, tiny_qwen3, tmp_path):
+@pytest.mark.parametrize(("level", "shuffle"), [(1, True), (1, False), (0, True)])
+def test_a_flipped_byte_in_a_shard_fails_to_decode(level, shuffle, tiny_qwen3, tmp_path):
     out = tmp_path / "store"
     extra = ("target.tapped_layers=[0,1,3]", "data.max_samples=2")
     run_extract(
         make_config(
-            tiny_qwen3, write_data(tmp_path), out, *extra, f"store.compression_level={level}"
+            tiny_qwen3,
+            write_data(tmp_path),
+            out,
+            *extra,
+            f"store.compression_level={level}",
+            f"store.byte_shuffle={str(shuffle).lower()}",
         )
     )
     hidden = out / "shards" / "shard-000000" / "hidden"
@@ -473,3 +478,36 @@ def test_content_key_of_next_fit_stores_is_unchanged_by_the_strategy_option() ->
     older = {"seq_len": 64, "overlong": "split"}  # written before packing.strategy existed
     assert key({**older, "strategy": "next_fit"}) == key(older)
     assert key({**older, "strategy": "best_fit"}) != key(older)
+
+
+def _codec_names(array: zarr.Array) -> list[str]:
+    """The chunk codecs inside the sharding codec, by name."""
+    (sharding,) = array.metadata.codecs
+    return [type(c).__name__ for c in sharding.codecs]
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_byte_shuffle_codecs_and_identical_contents(shuffle, tiny_qwen3, tmp_path):
+    """byte_shuffle changes how float arrays are compressed, never what reads back."""
+    data = write_data(tmp_path)
+    stores = {}
+    for flag in (shuffle, not shuffle):
+        out = tmp_path / f"store-{flag}"
+        extra = ("target.tapped_layers=[0,1,3]", "data.max_samples=3", "target.dtype=float32")
+        run_extract(
+            make_config(tiny_qwen3, data, out, *extra, f"store.byte_shuffle={str(flag).lower()}")
+        )
+        stores[flag] = zarr.open_group(out / "shards" / "shard-000000", mode="r")
+    group = stores[shuffle]
+    for name in ("hidden", "topk_logits", "logsumexp"):
+        codecs = _codec_names(group[name])
+        if shuffle:
+            assert codecs == ["BytesCodec", "BloscCodec", "Crc32cCodec"], (name, codecs)
+            (blosc,) = [c for c in group[name].metadata.codecs[0].codecs if "Blosc" in str(c)]
+            assert blosc.shuffle.value == "shuffle" and blosc.typesize == group[name].dtype.itemsize
+        else:
+            assert codecs == ["BytesCodec", "ZstdCodec"], (name, codecs)
+    assert _codec_names(group["tokens"]) == ["BytesCodec", "ZstdCodec"]  # ints stay zstd
+    other = stores[not shuffle]
+    for name in group.array_keys():
+        np.testing.assert_array_equal(group[name][...], other[name][...], err_msg=name)
