@@ -7,25 +7,37 @@ eager flex_attention and SDPA with the same dense mask: peak memory above the in
 median time of forward and forward+backward (triton do_bench), error vs an fp32 SDPA reference,
 and the cost of building the BlockMask each step. Writes JSON lines to stdout and $OUT.
 
-    python bench/bench_attention.py            # needs a CUDA GPU
+`--sweep` instead times fwd+bwd of flex_attention's own knobs in compiled regions (BlockMask
+tile sizes, kernel_options, anchor orderings; bench/flex_sweep.py), each checked against an fp32
+reference, within `--budget-s` seconds ($OUT/attention_sweep.jsonl). `--device cpu --tiny`
+smoke-runs either mode at a tiny shape; on the CPU flex has no backward, so the sweep times
+the forward only there (and kernel options are not the Triton ones measured on the GPU).
+
+    python bench/bench_attention.py                        # needs a CUDA GPU
+    python bench/bench_attention.py --sweep --budget-s 240 # needs a CUDA GPU
+    python bench/bench_attention.py --sweep --device cpu --tiny --only prescale_qk
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from flex_sweep import VARIANTS, Problem, Sweep  # bench/ is on sys.path: scripts run as bench/x.py
 from torch.nn.attention.flex_attention import create_mask, flex_attention
-from triton.testing import do_bench
 
 from stage2_train.attention import block_attention
 from stage2_train.masks import anchor_block_mask, anchor_block_mask_mod, context_intervals
 
 HQ, HKV, E, CTX, B, A, NUM_DOCS = 32, 8, 128, 8192, 16, 128, 8
 Q, KV = A * B, CTX + A * B
+RESULTS = "bench_attention.jsonl"
 
 
 def emit(record: dict) -> None:
@@ -33,26 +45,52 @@ def emit(record: dict) -> None:
     print(line, flush=True)
     out = os.environ.get("OUT")
     if out:
-        with open(os.path.join(out, "bench_attention.jsonl"), "a") as f:
+        with open(os.path.join(out, RESULTS), "a") as f:
             f.write(line + "\n")
 
 
-def inputs(dev: str) -> tuple:
+def use_tiny_shape() -> None:
+    """4/2 heads of 32, 16 anchors x 16 over 512 context tokens in 3 documents: CPU seconds."""
+    global HQ, HKV, E, CTX, A, NUM_DOCS, Q, KV
+    HQ, HKV, E, CTX, A, NUM_DOCS = 4, 2, 32, 512, 16, 3
+    Q, KV = A * B, CTX + A * B
+
+
+def make_timer(dev: str) -> Callable[[Callable[[], object]], float]:
+    """Median ms of a call: triton's do_bench on the GPU, a host clock on the CPU."""
+    if dev == "cuda":
+        from triton.testing import do_bench
+
+        return lambda fn: do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+    def host_median(fn: Callable[[], object]) -> float:
+        fn()
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    return host_median
+
+
+def inputs(dev: str, dtype: torch.dtype = torch.bfloat16) -> tuple:
     gen = torch.Generator(device="cpu").manual_seed(0)
     cuts = torch.sort(torch.randperm(CTX - 1, generator=gen)[: NUM_DOCS - 1] + 1).values
     doc_S = torch.zeros(CTX, dtype=torch.long)
     for c in cuts.tolist():
         doc_S[c:] += 1
     anchors_A = torch.sort(torch.randperm(CTX - B, generator=gen)[:A] + 1).values
-    mk = dict(device=dev, dtype=torch.bfloat16, requires_grad=True)
+    mk = dict(device=dev, dtype=dtype, requires_grad=True)
     q = torch.randn(1, HQ, Q, E, **mk)
     k = torch.randn(1, HKV, KV, E, **mk)
     v = torch.randn(1, HKV, KV, E, **mk)
-    grad = torch.randn(1, HQ, Q, E, device=dev, dtype=torch.bfloat16)
+    grad = torch.randn(1, HQ, Q, E, device=dev, dtype=dtype)
     return anchors_A.to(dev), doc_S.to(dev), q, k, v, grad
 
 
-def peak_and_time(fn, q, k, v, grad) -> dict:
+def peak_and_time(fn, q, k, v, grad, timer) -> dict:
     def fwd_bwd() -> None:
         q.grad = k.grad = v.grad = None
         fn().backward(grad)
@@ -67,12 +105,95 @@ def peak_and_time(fn, q, k, v, grad) -> dict:
         call()
         torch.cuda.synchronize()
         out[f"{name}_peak_GB"] = round((torch.cuda.max_memory_allocated() - base) / 1e9, 3)
-        out[f"{name}_ms"] = round(do_bench(call, warmup=25, rep=200, return_mode="median"), 3)
+        out[f"{name}_ms"] = round(timer(call), 3)
     return out
 
 
+def run_sweep(args: argparse.Namespace) -> None:
+    """Flex knobs in compiled regions vs the project's region (bench/flex_sweep.py)."""
+    global RESULTS
+    RESULTS = "attention_sweep.jsonl"
+    dev = args.device
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    anchors_A, doc_S, q, k, v, grad = inputs(dev, dtype)
+    if dev != "cuda":  # flex refuses inputs that require grad on the CPU
+        q, k, v = q.detach(), k.detach(), v.detach()
+    lo_A, hi_A = context_intervals(anchors_A, doc_S)
+    problem = Problem(q, k, v, grad, lo_A, hi_A, CTX, B, anchor_block_mask_mod(lo_A, hi_A, CTX, B))
+    emit(
+        {
+            "what": "sweep_setup",
+            "shape": {"HQ": HQ, "HKV": HKV, "E": E, "CTX": CTX, "A": A, "B": B, "docs": NUM_DOCS},
+            "dtype": str(dtype),
+            "device": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "backward": dev == "cuda",
+            "budget_s": args.budget_s,
+            "note": None
+            if dev == "cuda"
+            else "CPU: forward only (flex has no CPU backward); "
+            "Triton kernel options do not apply to the CPU kernel",
+        }
+    )
+    sweep = Sweep(
+        problem,
+        make_timer(dev),
+        emit,
+        backward=dev == "cuda",
+        budget_s=args.budget_s,
+        variant_timeout_s=args.variant_timeout_s,
+    )
+    sweep.run_baseline()
+    if not args.only or any(name.startswith("order_") for name in args.only):
+        sweep.run_orderings()
+    for variant in VARIANTS:
+        if not args.only or variant.name in args.only:
+            sweep.run_variant(variant)
+    summary = sweep.summary()
+    emit(summary)
+    key = summary["metric"]
+    print(f"\n{'variant':<20} {'status':<8} {'tile':<9} {key:>10} {'speedup':>8} {'valid':>6}")
+    for name, r in sweep.results.items():
+        tile = "x".join(map(str, r.get("tile", []))) or "-"
+        ms = r.get(key, "-")
+        print(
+            f"{name:<20} {r.get('status', '-'):<8} {tile:<9} {ms:>10} "
+            f"{r.get('speedup_vs_project', '-'):>8} {str(r.get('valid', '-')):>6}"
+        )
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="time flex's knobs (flex_sweep.py)")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--tiny", action="store_true", help="a tiny shape (CPU smoke)")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=240.0,
+        help="sweep: stop starting variants once this many seconds are spent",
+    )
+    parser.add_argument("--variant-timeout-s", type=float, default=90.0)
+    parser.add_argument(
+        "--only",
+        type=lambda s: s.split(","),
+        default=None,
+        help="sweep: comma-separated variant names (order_* for the orderings)",
+    )
+    args = parser.parse_args()
+    if args.tiny:
+        use_tiny_shape()
+    if args.sweep:
+        run_sweep(args)
+    elif args.device == "cuda":
+        measure_all()
+    else:
+        raise SystemExit("the default mode needs a GPU; on the CPU use --sweep --tiny")
+
+
+def measure_all() -> None:
     dev = "cuda"
+    timer = make_timer(dev)
     anchors_A, doc_S, q, k, v, grad = inputs(dev)
     lo_A, hi_A = context_intervals(anchors_A, doc_S)
     mask_mod = anchor_block_mask_mod(lo_A, hi_A, CTX, B)
@@ -89,9 +210,7 @@ def main() -> None:
     block_mask = anchor_block_mask(lo_A, hi_A, CTX, B)
     torch.cuda.synchronize()
     first = time.perf_counter() - t0
-    build_ms = do_bench(
-        lambda: anchor_block_mask(lo_A, hi_A, CTX, B), warmup=10, rep=100, return_mode="median"
-    )
+    build_ms = timer(lambda: anchor_block_mask(lo_A, hi_A, CTX, B))
     emit(
         {
             "what": "block_mask_build",
@@ -112,7 +231,7 @@ def main() -> None:
     for name, fn in variants.items():
         t0 = time.perf_counter()
         try:
-            record = peak_and_time(fn, q, k, v, grad)
+            record = peak_and_time(fn, q, k, v, grad, timer)
         except Exception as err:  # report, keep measuring the others
             emit({"what": name, "error": f"{type(err).__name__}: {str(err)[:200]}"})
             continue

@@ -14,3 +14,18 @@ QWEN3_8B = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )
+
+# pystd-28m (../shared/models/pystd-28m): the recipe's small real target, Qwen3 architecture
+PYSTD_28M = dict(
+    vocab_size=8192,
+    hidden_size=384,
+    intermediate_size=1536,
+    num_hidden_layers=10,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=4096,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)

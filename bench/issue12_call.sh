@@ -1,0 +1,154 @@
+#!/usr/bin/env bash
+# Issue 12 (training speed) in ONE device call of at most 9 minutes, beside the yardsticks:
+#   attention  .bench/yardstick_attention.py, then `bench/bench_attention.py --sweep`: flex's
+#              BlockMask tiles, kernel_options, anchor orderings in compiled regions (fwd+bwd,
+#              each checked against fp32; budgeted, failures recorded)
+#   train      bench/profile_train_step.py: run.compile_layers false vs true and a torch.profiler
+#              breakdown of ~10 steady steps, pystd shape (8 x 3,072 tokens, mixed), then the
+#              Qwen3-8B drafter shape; .bench/yardstick_train_step.py (8B shape) for the ratio
+# Start the device command with the wheel install line, carry [".whl", ".bench"], timeout 540:
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+#     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site && python3 -m pip install \
+#     -q --no-index --no-deps --no-build-isolation -e . || exit 1; bash bench/issue12_call.sh
+# One GPU: the parts run in the order below until CALL_S seconds (default 500) are spent; each
+# has its own `timeout`, a part that no longer fits is skipped (parts.jsonl says so), and the
+# results are written whatever fails. What one call leaves (on one GPU, expect the 8B parts),
+# a second call runs: PARTS="train_8b yardstick_train train_8b_compiled" bash bench/...
+# Two or more GPUs: two lanes side by side (GPU 0: attention parts, then the 8B step; GPU 1:
+# the pystd step, the training yardstick, the compiled 8B step). SMOKE=1 checks the plumbing
+# on a CPU (tiny shapes, forward-only sweep, no yardsticks). Results in $OUT (6 files):
+#   summary.txt, parts.jsonl, attention_sweep.jsonl, train_profile.jsonl, yardsticks.jsonl,
+#   logs.tgz (every part's log, nvidia-smi, the pystd Chrome trace).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+started=$(date +%s)
+CALL_S=${CALL_S:-500}
+PARTS=${PARTS:-}
+SMOKE=${SMOKE:-0}
+OUT=${OUT:-runs/issue12}
+# logs stay outside $OUT until the end: a call cut short still returns only the few JSONL files
+LOGS=/tmp/issue12-logs-$started
+mkdir -p "$OUT" "$LOGS"
+export OUT PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+INSTALL='python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1;'
+
+record() {  # one line of parts.jsonl
+  echo "$1" >> "$OUT/parts.jsonl"
+  echo "[issue12] $1"
+}
+
+finish() {
+  trap - EXIT INT TERM
+  python3 bench/issue12_summary.py "$OUT" > /dev/null 2>&1 || echo "summary failed" >> "$OUT/summary.txt"
+  cp "$OUT/summary.txt" "$LOGS/" 2>/dev/null
+  tar czf "$OUT/logs.tgz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
+  if (( $(stat -c %s "$OUT/logs.tgz") > 15000000 )); then  # 16 MiB per returned file
+    tar czf "$OUT/logs.tgz" --exclude='trace-*' -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
+  fi
+  cat "$OUT/summary.txt" 2>/dev/null
+  echo "[issue12] took $(( $(date +%s) - started )) s; files: $(ls "$OUT" | tr '\n' ' ')"
+}
+trap finish EXIT
+trap 'exit 143' INT TERM
+
+# part NAME CAP_S COMMAND...: run it under `timeout` (its cap, or what is left of CALL_S)
+part() {
+  local name=$1 cap=$2
+  shift 2
+  if [ -n "$PARTS" ] && [[ " $PARTS " != *" $name "* ]]; then return 0; fi
+  local left=$(( started + CALL_S - $(date +%s) - 15 ))
+  local limit=$(( cap < left ? cap : left ))
+  if (( limit < 45 )); then
+    record "{\"part\": \"$name\", \"status\": \"skipped\", \"reason\": \"${left} s left of CALL_S=${CALL_S}\"}"
+    return 0
+  fi
+  local t0 rc
+  t0=$(date +%s)
+  PART_LIMIT=$limit timeout -k 10 "$limit" "$@" > "$LOGS/$name.log" 2>&1
+  rc=$?
+  local timed_out=false
+  if (( rc == 124 || rc == 137 )); then timed_out=true; fi
+  record "{\"part\": \"$name\", \"rc\": $rc, \"timed_out\": $timed_out, \"limit_s\": $limit, \"wall_s\": $(( $(date +%s) - t0 )), \"gpu\": \"${CUDA_VISIBLE_DEVICES:-all}\"}"
+  if [[ $name == yardstick* ]]; then  # its JSON lines, tagged with the part
+    grep -h '^{' "$LOGS/$name.log" | sed "s/^{/{\"part\": \"$name\", /" >> "$OUT/yardsticks.jsonl"
+  fi
+  tail -n 3 "$LOGS/$name.log" | cut -c1-300
+}
+
+# --- prerequisites: GPU, torch/triton, the project and the wheels installed, the yardsticks ---
+echo "[issue12] expects the device command to start with: $INSTALL"
+nvidia-smi > "$LOGS/nvidia-smi.txt" 2>&1
+problems=$(SMOKE=$SMOKE python3 - <<'EOF' 2>&1
+import os
+problems = []
+gpu = os.environ["SMOKE"] != "1"
+try:
+    import torch
+    if gpu and not torch.cuda.is_available():
+        problems.append("torch sees no CUDA GPU")
+    print("torch", torch.__version__, "GPUs", torch.cuda.device_count(), flush=True)
+    if not torch.__version__.startswith("2.11"):
+        print("note: torch is not 2.11: the option names were checked against 2.11", flush=True)
+except Exception as err:
+    problems.append(f"torch: {err}")
+for mod in ("triton",) * gpu + ("zarr", "stage2_train.trainstep", "common.config"):
+    try:
+        __import__(mod)
+    except Exception as err:
+        problems.append(f"import {mod}: {type(err).__name__}: {err}")
+for path in (".bench/yardstick_attention.py", ".bench/yardstick_train_step.py"):
+    if not os.path.isfile(path):
+        problems.append(f"{path} missing: carry .bench (a copy of ../shared/bench)")
+if problems:
+    print("PROBLEMS: " + "; ".join(problems))
+EOF
+)
+echo "$problems" | tee "$LOGS/check.txt"
+if echo "$problems" | grep -q '^PROBLEMS'; then
+  record "{\"part\": \"check\", \"rc\": 1, \"error\": $(echo "$problems" | grep '^PROBLEMS' | python3 -c 'import json,sys; print(json.dumps(sys.stdin.read().strip()))')}"
+  echo "[issue12] prerequisites missing; the device command must start with: $INSTALL"
+  exit 1
+fi
+gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+
+# --- the parts ---
+if [ "$SMOKE" = 1 ]; then
+  SWEEP=(--device cpu --tiny --only order_random,prescale_qk,q64_kv64,blocks_contiguous)
+  PYSTD=(--shape tiny --device cpu --warmup 1 --steps 2 --profile-steps 2)
+  EIGHT_B=("${PYSTD[@]}")
+else
+  SWEEP=()
+  PYSTD=(--shape pystd)
+  EIGHT_B=(--shape qwen3-8b)
+fi
+attention_parts() {
+  [ "$SMOKE" = 1 ] || part yardstick_attention 120 python3 .bench/yardstick_attention.py
+  part attention_sweep 180 bash -c 'python3 bench/bench_attention.py --sweep "$@" \
+    --budget-s $(( PART_LIMIT - 30 )) --variant-timeout-s 75' sweep "${SWEEP[@]}"
+}
+train_pystd() {
+  part train_pystd 140 python3 bench/profile_train_step.py "${PYSTD[@]}" \
+    --compile-layers both --trace "$LOGS/trace-pystd.json.gz"
+}
+train_8b() {
+  part train_8b 100 python3 bench/profile_train_step.py "${EIGHT_B[@]}" --compile-layers false
+}
+yardstick_train() {
+  [ "$SMOKE" = 1 ] || part yardstick_train 240 python3 .bench/yardstick_train_step.py
+}
+train_8b_compiled() {
+  part train_8b_compiled 150 python3 bench/profile_train_step.py "${EIGHT_B[@]}" \
+    --compile-layers true
+}
+
+if (( gpus >= 2 )); then
+  ( export CUDA_VISIBLE_DEVICES=0; attention_parts; train_8b ) &
+  ( export CUDA_VISIBLE_DEVICES=1; train_pystd; yardstick_train; train_8b_compiled ) &
+  wait
+else
+  attention_parts
+  train_pystd
+  train_8b
+  yardstick_train
+  train_8b_compiled
+fi

@@ -1,0 +1,42 @@
+"""bench/profile_train_step.py runs on the CPU at its tiny shape and bench/issue12_summary.py
+reads what it wrote (no timing asserted: speed is the benchmark's report); the device script
+bench/issue12_call.sh parses. The flex sweep and the GPU kernel categories run only on a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_train_profile_tiny_and_summary(tmp_path: Path) -> None:
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(ROOT / "bench" / "profile_train_step.py"), "--shape", "tiny"]
+    command += ["--device", "cpu", "--compile-layers", "false", "--warmup", "0", "--steps", "1"]
+    command += ["--profile-steps", "1"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(line) for line in (tmp_path / "train_profile.jsonl").open()]
+    setup, step, profile = records
+    assert setup["what"] == "train_setup" and setup["not_scoped"] == []
+    assert step["what"] == "train_step" and step["status"] == "ok" and step["median_step_ms"] > 0
+    assert profile["what"] == "train_profile"
+    # every scope this script wraps around the project's code shows up as its category
+    assert {"mask_build", "lm_head_loss", "attention_fwd", "optimizer"} <= set(
+        profile["categories"]
+    )
+    assert abs(sum(c["share"] for c in profile["categories"].values()) - 1) < 0.01
+
+    (tmp_path / "parts.jsonl").write_text('{"part": "train_pystd", "rc": 0, "wall_s": 9}\n')
+    summary = [sys.executable, str(ROOT / "bench" / "issue12_summary.py"), str(tmp_path)]
+    assert subprocess.run(summary, capture_output=True, timeout=60).returncode == 0
+    text = (tmp_path / "summary.txt").read_text()
+    assert "tiny, compile_layers=False" in text and "train_pystd: ok" in text
+
+
+def test_issue12_call_script_parses() -> None:
+    assert subprocess.run(["bash", "-n", str(ROOT / "bench" / "issue12_call.sh")]).returncode == 0
