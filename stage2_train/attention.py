@@ -1,7 +1,9 @@
 """Attention of the drafter: compiled flex_attention as its own region, or dense SDPA.
 
 `BlockAttention` prepares the anchor-block mask of one packed sequence once (per step, shared
-by every layer) and then runs ``attention(q, k, v)`` for each layer:
+by every layer) and then runs ``attention(q, k, v)`` for each layer. In training the mask's
+tile tables come with the batch (built on CPU by the loader's workers, stage2_train/data.py),
+so preparing the flex mask launches nothing on the device:
 
 - ``flex`` (default on CUDA): ``block_attention``, i.e. flex_attention compiled as its own
   region (``torch.compile(dynamic=False, fullgraph=True)`` behind ``torch.compiler.disable``,
@@ -27,7 +29,14 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
 
-from stage2_train.masks import anchor_block_mask, anchor_block_mask_mod, context_intervals
+from stage2_train.masks import (
+    TILE,
+    MaskTables,
+    anchor_block_mask_mod,
+    anchor_mask_tables,
+    block_mask_from_tables,
+    context_intervals,
+)
 
 Backend = Literal["auto", "flex", "sdpa"]
 
@@ -81,10 +90,18 @@ class BlockAttention:
         document_ids_S: document id of every context position (padding: its own id, e.g. -1).
         block_size: B.
         backend: "flex", "sdpa", or "auto" (flex on CUDA, sdpa elsewhere).
+        tables: the mask's intervals and tile tables of these anchors, already on their
+            device (the loader builds them on CPU: `Batch.mask_tables`); None builds them
+            here, on the anchors' device.
     """
 
     def __init__(
-        self, anchors_A: Tensor, document_ids_S: Tensor, block_size: int, backend: Backend = "auto"
+        self,
+        anchors_A: Tensor,
+        document_ids_S: Tensor,
+        block_size: int,
+        backend: Backend = "auto",
+        tables: MaskTables | None = None,
     ) -> None:
         if backend == "auto":
             backend = "flex" if anchors_A.device.type == "cuda" else "sdpa"
@@ -94,18 +111,22 @@ class BlockAttention:
         self.context_len = document_ids_S.numel()
         self.block_size = block_size
         self.num_queries = anchors_A.numel() * block_size
-        self.ctx_lo_A, self.ctx_hi_A = context_intervals(anchors_A, document_ids_S)
-        self.mask_mod = anchor_block_mask_mod(
-            self.ctx_lo_A, self.ctx_hi_A, self.context_len, block_size
-        )
+        kv_len = self.context_len + self.num_queries
+        if tables is None:
+            ctx_lo_A, ctx_hi_A = context_intervals(anchors_A, document_ids_S)
+        else:  # the same anchors' tables: their tile grid fits these shapes
+            grid = (-(-self.num_queries // TILE), -(-kv_len // TILE))
+            assert tuple(tables.kv_indices.shape[-2:]) == grid, (tables.kv_indices.shape, grid)
+            ctx_lo_A, ctx_hi_A = tables.ctx_lo_A, tables.ctx_hi_A
+        self.ctx_lo_A, self.ctx_hi_A = ctx_lo_A, ctx_hi_A
+        self.mask_mod = anchor_block_mask_mod(ctx_lo_A, ctx_hi_A, self.context_len, block_size)
         self.block_mask: BlockMask | None = None
         self.mask_1QK: Tensor | None = None
         if backend == "flex":
-            self.block_mask = anchor_block_mask(
-                self.ctx_lo_A, self.ctx_hi_A, self.context_len, block_size
-            )
+            if tables is None:
+                tables = anchor_mask_tables(ctx_lo_A, ctx_hi_A, self.context_len, block_size)
+            self.block_mask = block_mask_from_tables(tables, self.context_len, block_size)
         else:
-            kv_len = self.context_len + self.num_queries
             self.mask_1QK = create_mask(
                 self.mask_mod, 1, 1, self.num_queries, kv_len, device=anchors_A.device
             )

@@ -13,6 +13,8 @@ however many loader workers there are, or logs and counts it (`skip`).
 
 fp8 stores (FORMAT.md) travel as their uint8 bits plus the fp32 scales, and are decoded on the
 training device (stage2_train/step.py): half the host-to-device bytes, no host CPU spent on it.
+The attention mask goes the other way: collate builds its tile tables here, in the workers
+(a few ms of CPU), so the training stream launches nothing to prepare it (masks.MaskTables).
 
 Anchors of sequence g in epoch e come from a generator seeded by (seed, e, g), so a resumed run
 samples exactly what the uninterrupted one would have. Padding items (plan.py) are real
@@ -53,6 +55,7 @@ from stage2_train.anchors import (
     pad_anchors,
     sample_anchors,
 )
+from stage2_train.masks import MaskTables, anchor_mask_tables, context_intervals
 from stage2_train.plan import ItemKey
 
 SEQUENCE_FIELDS = ("tokens", "loss_mask", "position_ids", "document_ids", "target_argmax", "hidden")
@@ -85,6 +88,7 @@ class Batch:
     topk_ids_ABk: torch.Tensor | None = None
     topk_logprobs_ABk: torch.Tensor | None = None
     hidden_scale_TK: torch.Tensor | None = None  # float32, fp8 stores only
+    mask_tables: MaskTables | None = None  # the attention mask of anchors_A, built by collate
     damaged: tuple[str, ...] = ()  # one line per unreadable sequence, read as a blank item
 
     def pin_memory(self) -> Batch:
@@ -99,6 +103,8 @@ class Batch:
 
 
 def _apply(value: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+    if isinstance(value, MaskTables):
+        return MaskTables(*(_apply(t, method, *args, **kwargs) for t in value))
     return getattr(value, method)(*args, **kwargs) if isinstance(value, torch.Tensor) else value
 
 
@@ -252,7 +258,8 @@ class StoreSequences(torch.utils.data.Dataset):
 
 def collate(items: list[dict[str, Any]]) -> Batch:
     """Lay the sequences end to end; shift anchors, make document ids batch-unique, and move
-    every padding anchor (-1) behind the real ones, as the attention mask expects."""
+    every padding anchor (-1) behind the real ones, as the attention mask expects; then build
+    that mask's tile tables (on CPU, in the loader's worker)."""
     S = items[0]["tokens_S"].shape[0]
     doc_parts, anchor_parts, next_doc = [], [], 0
     for i, item in enumerate(items):
@@ -267,6 +274,11 @@ def collate(items: list[dict[str, Any]]) -> Batch:
         anchor_parts.append(torch.where(anchors_A >= 0, anchors_A + i * S, -1))
     anchors_A = torch.cat(anchor_parts)
     order_A = torch.argsort((anchors_A < 0).to(torch.int8), stable=True)
+    anchors_A = anchors_A[order_A]
+    document_ids_T = torch.cat(doc_parts)
+    block_size = items[0]["labels_AB"].shape[1]
+    ctx_lo_A, ctx_hi_A = context_intervals(anchors_A, document_ids_T)
+    tables = anchor_mask_tables(ctx_lo_A, ctx_hi_A, document_ids_T.numel(), block_size)
 
     def blocks(name: str) -> torch.Tensor:
         return torch.cat([item[name] for item in items])[order_A]
@@ -277,14 +289,15 @@ def collate(items: list[dict[str, Any]]) -> Batch:
         indices=torch.tensor([item["index"] for item in items]),
         tokens_T=torch.cat([item["tokens_S"] for item in items]),
         position_ids_T=torch.cat([item["position_ids_S"] for item in items]),
-        document_ids_T=torch.cat(doc_parts),
+        document_ids_T=document_ids_T,
         hidden_TKD=torch.cat([item["hidden_SKD"] for item in items]),
-        anchors_A=anchors_A[order_A],
+        anchors_A=anchors_A,
         labels_AB=blocks("labels_AB"),
         weights_AB=blocks("weights_AB"),
         topk_ids_ABk=blocks("topk_ids_ABk") if distill else None,
         topk_logprobs_ABk=blocks("topk_logprobs_ABk") if distill else None,
         hidden_scale_TK=torch.cat([item["hidden_scale_SK"] for item in items]) if scaled else None,
+        mask_tables=tables,
         damaged=tuple(item["damaged"] for item in items if item.get("damaged")),
     )
 

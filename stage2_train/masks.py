@@ -1,4 +1,4 @@
-"""The DFlash anchor-block attention mask: a mask_mod factory and a direct BlockMask builder.
+"""The DFlash anchor-block attention mask: a mask_mod factory and its BlockMask tile tables.
 
 Key/value layout of one packed sequence: ``[context tokens 0..S-1, then A*B block tokens]``;
 query ``q`` is block slot ``q % B`` of anchor ``q // B``. A query of block ``b`` (anchor
@@ -8,8 +8,12 @@ else: never another block, whatever the distance between anchors, and never anot
 document. Padding blocks (anchor -1) see only their own block, so no row is empty.
 
 The mask is written in interval form (per-block ``[lo, hi)`` gathered by the query block
-only): the fastest form measured in notes/performance.md. The BlockMask is built straight
-from those intervals at 128x128 tile granularity, never through the dense token grid.
+only): the fastest form measured in notes/performance.md. The BlockMask's tile tables are
+built straight from those intervals at 128x128 tile granularity, never through the dense token
+grid, as plain tensors (`MaskTables`, `anchor_mask_tables`): in training the loader's workers
+build them on CPU (stage2_train/data.py collate: O(A + QT * KT), a few ms of one core at 8 x
+3,072 tokens and 4,096 blocks of 16), and `block_mask_from_tables` assembles the BlockMask on
+the device without launching a kernel.
 
 Legend: S context (= packed sequence) tokens, A anchors/blocks, B block size, Q = A*B query
 tokens, KV = S + Q key tokens, QT/KT query/key tiles of ``TILE`` tokens.
@@ -18,6 +22,7 @@ tokens, KV = S + Q key tokens, QT/KT query/key tiles of ``TILE`` tokens.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -69,38 +74,59 @@ def anchor_block_mask_mod(
     return dflash_anchor_block
 
 
-def _covers(lo_N: Tensor, hi_N: Tensor, tile_lo_T: Tensor, tile_hi_T: Tensor) -> Tensor:
-    """[N, T]: interval n contains the whole tile t."""
-    return (lo_N[:, None] <= tile_lo_T[None, :]) & (hi_N[:, None] >= tile_hi_T[None, :])
+def _ordered(flags_QK: Tensor) -> tuple[Tensor, Tensor]:
+    """Tile flags [QT, KT] -> (num_blocks [1, 1, QT], indices [1, 1, QT, KT]) int32.
+
+    Each row lists its set tiles first, ascending, then the others, ascending: what
+    create_block_mask's stable argsort gives, here by ranks and one scatter (no sort).
+    """
+    flags_QK = flags_QK.contiguous()  # the q-side lists come from a transposed view
+    seen_QK = flags_QK.cumsum(-1)  # set tiles at or before each column
+    num_Q = seen_QK[:, -1]
+    cols_K = torch.arange(flags_QK.size(1), device=flags_QK.device)
+    # set tile: its rank among set tiles; other tile: num + its rank among the others
+    slot_QK = torch.where(flags_QK, seen_QK - 1, num_Q[:, None] + cols_K - seen_QK)
+    idx_QK = torch.empty(flags_QK.shape, dtype=torch.int32, device=flags_QK.device)
+    idx_QK.scatter_(-1, slot_QK, cols_K.to(torch.int32).expand_as(idx_QK))
+    return num_Q.to(torch.int32)[None, None], idx_QK[None, None]
 
 
-def _touches(lo_N: Tensor, hi_N: Tensor, tile_lo_T: Tensor, tile_hi_T: Tensor) -> Tensor:
-    """[N, T]: interval n (possibly empty) shares at least one token with tile t."""
-    nonempty_N = hi_N > lo_N
-    return (
-        nonempty_N[:, None]
-        & (lo_N[:, None] < tile_hi_T[None, :])
-        & (hi_N[:, None] > tile_lo_T[None, :])
-    )
+class MaskTables(NamedTuple):
+    """The anchor-block mask of one packed sequence as plain int32 tensors, nothing built on
+    them: the context intervals the mask_mod reads and the BlockMask's tile lists, kv side
+    (forward) and q side (backward), in the layout BlockMask.from_kv_blocks would produce.
+
+    Pure data, so the loader's workers build it on CPU and `Batch.to` moves it with the batch;
+    `block_mask_from_tables` then assembles the BlockMask on the device without a kernel.
+    """
+
+    ctx_lo_A: Tensor
+    ctx_hi_A: Tensor
+    kv_num_blocks: Tensor  # [1, 1, QT] partial (mask_mod) key tiles of each query tile
+    kv_indices: Tensor  # [1, 1, QT, KT] those tiles first, ascending
+    full_kv_num_blocks: Tensor  # [1, 1, QT] full (all visible) key tiles
+    full_kv_indices: Tensor  # [1, 1, QT, KT]
+    q_num_blocks: Tensor  # [1, 1, KT] the transpose of the partial lists
+    q_indices: Tensor  # [1, 1, KT, QT]
+    full_q_num_blocks: Tensor  # [1, 1, KT] the transpose of the full lists
+    full_q_indices: Tensor  # [1, 1, KT, QT]
 
 
-def _ordered(dense_QK: Tensor) -> tuple[Tensor, Tensor]:
-    """Tile flags [QT, KT] -> (num_blocks [1, 1, QT], indices [1, 1, QT, KT]) int32, ascending."""
-    num_Q = dense_QK.sum(-1, dtype=torch.int32)
-    # A stable sort of the negated flags lists the set tiles first, in ascending order.
-    idx_QK = torch.argsort((~dense_QK).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-    return num_Q[None, None], idx_QK[None, None]
-
-
-def anchor_block_mask(
+def anchor_mask_tables(
     ctx_lo_A: Tensor, ctx_hi_A: Tensor, context_len: int, block_size: int
-) -> BlockMask:
-    """BlockMask (B=1, H=None) of the anchor-block mask, built from the intervals directly.
+) -> MaskTables:
+    """The tile tables of the anchor-block mask, built from the intervals on their device.
 
-    Cost is O(A * (QT + KT)) small tensor ops on the anchors' device, not O(Q * KV): the
-    token grid is never materialised. Tiles are classified exactly like create_block_mask
-    (partial = some but not all allowed; full = all 128x128 allowed, padding counts as
-    masked), so the result equals create_block_mask's for the same mask_mod.
+    O(A + QT * KT), never the token grid nor an [A, KT] table: the rows of query tile i
+    belong to a run of consecutive blocks, so what those rows see is summarised per tile.
+    Tile (i, k) is touched if some block's context or own slots share a token with key tile
+    k (the context intervals by a difference array over key tiles, the own slots of a run
+    being one interval). It is full if every row sees all of it, i.e. if the intersection
+    of the run's context intervals, or of its own-slot intervals, contains it: a row's two
+    intervals never meet (hi = anchor < S <= own_lo, token S-1 seen by none), so one of them
+    alone must cover the tile. Tiles are classified exactly like create_block_mask (partial
+    = some but not all allowed; full = all 128x128 allowed, padding rows and keys count as
+    masked), so the tables equal create_block_mask's for the same mask_mod.
     """
     device = ctx_lo_A.device
     num_blocks = ctx_lo_A.numel()
@@ -108,42 +134,84 @@ def anchor_block_mask(
     kv_len = context_len + q_len
     n_q_tiles = -(-q_len // TILE)
     n_kv_tiles = -(-kv_len // TILE)
-
     kv_tile_lo_K = torch.arange(n_kv_tiles, device=device) * TILE
     kv_tile_hi_K = kv_tile_lo_K + TILE
-    lo_A, hi_A = ctx_lo_A.long(), ctx_hi_A.long()
-    own_lo_A = context_len + torch.arange(num_blocks, device=device) * block_size
-    own_hi_A = own_lo_A + block_size
 
-    touch_AK = _touches(lo_A, hi_A, kv_tile_lo_K, kv_tile_hi_K) | _touches(
-        own_lo_A, own_hi_A, kv_tile_lo_K, kv_tile_hi_K
-    )
-    # The two intervals of a block never touch (hi = anchor <= S - 2 < S <= own_lo), so a
-    # tile is covered by their union only if one of them covers it alone.
-    cover_AK = _covers(lo_A, hi_A, kv_tile_lo_K, kv_tile_hi_K) | _covers(
-        own_lo_A, own_hi_A, kv_tile_lo_K, kv_tile_hi_K
-    )
+    # Query tiles of each block's rows: one when B divides TILE, else up to `span` (clamped
+    # repeats are harmless below: max, min and "touched" are idempotent).
+    span = 1 if TILE % block_size == 0 else (block_size - 1) // TILE + 2
+    block_A = torch.arange(num_blocks, device=device)
+    first_A = block_A * block_size // TILE
+    last_A = ((block_A + 1) * block_size - 1) // TILE
+    tile_N = torch.minimum(
+        first_A[:, None] + torch.arange(span, device=device), last_A[:, None]
+    ).flatten()
+    lo_N = ctx_lo_A.long().repeat_interleave(span)
+    hi_N = ctx_hi_A.long().repeat_interleave(span)
 
-    # member_QA: query tile i holds some row of block a.
+    # Context, touched: +1 at the first key tile of each nonempty interval, -1 past its last.
+    diff_QK = torch.zeros(n_q_tiles, n_kv_tiles + 1, dtype=torch.int32, device=device)
+    one_N = (hi_N > lo_N).to(torch.int32)
+    diff_QK.index_put_((tile_N, lo_N // TILE), one_N, accumulate=True)
+    diff_QK.index_put_((tile_N, (hi_N - 1) // TILE + 1), -one_N, accumulate=True)
+    touch_QK = diff_QK.cumsum(-1)[:, :n_kv_tiles] > 0
+    # Context, covered by every row: the intersection [max lo, min hi) of the tile's blocks.
+    # (Every query tile holds some block, so include_self=False never keeps the zeros.)
+    zeros_Q = torch.zeros(n_q_tiles, dtype=torch.long, device=device)
+    meet_lo_Q = zeros_Q.scatter_reduce(0, tile_N, lo_N, "amax", include_self=False)
+    meet_hi_Q = zeros_Q.scatter_reduce(0, tile_N, hi_N, "amin", include_self=False)
+    cover_QK = (meet_lo_Q[:, None] <= kv_tile_lo_K) & (meet_hi_Q[:, None] >= kv_tile_hi_K)
+
+    # Own slots: tile i holds blocks a0..a1, whose slots are [S + a0*B, S + (a1+1)*B) together
+    # and [S + a1*B, S + (a0+1)*B) in common (empty unless a0 == a1).
     q_tile_lo_Q = torch.arange(n_q_tiles, device=device) * TILE
-    member_QA = _touches(
-        own_lo_A - context_len, own_hi_A - context_len, q_tile_lo_Q, q_tile_lo_Q + TILE
-    ).T
-    member_f = member_QA.float()
-    any_QK = (member_f @ touch_AK.float()) > 0
-    uncovered_QK = (member_f @ (~cover_AK).float()) > 0
-    complete_Q = (q_tile_lo_Q + TILE) <= q_len  # padded rows are masked: never a full tile
-    full_QK = any_QK & ~uncovered_QK & complete_Q[:, None]
-    partial_QK = any_QK & ~full_QK
+    a0_Q = q_tile_lo_Q // block_size
+    a1_Q = (torch.clamp(q_tile_lo_Q + TILE, max=q_len) - 1) // block_size
+    union_lo_Q = context_len + a0_Q * block_size
+    union_hi_Q = context_len + (a1_Q + 1) * block_size
+    touch_QK |= (union_lo_Q[:, None] < kv_tile_hi_K) & (union_hi_Q[:, None] > kv_tile_lo_K)
+    meet_lo_Q = context_len + a1_Q * block_size
+    meet_hi_Q = context_len + (a0_Q + 1) * block_size
+    cover_QK |= (meet_lo_Q[:, None] <= kv_tile_lo_K) & (meet_hi_Q[:, None] >= kv_tile_hi_K)
 
-    kv_num, kv_idx = _ordered(partial_QK)
-    full_num, full_idx = _ordered(full_QK)
-    return BlockMask.from_kv_blocks(
-        kv_num,
-        kv_idx,
-        full_num,
-        full_idx,
-        BLOCK_SIZE=TILE,
-        mask_mod=anchor_block_mask_mod(ctx_lo_A, ctx_hi_A, context_len, block_size),
-        seq_lengths=(q_len, kv_len),
+    complete_Q = (q_tile_lo_Q + TILE) <= q_len  # padded rows are masked: never a full tile
+    full_QK = touch_QK & cover_QK & complete_Q[:, None]
+    partial_QK = touch_QK & ~full_QK
+    return MaskTables(
+        ctx_lo_A,
+        ctx_hi_A,
+        *_ordered(partial_QK),
+        *_ordered(full_QK),
+        *_ordered(partial_QK.T),
+        *_ordered(full_QK.T),
     )
+
+
+def block_mask_from_tables(tables: MaskTables, context_len: int, block_size: int) -> BlockMask:
+    """BlockMask (B=1, H=None) of the anchor-block mask from tables already on its device.
+
+    No tensor op runs: the tables are taken as they are (from_kv_blocks would transpose the
+    kv lists on the device; the q lists come ready) and the mask_mod only captures tensors.
+    """
+    q_len = tables.ctx_lo_A.numel() * block_size
+    return BlockMask(
+        seq_lengths=(q_len, context_len + q_len),
+        kv_num_blocks=tables.kv_num_blocks,
+        kv_indices=tables.kv_indices,
+        full_kv_num_blocks=tables.full_kv_num_blocks,
+        full_kv_indices=tables.full_kv_indices,
+        q_num_blocks=tables.q_num_blocks,
+        q_indices=tables.q_indices,
+        full_q_num_blocks=tables.full_q_num_blocks,
+        full_q_indices=tables.full_q_indices,
+        BLOCK_SIZE=(TILE, TILE),
+        mask_mod=anchor_block_mask_mod(tables.ctx_lo_A, tables.ctx_hi_A, context_len, block_size),
+    )
+
+
+def anchor_block_mask(
+    ctx_lo_A: Tensor, ctx_hi_A: Tensor, context_len: int, block_size: int
+) -> BlockMask:
+    """BlockMask of the anchor-block mask, tables built on the intervals' device."""
+    tables = anchor_mask_tables(ctx_lo_A, ctx_hi_A, context_len, block_size)
+    return block_mask_from_tables(tables, context_len, block_size)

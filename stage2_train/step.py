@@ -59,7 +59,9 @@ def forward_batch(
     """The drafter's final hidden states hidden_QD for every block slot of the batch."""
     block_ids_AB = build_block_inputs(batch.anchors_A, batch.tokens_T, block_size, mask_token_id)
     block_inputs_QD = F.embedding(block_ids_AB.flatten(), head.embed_VD)
-    attention = BlockAttention(batch.anchors_A, batch.document_ids_T, block_size, backend)
+    attention = BlockAttention(
+        batch.anchors_A, batch.document_ids_T, block_size, backend, tables=batch.mask_tables
+    )
     dtype = head.embed_VD.dtype
     if batch.hidden_scale_TK is None:
         features_TKD = batch.hidden_TKD.to(dtype)

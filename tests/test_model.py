@@ -16,6 +16,7 @@ from torch._dynamo.utils import counters
 from stage2_train.anchors import block_positions, pad_anchors
 from stage2_train.attention import BlockAttention, block_attention, dense_sdpa_attention
 from stage2_train.config import DrafterConfig
+from stage2_train.masks import MaskTables, anchor_mask_tables, context_intervals
 from stage2_train.model import (
     DFlashDrafter,
     build_block_inputs,
@@ -67,9 +68,11 @@ def make_batch(seed: int = 0):
     }
 
 
-def run(model: DFlashDrafter, b: dict, backend: str) -> torch.Tensor:
+def run(
+    model: DFlashDrafter, b: dict, backend: str, tables: MaskTables | None = None
+) -> torch.Tensor:
     ids_AB = build_block_inputs(b["anchors"], b["tokens"], BSZ, MASK_ID)
-    attention = BlockAttention(b["anchors"], b["docs"], BSZ, backend=backend)
+    attention = BlockAttention(b["anchors"], b["docs"], BSZ, backend=backend, tables=tables)
     return model(
         b["features"],
         b["embed"][ids_AB.flatten()],
@@ -244,6 +247,21 @@ def test_compiled_flex_matches_sdpa(compiled_once) -> None:
             block_attention(q, k, v, flex.block_mask), dense_sdpa_attention(q, k, v, dense.mask_1QK)
         )
     assert counters["stats"]["unique_graphs"] == before, "a new mask recompiled the region"
+
+
+def test_tables_from_the_loader_give_the_same_outputs(compiled_once) -> None:
+    """The mask tables the loader builds on CPU, passed in (as forward_batch does), give the
+    outputs of the tables built by BlockAttention itself, with no new graph."""
+    model, b, flex_out, _ = compiled_once
+    lo_A, hi_A = context_intervals(b["anchors"], b["docs"])
+    tables = anchor_mask_tables(lo_A, hi_A, b["docs"].numel(), BSZ)
+    before = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        torch.testing.assert_close(run(model, b, "flex", tables), flex_out, rtol=0, atol=0)
+        torch.testing.assert_close(
+            run(model, b, "sdpa", tables), run(model, b, "sdpa"), rtol=0, atol=0
+        )
+    assert counters["stats"]["unique_graphs"] == before, "the loader's tables recompiled"
 
 
 def test_flex_refuses_to_run_unfused(compiled_once) -> None:

@@ -17,6 +17,7 @@ from common.store import DOCUMENT_ARRAYS, SEQUENCE_ARRAYS, StoreError, open_stor
 from stage2_train.config import TrainConfig
 from stage2_train.data import StoreSequences, collate, make_loader
 from stage2_train.inputs import check_inputs
+from stage2_train.masks import MaskTables, anchor_mask_tables, context_intervals
 from stage2_train.plan import EpochPlan, HoldoutSampler, PlanSampler, split_store
 
 
@@ -130,6 +131,20 @@ def test_collate_concatenates_without_crossing_sequences(store: Path) -> None:
             if w_B[k] > 0:
                 assert labels_B[k] == batch.tokens_T[a + k]
                 assert batch.document_ids_T[a + k] == batch.document_ids_T[a]
+
+
+def test_loader_batches_carry_the_mask_tables_of_their_anchors(store: Path) -> None:
+    """A worker's collate builds the attention mask's tables (crossing the process boundary
+    with the batch); they are those of the batch's own anchors and documents."""
+    ds = _dataset(store)
+    sampler = PlanSampler(EpochPlan(10, 1, 0, 2, 1, seed=0))
+    loader = make_loader(ds, sampler, num_workers=1, prefetch=2, pin_memory=False)
+    batch = next(iter(loader))
+    assert isinstance(batch.mask_tables, MaskTables)
+    lo_A, hi_A = context_intervals(batch.anchors_A, batch.document_ids_T)
+    want = anchor_mask_tables(lo_A, hi_A, batch.document_ids_T.numel(), 4)
+    for name, got, expected in zip(MaskTables._fields, batch.mask_tables, want, strict=True):
+        assert torch.equal(got, expected), name
 
 
 def test_loader_workers_open_shards_lazily_and_match(store: Path) -> None:
