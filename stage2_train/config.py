@@ -172,6 +172,14 @@ class TrainRunConfig:
         "also torch.compile each drafter layer (fixed shapes, attention stays its own region): "
         "fuses norms, RoPE and the MLP; costs a longer first step",
     )
+    fp8_linear: Literal["tensorwise", "rowwise"] | None = doc(
+        None,
+        "fp8 matmuls in the drafter's linear layers (torchao float8 training, pip install "
+        "'dflash-offline[fp8]'; a GPU of compute capability >= 8.9, best with "
+        "run.compile_layers=true, which fuses the casts; emulated on the CPU, for tests): "
+        "tensorwise = one scale per tensor, rowwise = one per row; weights, checkpoints, "
+        "evaluations and the export are those of a run without it; null = off",
+    )
     log_every: int = doc(10, "steps between log lines")
     eval_every: int = doc(500, "steps between held-out evaluations (0 = only at the end)")
     checkpoint_every: int = doc(1000, "steps between checkpoints (0 = only at the end)")

@@ -6,7 +6,8 @@ A rerun of `dflash train --out RUN` compares its config with the checkpoint's, f
   what the saved data position means, the parameter dtype), and another store or world size,
   are refused, listing `field: old -> new`;
 - fields that steer only how the run executes (`FREE_ON_RESUME`) may differ freely;
-- every other field (lr, schedule, steps, loss, anchors) is refused the same way unless
+- every other field (lr, schedule, steps, loss, anchors, `run.fp8_linear`: it changes the
+  arithmetic, not the saved state) is refused the same way unless
   `--allow-config-change` (`run.allow_config_change`), which applies each and logs it: the
   optimizer's lr, betas and weight decay, and the schedule's peak lr, warmup, floor and length
   all follow the new config from the resumed step on.

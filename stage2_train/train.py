@@ -38,6 +38,7 @@ from stage2_train.config import TrainConfig
 from stage2_train.data import StoreSequences, count_damaged, make_loader
 from stage2_train.export import export_drafter, mask_token_string
 from stage2_train.follow import FollowHoldout, FollowPlan, check_stream_position, wait_for_store
+from stage2_train.fp8 import check_fp8_installed, convert_to_fp8, plain_twin
 from stage2_train.inputs import check_inputs
 from stage2_train.metrics import MetricsWriter, format_line, memory_gb
 from stage2_train.model import DFlashDrafter
@@ -59,6 +60,7 @@ def run_train(cfg: TrainConfig) -> None:
     if info.complete:  # (--follow before completion: each sequence's files after its read)
         check_store_files(info)  # a deleted or cut file reads as zeros: caught before step 1
     check_trackers(cfg.run.report_to)  # a missing package fails here, not in a worker
+    check_fp8_installed(cfg.run.fp8_linear)
     devices = parse_devices(cfg.run.devices)
     Path(cfg.run.out).mkdir(parents=True, exist_ok=True)
     launch(_worker, devices, cfg, devices)
@@ -90,6 +92,11 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
     if cfg.drafter.init_norm_from_target:  # a resumed run loads its own value over it
         with torch.no_grad():
             model.norm.weight.copy_(head.final_norm_D)
+    # evaluations run the drafter as served (no fp8), through the same parameters
+    served = model
+    if cfg.run.fp8_linear is not None:  # swapped before compile and DDP see the layers
+        convert_to_fp8(model, cfg.run.fp8_linear, device)
+        served = plain_twin(model)
     if cfg.run.compile_layers:  # Module.compile keeps the parameter names (no _orig_mod.)
         model.compile_layers()
     ddp = model
@@ -168,7 +175,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
             return {}
         with compute_context(cfg.run.dtype, device):
             chained = chained_tau_on_store(
-                model,
+                served,
                 head,
                 dev_info,
                 block_size=B,
@@ -182,7 +189,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
     def run_eval() -> dict[str, Any]:
         with compute_context(cfg.run.dtype, device):
             return evaluate(
-                model,
+                served,
                 head,
                 eval_loader,
                 block_size=B,
