@@ -3,6 +3,7 @@
 # extract the same rows once per option and read `dflash inspect --json`. Default data: the
 # first 200 rows of pystd-28m's target-written windows (.carry/gen, from `dflash generate`).
 #   MODEL=.carry/pystd-28m DATA=.carry/gen ROWS=200 DEVICES=cpu bash bench/store_size.sh
+#   OPTIONS="bf16-zstd1-shuffle bf16-zstd1" bash bench/store_size.sh     (a subset)
 # One JSON line per option on stdout (and $OUT/store-size.jsonl when OUT is set).
 set -uo pipefail
 MODEL=${MODEL:-.carry/pystd-28m}
@@ -28,11 +29,16 @@ print(json.dumps({'option': '$name', 'tokens': s['tokens'], 'bytes_per_token': r
   'other_bytes_per_token': round((s['array_bytes_stored'] - hidden) / s['tokens'], 1),
   'compression_ratio': round(s['compression_ratio'], 3)}))" | tee -a "${OUT:-$WORK}/store-size.jsonl"
 }
-option bf16-zstd1
-option bf16-zstd0 --set store.compression_level=0
-option bf16-zstd3 --set store.compression_level=3
-option bf16-zstd9 --set store.compression_level=9
-option fp8-zstd1 --set store.hidden_dtype=float8_e4m3fn
-option fp8-zstd3 --set store.hidden_dtype=float8_e4m3fn --set store.compression_level=3
-option bf16-zstd1-top8 --set verifier.topk=8
-LAYERS='[2,5,8]' option bf16-zstd1-3layers
+# OPTIONS: a space-separated subset of the names below (default: all)
+OPTIONS=${OPTIONS:-all}
+want() { [ "$OPTIONS" = all ] || [[ " $OPTIONS " == *" $1 "* ]]; }
+want bf16-zstd1-shuffle && option bf16-zstd1-shuffle
+want bf16-zstd1 && option bf16-zstd1 --set store.byte_shuffle=false
+want bf16-zstd0 && option bf16-zstd0 --set store.compression_level=0
+want bf16-zstd3-shuffle && option bf16-zstd3-shuffle --set store.compression_level=3
+want bf16-zstd9 && option bf16-zstd9 --set store.compression_level=9 --set store.byte_shuffle=false
+want fp8-zstd1 && option fp8-zstd1 --set store.hidden_dtype=float8_e4m3fn
+want fp8-zstd3 && option fp8-zstd3 --set store.hidden_dtype=float8_e4m3fn --set store.compression_level=3
+want bf16-zstd1-top8 && option bf16-zstd1-top8 --set verifier.topk=8
+want bf16-zstd1-3layers && LAYERS='[2,5,8]' option bf16-zstd1-3layers
+want fp8-zstd1-3layers && LAYERS='[2,5,8]' option fp8-zstd1-3layers --set store.hidden_dtype=float8_e4m3fn
