@@ -2,7 +2,14 @@
 target of a given shape: the batched, length-sorted, KV-cached `generate` that generate runs.
 
     python bench/bench_generate.py --shape qwen3-8b --prompts 512 --batch-size 256   # GPU
+    python bench/bench_generate.py --shape pystd-28m --dtype float32 --equal-lengths \
+        --prompts 2048 --new-tokens 384 --batch-size 1024 --profile      # the recipe's shape
     python bench/bench_generate.py --tiny                                             # CPU check
+
+--profile records the timed run with torch.profiler and writes the ops by self device time
+(and the share of wall time the device was busy) to $OUT/generate-profile.txt: where a decode
+step of the recipe's 28M target goes (fifth/sixth sessions: ~33 ms per step of 1,024 rows,
+which neither its FLOPs nor its KV-cache bytes explain).
 
 Random weights write random tokens, so no reply stops early: every prompt gets exactly
 --new-tokens, the worst case for time. Prints one JSON line (also to $OUT/generate-bench.json).
@@ -11,6 +18,7 @@ Random weights write random tokens, so no reply stops early: every prompt gets e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -18,7 +26,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from shapes import QWEN3_8B  # bench/ is on sys.path: scripts run as bench/x.py
+from shapes import PYSTD_28M, QWEN3_8B  # bench/ is on sys.path: scripts run as bench/x.py
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from stage1_generate.config import SamplingConfig
@@ -26,6 +34,7 @@ from stage1_generate.local_backend import LocalBackend
 
 SHAPES = {
     "qwen3-8b": QWEN3_8B,
+    "pystd-28m": PYSTD_28M,
     "tiny": dict(
         hidden_size=64,
         intermediate_size=128,
@@ -46,11 +55,19 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--batch-tokens", type=int, default=1 << 20)
+    parser.add_argument("--batch-tokens", type=int, default=1 << 22)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: bf16 on GPU")
+    parser.add_argument(
+        "--equal-lengths",
+        action="store_true",
+        help="every prompt exactly --prompt-tokens long (text windows: no padding)",
+    )
+    parser.add_argument("--profile", action="store_true", help="profile the timed run")
     args = parser.parse_args()
     shape = "tiny" if args.tiny else args.shape
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    default = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, args.dtype) if args.dtype else default
     config = Qwen3Config(**{**SHAPES[shape], "max_position_embeddings": 8192}, pad_token_id=0)
     torch.manual_seed(0)
     with device:  # initialised where it runs: an 8B model never passes through host memory
@@ -66,9 +83,8 @@ def main() -> None:
         args.batch_tokens,
     )
     gen = torch.Generator().manual_seed(0)
-    lengths = torch.randint(
-        args.prompt_tokens // 2, args.prompt_tokens + 1, (args.prompts,), generator=gen
-    )
+    low = args.prompt_tokens if args.equal_lengths else args.prompt_tokens // 2
+    lengths = torch.randint(low, args.prompt_tokens + 1, (args.prompts,), generator=gen)
     prompts = [
         torch.randint(1, config.vocab_size - 1, (n,), generator=gen).tolist() for n in lengths
     ]
@@ -76,11 +92,13 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    completions = backend.generate(prompts, args.new_tokens)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    profiler = _profiler(device) if args.profile else contextlib.nullcontext()
+    with profiler:
+        start = time.perf_counter()
+        completions = backend.generate(prompts, args.new_tokens)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
     new = sum(c.num_tokens for c in completions)
     result = {
         "bench": "generate",
@@ -88,7 +106,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "dtype": str(dtype).removeprefix("torch."),
         "prompts": args.prompts,
-        "prompt_tokens": f"{args.prompt_tokens // 2}-{args.prompt_tokens}",
+        "prompt_tokens": f"{low}-{args.prompt_tokens}",
         "new_tokens_each": args.new_tokens,
         "batch_size": args.batch_size,
         "new_tokens": new,
@@ -99,9 +117,32 @@ def main() -> None:
         else None,
         "torch": torch.__version__,
     }
+    if args.profile:
+        result["device_busy_share"] = _write_profile(profiler, device, seconds)
     print(json.dumps(result))
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "generate-bench.json").write_text(json.dumps(result) + "\n")
+
+
+def _profiler(device: torch.device) -> torch.profiler.profile:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities)
+
+
+def _write_profile(profiler: torch.profiler.profile, device: torch.device, seconds: float) -> float:
+    """Write the op table to $OUT/generate-profile.txt (or ./); return device-busy / wall."""
+    events = profiler.key_averages()
+    if device.type == "cuda":
+        sort, busy_us = "self_cuda_time_total", sum(e.self_device_time_total for e in events)
+    else:
+        sort, busy_us = "self_cpu_time_total", sum(e.self_cpu_time_total for e in events)
+    table = events.table(sort_by=sort, row_limit=30)
+    out = Path(os.environ.get("OUT", "."))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "generate-profile.txt").write_text(table + "\n")
+    return round(busy_us / 1e6 / seconds, 3)
 
 
 if __name__ == "__main__":
