@@ -19,7 +19,7 @@
 # the shorter phase is hidden, i.e. at most E / (E + T) of the sequential time when E <= T
 # (summary.json: follow_floor_s, gain_bound). Also in the way: train --follow waits for the
 # first shard before it starts its worker (worker start-up and compile come after it), and
-# looks for new shards every data.follow_poll_s (10 s, the default, kept here).
+# looks for new shards every data.follow_poll_s (2 s, the default since the sixth session).
 # Expected on two H200 (the sixth session's rates: ~31 s of extract start-up, ~240k tokens/s
 # in its loop; ~30 s of train start-up and compile, 82 ms per step):
 #   sequential  extract ~95 s (~5,800 sequences, ~182 shards), train ~155 s (1,500 steps):

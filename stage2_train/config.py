@@ -139,7 +139,9 @@ class TrainDataConfig:
         "with {prompt, completion} rows, then `dflash extract`): every evaluation logs "
         "dev_chained_tau on it, the online tau computed from the store (README)",
     )
-    follow_poll_s: float = doc(10.0, "--follow: seconds between looks for the next shard")
+    follow_poll_s: float = doc(
+        2.0, "--follow: seconds between looks for the next shard (a directory listing each)"
+    )
     follow_timeout_s: float = doc(
         1800.0,
         "--follow: stop with an error after this many seconds without a new shard while no "
