@@ -31,7 +31,36 @@ def init_logger(level: int = logging.INFO) -> logging.Logger:
         logger.addHandler(handler)
         logger.propagate = False
     logger.setLevel(level if global_rank() == 0 else logging.WARNING)
+    if level > logging.DEBUG:
+        quiet_import_noise()
     return logger
+
+
+# Warnings that importing an installed torchao prints on every command (transformers imports
+# it when loading any model), none of them about this run: its optional C++ kernels are built
+# for another CUDA (float8 training does not use them), and torch deprecates how it registers
+# two enums. (logger name, a phrase of the message)
+IMPORT_NOISE = (
+    ("torchao", "Failed to load "),
+    ("torch.utils._pytree", "is an Enum subclass and is now natively supported"),
+)
+
+
+class _DropPhrase(logging.Filter):
+    def __init__(self, phrase: str) -> None:
+        super().__init__()
+        self.phrase = phrase
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.phrase not in record.getMessage()
+
+
+def quiet_import_noise() -> None:
+    """Drop IMPORT_NOISE's records (DFLASH_LOG_LEVEL=DEBUG keeps them)."""
+    for name, phrase in IMPORT_NOISE:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropPhrase) and f.phrase == phrase for f in logger.filters):
+            logger.addFilter(_DropPhrase(phrase))
 
 
 def get_logger() -> logging.Logger:
