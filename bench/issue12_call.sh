@@ -13,7 +13,7 @@
 # One GPU: the parts run in the order below until CALL_S seconds (default 500) are spent; each
 # has its own `timeout`, a part that no longer fits is skipped (parts.jsonl says so), and the
 # results are written whatever fails. What one call leaves (on one GPU, expect the 8B parts),
-# a second call runs: PARTS="train_8b yardstick_train train_8b_compiled" bash bench/...
+# a second call runs: PARTS="train_8b yardstick_train train_8b_compiled train_8b_fp8" bash bench/...
 # Two or more GPUs: two lanes side by side (GPU 0: attention parts, then the 8B step; GPU 1:
 # the pystd step, the training yardstick, the compiled 8B step). SMOKE=1 checks the plumbing
 # on a CPU (tiny shapes, forward-only sweep, no yardsticks). Results in $OUT (6 files):
@@ -140,15 +140,28 @@ train_8b_compiled() {
   part train_8b_compiled 150 python3 bench/profile_train_step.py "${EIGHT_B[@]}" \
     --compile-layers true
 }
+# run.fp8_linear (torchao float8) at the 8B drafter shape, compiled layers (which fuse the
+# casts): only when torchao imports (carry its wheel: ../shared/tools/device-wheels.sh
+# torchao==0.18.0); compare with train_8b_compiled's step
+train_8b_fp8() {
+  if ! python3 -c 'import torchao' > /dev/null 2>&1; then
+    record '{"part": "train_8b_fp8", "skipped": "torchao not installed"}'
+    return 0
+  fi
+  part train_8b_fp8 150 python3 bench/profile_train_step.py "${EIGHT_B[@]}" \
+    --compile-layers true --set run.fp8_linear=rowwise
+}
 
 if (( gpus >= 2 )); then
   ( export CUDA_VISIBLE_DEVICES=0; attention_parts; train_8b ) &
   ( export CUDA_VISIBLE_DEVICES=1; train_pystd; yardstick_train; train_8b_compiled ) &
   wait
+  train_8b_fp8
 else
   attention_parts
   train_pystd
   train_8b
   yardstick_train
   train_8b_compiled
+  train_8b_fp8
 fi

@@ -50,6 +50,7 @@ from common.config import build_config
 from stage2_train.anchors import block_labels, pad_anchors, sample_anchors, training_slot_weights
 from stage2_train.config import TrainConfig
 from stage2_train.data import Batch, collate
+from stage2_train.fp8 import convert_to_fp8
 from stage2_train.model import DFlashDrafter, drafter_shape
 from stage2_train.step import FrozenHead
 from stage2_train.trainstep import StepRunner, run_dtypes
@@ -268,6 +269,9 @@ class Bench:
         torch.manual_seed(cfg.run.seed)
         with self.device:
             self.model = DFlashDrafter(self.shape).to(dtype=param_dtype)
+        if cfg.run.fp8_linear is not None:  # --set run.fp8_linear=rowwise: as train.py does it
+            convert_to_fp8(self.model, cfg.run.fp8_linear, self.device)
+        with self.device:
             scale = 4.0 / hidden**0.5  # logits O(4) for a unit-RMS hidden state, like a real head
             head = FrozenHead(
                 (torch.randn(vocab, hidden) * scale).to(compute_dtype),
