@@ -296,6 +296,23 @@ def test_import_with_verifier_outputs_rebuilds_the_store(
     assert len(rows) == 3 and all(np.isfinite(r["loss"]) for r in rows)
 
 
+def test_import_compresses_like_extract(extracted: Path, tiny_qwen3: Path, tmp_path: Path) -> None:
+    """The import writes the codecs its recorded extract_config names: byte shuffle (the
+    default) for the float arrays, as `dflash extract` does."""
+    write_input(extracted, tmp_path / "in.h5", verifier=True)
+    store = import_store(tmp_path / "in.h5", tmp_path / "store", "--target", tiny_qwen3)
+    assert open_store(store).attrs["extract_config"]["store"]["byte_shuffle"] is True
+
+    def codecs(group: zarr.Group, name: str) -> list[str]:
+        (sharding,) = group[name].metadata.codecs
+        return [type(c).__name__ for c in sharding.codecs]
+
+    mine, theirs = shard(store, 0), shard(extracted, 0)
+    for name in ("hidden", "topk_logits", "logsumexp", "tokens"):
+        assert codecs(mine, name) == codecs(theirs, name), name
+    assert "BloscCodec" in codecs(mine, "hidden")
+
+
 def test_import_computes_the_verifier_from_the_head(extracted: Path, tmp_path: Path) -> None:
     """No verifier outputs, last layer tapped: argmax and top-k from the LM head, from the
     file's /target_head and target_config (no target folder)."""

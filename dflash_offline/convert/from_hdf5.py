@@ -290,7 +290,12 @@ def _write_shards(
     fp8 = cfg.store.hidden_dtype == "float8_e4m3fn"
     slots = cfg.store.sequences_per_shard * cfg.packing.seq_len
     buffers = ShardBuffers.allocate(BufferShape(slots, K, D, cfg.verifier.topk, None, fp8), False)
-    layout = ShardLayout(cfg.packing.seq_len, cfg.store.chunk_tokens, cfg.store.compression_level)
+    layout = ShardLayout(
+        cfg.packing.seq_len,
+        cfg.store.chunk_tokens,
+        cfg.store.compression_level,
+        cfg.store.byte_shuffle,  # as extract does: the codecs the recorded extract_config names
+    )
     try:
         for index in tqdm(range(shards), desc="import", unit="shard", disable=None):
             if index not in done:
