@@ -270,7 +270,12 @@ class Bench:
         with self.device:
             self.model = DFlashDrafter(self.shape).to(dtype=param_dtype)
         if cfg.run.fp8_linear is not None:  # --set run.fp8_linear=rowwise: as train.py does it
-            convert_to_fp8(self.model, cfg.run.fp8_linear, self.device)
+            per_batch = cfg.optim.batch_sequences
+            tokens = (
+                per_batch * seq_len,
+                per_batch * cfg.anchors.num_anchors * cfg.drafter.block_size,
+            )
+            convert_to_fp8(self.model, cfg.run.fp8_linear, self.device, tokens)
         with self.device:
             scale = 4.0 / hidden**0.5  # logits O(4) for a unit-RMS hidden state, like a real head
             head = FrozenHead(

@@ -62,23 +62,32 @@ def fp8_eligible(module: nn.Module, fqn: str) -> bool:
     return out_features % 16 == 0 and in_features % 16 == 0
 
 
-def convert_to_fp8(model: DFlashDrafter, recipe: str, device: torch.device) -> list[str]:
+def convert_to_fp8(
+    model: DFlashDrafter, recipe: str, device: torch.device, num_tokens: tuple[int, int]
+) -> list[str]:
     """Swap `model`'s eligible linear layers for Float8Linear in place (before DDP and
-    compile); returns the names of the layers swapped."""
+    compile); returns the names of the layers swapped. `num_tokens`: the context and block
+    tokens of a micro-batch (T = sequences * seq_len, Q = sequences * anchors * B)."""
     check_fp8_device(recipe, device)
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig.from_recipe_name(recipe)
     if device.type == "cpu":
         config = dataclasses.replace(config, emulate=True)
+    # The weight gradient contracts over the tokens (T, Q or T + Q rows reach a layer), and
+    # the GPU's torch._scaled_mm refuses an inner dim that is not a multiple of 16: such
+    # counts are zero-padded per matmul (a copy, so only when one needs it)
+    if any(n % 16 for n in num_tokens):
+        config = dataclasses.replace(config, pad_inner_dim=True)
     linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     convert_to_float8_training(model, module_filter_fn=fp8_eligible, config=config)
     swapped = [name for name in linears if type(model.get_submodule(name)) is not nn.Linear]
     kept = sorted(set(linears) - set(swapped))
     get_logger().info(
-        "fp8 %s matmuls%s in %d of %d linear layers%s",
+        "fp8 %s matmuls%s%s in %d of %d linear layers%s",
         recipe,
         " (emulated on the CPU)" if config.emulate else "",
+        f" (tokens {num_tokens} padded to multiples of 16)" if config.pad_inner_dim else "",
         len(swapped),
         len(linears),
         f" (dims not multiples of 16, kept: {', '.join(kept)})" if kept else "",

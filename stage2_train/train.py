@@ -95,7 +95,9 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
     # evaluations run the drafter as served (no fp8), through the same parameters
     served = model
     if cfg.run.fp8_linear is not None:  # swapped before compile and DDP see the layers
-        convert_to_fp8(model, cfg.run.fp8_linear, device)
+        b = cfg.optim.batch_sequences
+        tokens = (b * info.seq_len, b * cfg.anchors.num_anchors * B)
+        convert_to_fp8(model, cfg.run.fp8_linear, device, tokens)
         served = plain_twin(model)
     if cfg.run.compile_layers:  # Module.compile keeps the parameter names (no _orig_mod.)
         model.compile_layers()

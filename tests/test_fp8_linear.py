@@ -70,7 +70,7 @@ def test_fp8_linear_rounds_every_operand_as_its_recipe_says(recipe: str) -> None
     pytest.importorskip("torchao")
     torch.manual_seed(0)
     model = DFlashDrafter(SHAPE)
-    convert_to_fp8(model, recipe, CPU)
+    convert_to_fp8(model, recipe, CPU, (32, 32))
     fc = model.fc  # 128 -> 64
 
     def spread(rows: int, cols: int) -> torch.Tensor:
@@ -115,7 +115,7 @@ def test_conversion_keeps_parameters_names_and_state_dict(recipe: str) -> None:
     reference.load_state_dict(model.state_dict())
     before = list(model.named_parameters())
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    swapped = convert_to_fp8(model, recipe, CPU)
+    swapped = convert_to_fp8(model, recipe, CPU, (32, 32))
     assert swapped == linears and len(swapped) == 7 * SHAPE.num_layers + 1
     assert all(type(model.get_submodule(n)) is Float8Linear for n in swapped)
     # the very same Parameter objects under the same names: optimizer, DDP, checkpoints and
@@ -149,10 +149,27 @@ def test_layers_whose_dims_are_not_multiples_of_16_stay_plain() -> None:
     pytest.importorskip("torchao")
     shape = DrafterShape(**{**SHAPE.__dict__, "intermediate_size": 40})
     model = DFlashDrafter(shape)
-    swapped = convert_to_fp8(model, "rowwise", CPU)
+    swapped = convert_to_fp8(model, "rowwise", CPU, (32, 32))
     kept = [n for n, m in model.named_modules() if type(m) is nn.Linear]
     assert kept == [f"layers.{i}.mlp.{p}_proj" for i in range(2) for p in ("gate", "up", "down")]
     assert len(swapped) == 15 - 6 and not set(swapped) & set(kept)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_token_counts_off_multiples_of_16_train_on_a_gpu(recipe: str) -> None:
+    """On a GPU torch._scaled_mm contracts the weight gradient over the tokens, so their count
+    must be a multiple of 16 (the meta device runs CUDA's shape checks; the CPU's emulation
+    has none): a micro-batch whose context or block tokens are not gets them zero-padded."""
+    pytest.importorskip("torchao")
+    meta = torch.device("meta")
+    for tokens, padded in (((64, 32), False), ((24, 32), True), ((64, 40), True)):
+        with meta:
+            model = DFlashDrafter(SHAPE).to(torch.bfloat16)
+        convert_to_fp8(model, recipe, meta, num_tokens=tokens)
+        assert model.fc.config.pad_inner_dim is padded  # no copies when none is needed
+        for layer, rows in ((model.fc, tokens[0]), (model.layers[0].self_attn.k_proj, sum(tokens))):
+            x = torch.empty(rows, layer.in_features, device=meta, dtype=torch.bfloat16)
+            layer(x.requires_grad_()).sum().backward()
 
 
 @pytest.fixture(scope="module")
