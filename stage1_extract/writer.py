@@ -11,12 +11,14 @@ Legend: P documents (pieces) of a shard.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numcodecs.blosc
 import numpy as np
 import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
@@ -53,15 +55,18 @@ class ShardLayout:
 # Blosc splits a chunk into blocks compressed apart; blocks under ~1 MiB lost most of the gain.
 SHUFFLED_ARRAYS = ("hidden", "topk_logits", "logsumexp", "logits")
 BLOSC_BLOCK_BYTES = 1 << 20
+# Blosc refuses a chunk over ~2 GiB (full logits reach it: bf16, vocab 152k, 8192 tokens)
+BLOSC_MAX_BYTES = numcodecs.blosc.MAX_BUFFERSIZE
 
 
-def chunk_codecs(name: str, itemsize: int, layout: ShardLayout) -> list[Any]:
+def chunk_codecs(name: str, itemsize: int, chunk_bytes: int, layout: ShardLayout) -> list[Any]:
     """The bytes-to-bytes codecs of one array's chunks. Every chunk is checksummed: a flipped
     bit on disk must fail to decode, not train silently (Blosc has no checksum: crc32c)."""
     level = layout.compression_level
     if not level:
         return [Crc32cCodec()]
-    if layout.byte_shuffle and itemsize > 1 and name in SHUFFLED_ARRAYS:
+    shuffle = layout.byte_shuffle and itemsize > 1 and name in SHUFFLED_ARRAYS
+    if shuffle and chunk_bytes <= BLOSC_MAX_BYTES:
         blosc = BloscCodec(
             cname="zstd",
             clevel=level,
@@ -106,18 +111,19 @@ def write_shard(store: Path, task: ShardTask, buffers: ShardBuffers, layout: Sha
         group = zarr.open_group(tmp, mode="w", zarr_format=3, attributes={SHARD_ATTR: task.attrs})
         for name, data in arrays.items():
             trailing = data.shape[2:]
+            chunk_bytes = tok_chunk * math.prod(trailing) * data.dtype.itemsize
             group.create_array(
                 name,
                 data=data,
                 chunks=(1, tok_chunk, *trailing),
                 shards=(task.num_sequences, shard_tokens, *trailing),
-                compressors=chunk_codecs(name, data.dtype.itemsize, layout),
+                compressors=chunk_codecs(name, data.dtype.itemsize, chunk_bytes, layout),
                 # zarr's default compares every chunk with the fill value to skip empty ones:
                 # a full extra pass over the data that made writes ~1.7x slower (bench/zarr_write.py)
                 config={"write_empty_chunks": True},
             )
         for name, data in task.documents.items():
-            codecs = chunk_codecs(name, data.dtype.itemsize, layout)
+            codecs = chunk_codecs(name, data.dtype.itemsize, data.nbytes, layout)
             group.create_array(name, data=data, chunks=data.shape, compressors=codecs)
         _verify(tmp, arrays, task)
         record_shard_files(tmp)

@@ -511,3 +511,18 @@ def test_byte_shuffle_codecs_and_identical_contents(shuffle, tiny_qwen3, tmp_pat
     other = stores[not shuffle]
     for name in group.array_keys():
         np.testing.assert_array_equal(group[name][...], other[name][...], err_msg=name)
+
+
+def test_chunks_over_blosc_limit_stay_zstd() -> None:
+    """Blosc refuses a buffer over ~2 GiB, which a chunk of full logits reaches (bf16, vocab
+    152k, chunk_tokens 8192: 2.5 GB): such a chunk is zstd alone, as without byte shuffle."""
+    from stage1_extract.writer import ShardLayout, chunk_codecs
+
+    layout = ShardLayout(8192, 8192, 1, byte_shuffle=True)
+
+    def names(chunk_tokens: int) -> list[str]:
+        codecs = chunk_codecs("logits", 2, chunk_tokens * 152064 * 2, layout)
+        return [type(c).__name__ for c in codecs]
+
+    assert names(1024) == ["BloscCodec", "Crc32cCodec"]
+    assert names(8192) == ["ZstdCodec"]
