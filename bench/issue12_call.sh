@@ -13,7 +13,8 @@
 # One GPU: the parts run in the order below until CALL_S seconds (default 500) are spent; each
 # has its own `timeout`, a part that no longer fits is skipped (parts.jsonl says so), and the
 # results are written whatever fails. What one call leaves (on one GPU, expect the 8B parts),
-# a second call runs: PARTS="train_8b yardstick_train train_8b_compiled train_8b_fp8" bash bench/...
+# a second call runs: PARTS="train_8b yardstick_train train_8b_compiled train_8b_fp8
+# train_8b_fused_loss" bash bench/...
 # Two or more GPUs: two lanes side by side (GPU 0: attention parts, then the 8B step; GPU 1:
 # the pystd step, the training yardstick, the compiled 8B step). SMOKE=1 checks the plumbing
 # on a CPU (tiny shapes, forward-only sweep, no yardsticks). Results in $OUT (6 files):
@@ -151,12 +152,27 @@ train_8b_fp8() {
   part train_8b_fp8 150 python3 bench/profile_train_step.py "${EIGHT_B[@]}" \
     --compile-layers true --set run.fp8_linear=rowwise
 }
+# loss.compile_chunks (issue 12: the LM head's per-chunk elementwise loss math as one inductor
+# region) at the 8B drafter shape, eager layers: compare its step and lm_head_loss ms with
+# train_8b's. Its records go to train_profile.jsonl tagged "variant" (the summary shows it),
+# since the shape and compile_layers alone would read like train_8b's.
+train_8b_fused_loss() {
+  local own="$LOGS/fused_loss"
+  mkdir -p "$own"
+  part train_8b_fused_loss 150 env OUT="$own" python3 bench/profile_train_step.py \
+    "${EIGHT_B[@]}" --compile-layers false --set loss.compile_chunks=true
+  if [ -f "$own/train_profile.jsonl" ]; then
+    sed 's/^{/{"variant": "loss.compile_chunks=true", /' "$own/train_profile.jsonl" \
+      >> "$OUT/train_profile.jsonl"
+  fi
+}
 
 if (( gpus >= 2 )); then
   ( export CUDA_VISIBLE_DEVICES=0; attention_parts; train_8b ) &
   ( export CUDA_VISIBLE_DEVICES=1; train_pystd; yardstick_train; train_8b_compiled ) &
   wait
   train_8b_fp8
+  train_8b_fused_loss
 else
   attention_parts
   train_pystd
@@ -164,4 +180,5 @@ else
   yardstick_train
   train_8b_compiled
   train_8b_fp8
+  train_8b_fused_loss
 fi

@@ -87,6 +87,8 @@ def train_lines(rows: list[dict], yard: list[dict]) -> list[str]:
         )
     for r in rows:
         what, tag = r.get("what"), f"{r.get('shape')}, compile_layers={r.get('compile_layers')}"
+        if r.get("variant"):  # a part run with --set overrides (issue12_call.sh tags it)
+            tag += f", {r['variant']}"
         if what == "train_step" and r.get("status") == "error":
             lines.append(f"{tag}: ERROR {r.get('error')}")
         elif what == "train_step":

@@ -72,6 +72,14 @@ class LossConfig:
     distill_weight: float = doc(0.0, "weight of the top-k KL distillation term (0 = off)")
     distill_temperature: float = doc(1.0, "temperature of the distillation term")
     head_chunk_tokens: int = doc(2048, "query tokens per LM-head + CE chunk")
+    compile_chunks: bool = doc(
+        False,
+        "run each chunk's elementwise loss math (log-sum-exp, CE, top-k KL, D-PACE, softmax "
+        "minus target, cast) as one torch.compile region, so inductor fuses its ~8-10 passes "
+        "over the [chunk, vocab] logits; the LM-head matmuls stay cuBLAS calls; same loss up to "
+        "fp32 rounding; one graph (two when query tokens % head_chunk_tokens != 0) compiled "
+        "on the first step",
+    )
 
     def problems(self) -> list[str]:
         out = []

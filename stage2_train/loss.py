@@ -25,11 +25,19 @@ further multiplied, per block, by sum_{m >= i} prod_{j <= m} q'_j with q'_j = (1
 that reach slot i, so early slots that gate the rest weigh more, adaptively. Chunks then hold
 whole blocks. The reported ``ce_sum`` keeps the static weights, so losses stay comparable.
 
+``loss.compile_chunks`` runs each chunk's logits and elementwise math (fp32 cast, log-sum-exp,
+gathers, argmax, softmax minus target, weights, cast) as one torch.compile region, so inductor
+fuses the ~8-10 passes over the [C, V] logits that eager makes into a few kernels (one on the
+CPU); inductor calls cuBLAS for the logits' matmul, and the gradient's two matmuls stay outside
+the region. Same operations, other rounding (reduction order, exp): tests/test_loss_compiled.py.
+
 Legend: Q query tokens (= A*B), D hidden, V vocabulary, C chunk rows, k stored top-k, B slots.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,6 +50,81 @@ def dpace_factors(ce_NB: Tensor, counted_NB: Tensor, alpha: float) -> Tensor:
     q_NB = torch.where(counted_NB, (1 - alpha) * torch.exp(-ce_NB) + alpha, 1.0)
     reach_NB = torch.cumprod(q_NB, dim=1)
     return reach_NB.flip(1).cumsum(1).flip(1)
+
+
+def chunk_terms(
+    h_CD: Tensor,
+    head_VD: Tensor,
+    y_C: Tensor,
+    static_C: Tensor,
+    ids_Ck: Tensor | None,
+    topk_lp_Ck: Tensor | None,
+    lam: float,
+    temperature: float,
+    dpace_alpha: float,
+    num_slots: int,
+    need_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """One chunk's loss terms and logit gradient; pure (its inputs are never written).
+
+    Returns ce_C, the chunk's sums [static-weight CE, static-weight KL, loss total] (fp32),
+    argmax == label [C] and, if ``need_grad``, d(total)/d(logits) in h_CD's dtype. Eager, it
+    works in place on its own [C, V] fp32 buffers (today's memory bound); under torch.compile
+    (``compiled_chunk_terms``) inductor fuses the elementwise passes around the matmul into a
+    few kernels. Both branches do the same fp32 operations in the same order (inductor's
+    reductions may sum in another).
+    """
+    z_CV = (h_CD @ head_VD.T).float()
+    lse_C = torch.logsumexp(z_CV, dim=-1)
+    ce_C = lse_C - z_CV.gather(1, y_C[:, None])[:, 0]
+    w_C = static_C  # the weights of the gradient (D-PACE multiplies them below)
+    if dpace_alpha > 0:  # the chunk holds whole blocks (C % B == 0)
+        counted_NB = (static_C > 0).view(-1, num_slots)
+        w_C = static_C * dpace_factors(ce_C.view(-1, num_slots), counted_NB, dpace_alpha).flatten()
+    ce_sum, total = (static_C * ce_C).sum(), (w_C * ce_C).sum()
+    kl_sum = torch.zeros_like(ce_sum)
+    correct_C = z_CV.argmax(-1) == y_C
+    if ids_Ck is not None:
+        assert topk_lp_Ck is not None
+        zt_CV = z_CV / temperature
+        lset_C = torch.logsumexp(zt_CV, dim=-1)
+        log_q_Ck = zt_CV.gather(1, ids_Ck) - lset_C[:, None]
+        log_p_Ck = F.log_softmax(topk_lp_Ck.float() / temperature, dim=-1)
+        p_Ck = log_p_Ck.exp()
+        kl_C = (p_Ck * (log_p_Ck - log_q_Ck)).sum(-1) * temperature**2
+        kl_sum = (static_C * kl_C).sum()
+        total = total + lam * (w_C * kl_C).sum()
+    sums_3 = torch.stack([ce_sum, kl_sum, total])
+    if not need_grad:
+        return ce_C, sums_3, correct_C, None
+    # d(total)/dz = w (softmax(z) - onehot) [+ lam T w (softmax(z / T) - p scattered)]
+    if torch.compiler.is_compiling():
+        # out of place, the one-hot as an index comparison: one fused pass to g_CV, where a
+        # scatter would make inductor write the fp32 buffer out first
+        e_CV = torch.exp(z_CV - lse_C[:, None])
+        onehot_CV = torch.arange(z_CV.size(1), device=z_CV.device)[None] == y_C[:, None]
+        g_CV = torch.where(onehot_CV, e_CV - 1, e_CV) * w_C[:, None]
+        if ids_Ck is not None:
+            gt_CV = torch.exp(zt_CV - lset_C[:, None]).scatter_add(1, ids_Ck, -p_Ck)
+            g_CV = g_CV + gt_CV * ((lam * temperature) * w_C[:, None])
+        return ce_C, sums_3, correct_C, g_CV.to(h_CD.dtype)
+    g_CV = z_CV.sub_(lse_C[:, None]).exp_()  # in place over this call's own logits
+    g_CV.scatter_add_(1, y_C[:, None], -torch.ones_like(w_C)[:, None])
+    g_CV.mul_(w_C[:, None])
+    if ids_Ck is not None:
+        gt_CV = zt_CV.sub_(lset_C[:, None]).exp_().scatter_add_(1, ids_Ck, -p_Ck)
+        g_CV.add_(gt_CV.mul_((lam * temperature) * w_C[:, None]))
+        del gt_CV, zt_CV
+    return ce_C, sums_3, correct_C, g_CV.to(h_CD.dtype)
+
+
+@functools.cache
+def compiled_chunk_terms() -> Callable[..., tuple[Tensor, Tensor, Tensor, Tensor | None]]:
+    """``chunk_terms`` as one inductor region (loss.compile_chunks). Static shapes: one graph
+    for the full chunks and, when Q % C != 0, exactly one more for the shorter last chunk (Q
+    is the same every step, so neither recompiles). fullgraph: a graph break, or Dynamo's
+    recompile limit, raises instead of falling back to eager silently."""
+    return torch.compile(chunk_terms, dynamic=False, fullgraph=True)
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
@@ -61,60 +144,37 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         chunk_tokens: int,
         num_slots: int,
         dpace_alpha: float,
+        compiled: bool,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         distill = topk_ids_Qk is not None
+        terms = compiled_chunk_terms() if compiled else chunk_terms
         grad_h_QD = torch.empty_like(hidden_QD) if need_h else None
         grad_w_VD = (
             torch.zeros(head_VD.shape, dtype=torch.float32, device=head_VD.device)
             if need_w
             else None
         )
-        ce_sum = torch.zeros((), dtype=torch.float32, device=hidden_QD.device)
-        kl_sum, total_sum = ce_sum.clone(), ce_sum.clone()
+        sums_3 = torch.zeros(3, dtype=torch.float32, device=hidden_QD.device)
         correct_Q = torch.empty(labels_Q.shape, dtype=torch.bool, device=labels_Q.device)
         for start in range(0, hidden_QD.size(0), chunk_tokens):
             rows = slice(start, start + chunk_tokens)
-            h_CD, y_C, static_C = hidden_QD[rows], labels_Q[rows], weights_Q[rows]
-            w_C = static_C  # the weights of the gradient (D-PACE multiplies them below)
-            z_CV = (h_CD @ head_VD.T).float()
-            lse_C = torch.logsumexp(z_CV, dim=-1)
-            ce_C = lse_C - z_CV.gather(1, y_C[:, None])[:, 0]
-            ce_sum += (static_C * ce_C).sum()
-            if dpace_alpha > 0:  # the chunk holds whole blocks (chunk_tokens % B == 0)
-                factor_C = dpace_factors(
-                    ce_C.view(-1, num_slots), (static_C > 0).view(-1, num_slots), dpace_alpha
-                )
-                w_C = static_C * factor_C.flatten()
-            total_sum += (w_C * ce_C).sum()
-            correct_Q[rows] = z_CV.argmax(-1) == y_C
-            if distill:
-                zt_CV = z_CV / temperature
-                lset_C = torch.logsumexp(zt_CV, dim=-1)
-                ids_Ck = topk_ids_Qk[rows]
-                log_q_Ck = zt_CV.gather(1, ids_Ck) - lset_C[:, None]
-                log_p_Ck = F.log_softmax(topk_logprobs_Qk[rows].float() / temperature, dim=-1)
-                p_Ck = log_p_Ck.exp()
-                kl_C = (p_Ck * (log_p_Ck - log_q_Ck)).sum(-1) * temperature**2
-                kl_sum += (static_C * kl_C).sum()
-                total_sum += lam * (w_C * kl_C).sum()
-            if not (need_h or need_w):
-                continue
-            # d(sum w CE)/dz = w (softmax(z) - onehot), built in place over the logits.
-            g_CV = z_CV.sub_(lse_C[:, None]).exp_()
-            g_CV.scatter_add_(1, y_C[:, None], -torch.ones_like(w_C)[:, None])
-            g_CV.mul_(w_C[:, None])
-            if distill:
-                gt_CV = zt_CV.sub_(lset_C[:, None]).exp_().scatter_add_(1, ids_Ck, -p_Ck)
-                g_CV.add_(gt_CV.mul_((lam * temperature) * w_C[:, None]))
-                del gt_CV, zt_CV
-            g_CV = g_CV.to(hidden_QD.dtype)
+            h_CD = hidden_QD[rows]
+            _, chunk_3, correct_C, g_CV = terms(
+                h_CD, head_VD, labels_Q[rows], weights_Q[rows],
+                topk_ids_Qk[rows] if distill else None,
+                topk_logprobs_Qk[rows] if distill else None,
+                lam, temperature, dpace_alpha, num_slots, need_h or need_w,
+            )  # fmt: skip
+            sums_3 += chunk_3
+            correct_Q[rows] = correct_C
             if need_h:
                 grad_h_QD[rows] = g_CV @ head_VD
             if need_w:
                 grad_w_VD += (g_CV.T @ h_CD).float()
         ctx.head_dtype = head_VD.dtype
         ctx.save_for_backward(grad_h_QD, grad_w_VD)
+        ce_sum, kl_sum, total_sum = sums_3.unbind()
         ctx.mark_non_differentiable(ce_sum, kl_sum, correct_Q)
         return total_sum, ce_sum, kl_sum, correct_Q
 
@@ -123,7 +183,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         grad_h_QD, grad_w_VD = ctx.saved_tensors
         gh = grad_h_QD * g_total.to(grad_h_QD.dtype) if grad_h_QD is not None else None
         gw = (grad_w_VD * g_total).to(ctx.head_dtype) if grad_w_VD is not None else None
-        return gh, gw, None, None, None, None, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None, None, None, None, None
 
 
 def chunked_block_loss(
@@ -137,6 +197,7 @@ def chunked_block_loss(
     distill_weight: float = 0.0,
     temperature: float = 1.0,
     dpace_alpha: float = 0.0,
+    compiled: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Weighted block loss and its statistics.
 
@@ -152,6 +213,8 @@ def chunked_block_loss(
         distill_weight, temperature: weight and temperature of the KL term (0 = off).
         dpace_alpha: D-PACE smoothing a (0 = off; needs [A, B] labels). The loss to
             differentiate then carries the D-PACE multipliers; the stats do not.
+        compiled: run each chunk's elementwise math as one compiled region
+            (``compiled_chunk_terms``); equal to the eager path up to fp32 rounding.
 
     Returns:
         loss (scalar, normalised by sum of weights) and detached stats: ``ce_sum``,
@@ -176,6 +239,7 @@ def chunked_block_loss(
     total, ce_sum, kl_sum, correct_Q = _ChunkedHeadLoss.apply(
         hidden_QD, lm_head_weight_VD, labels_Q, weights_Q, topk_ids, topk_lp,
         distill_weight if distill else 0.0, temperature, chunk_tokens, num_slots, dpace_alpha,
+        compiled,
     )  # fmt: skip
     weight_sum = weights_Q.sum()
     loss = total / weight_sum.clamp(min=1e-6)

@@ -56,7 +56,9 @@ FREE_ON_RESUME = (
     "data.prefetch",
     "data.follow_poll_s",  # --follow: how often and how long to wait for extraction
     "data.follow_timeout_s",
+    # the same loss in another rounding order (as run.compile_layers): free like it
     "loss.head_chunk_tokens",
+    "loss.compile_chunks",
 )
 
 

@@ -105,6 +105,7 @@ class StepRunner:
                     dpace_alpha=(
                         self.cfg.loss.dpace_alpha if self.cfg.loss.weighting == "dpace" else 0.0
                     ),
+                    compiled=self.cfg.loss.compile_chunks,
                 )
                 # loss is normalised by this micro-batch's weights: rescale to the global
                 # denominator; DDP averages over ranks, hence the factor world.
