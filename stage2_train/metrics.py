@@ -96,4 +96,6 @@ def format_line(record: dict[str, Any], total_steps: int) -> str:
         )
     if record.get("dev_chained_tau") is not None:  # data.dev_store: the online tau, offline
         line += f" | dev chained tau {record['dev_chained_tau']:.3f}"
+        if record.get("best_exported"):
+            line += " (best so far: export-best/)"
     return line

@@ -38,6 +38,7 @@ FIXED_ON_RESUME = (
 FREE_ON_RESUME = (
     "data.dev_store",
     "run.out",
+    "run.export_best",
     "run.devices",
     "run.progress",
     "run.log_every",

@@ -33,6 +33,7 @@ from common.store_files import check_store_files
 from evaluation.chained import chained_tau_on_store, open_dev_store
 from evaluation.heldout import evaluate
 from stage2_train.anchors import training_slot_weights
+from stage2_train.best import BEST_DIR, best_so_far, record_best
 from stage2_train.checkpoint import TrainState, save_checkpoint
 from stage2_train.config import TrainConfig
 from stage2_train.data import StoreSequences, count_damaged, make_loader
@@ -214,6 +215,28 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         else None,
     }
 
+    best_tau = best_so_far(out, state.step)
+
+    def export_if_best(record: dict[str, Any]) -> None:
+        """run.export_best: export when this evaluation's dev_chained_tau beats the run's best."""
+        nonlocal best_tau
+        tau = record.get("dev_chained_tau")
+        if not (cfg.run.export_best and ctx.is_main and tau is not None and tau > best_tau):
+            return
+        export_drafter(
+            served,
+            shape,
+            info.tapped_layers,
+            info.attrs["target"]["config"],
+            out / BEST_DIR,
+            mask_token=extra_meta["mask_token"],
+            fix="free space, then rerun the same command (it resumes), or set "
+            "run.export_best=false",
+        )
+        record_best(out, state.step, tau)
+        best_tau = tau
+        record["best_exported"] = True
+
     def checkpoint() -> None:
         fingerprints = replica_fingerprint(model, ctx.world_size)
         if any(f != fingerprints[0] for f in fingerprints[::2]):
@@ -278,6 +301,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
             record.update(run_eval())
         if due:
             record.update(run_dev_eval())
+            export_if_best(record)
         metrics.write(record)
         trackers.log(record)
         if ctx.is_main and ("eval_tau" in record or last):
