@@ -79,6 +79,14 @@ variant() {  # $1 = name, $2 = GPU, the rest: train --set arguments
       --device "$eval_device" > "$OUT/$name-acceptance.json" 2> "$OUT/$name-evaluate.log"
     dflash evaluate-offline --drafter "$WORK/run-$name/export" --store "$WORK/dev-store" \
       --device "$eval_device" --json-out "$OUT/$name-offline-dev.json" > /dev/null 2>&1
+    # run.export_best: the peak of the dev chained tau, when it came before the last step
+    local best="$WORK/run-$name/export-best"
+    if [ -f "$best/best.json" ] && ! cmp -s "$best/model.safetensors" \
+        "$WORK/run-$name/export/model.safetensors"; then
+      cp "$best/best.json" "$OUT/$name-best.json"
+      dflash evaluate --target $M --drafter "$best" --data .carry/dev.jsonl.gz \
+        --device "$eval_device" > "$OUT/$name-best-acceptance.json" 2>> "$OUT/$name-evaluate.log"
+    fi
     stamp "$name-evaluate" "$t"
     python3 - "$OUT" "$name" <<'EOF'
 import json, sys
@@ -88,10 +96,16 @@ try:
     offline = json.load(open(f"{out}/{name}-offline-dev.json"))
 except (OSError, ValueError):
     offline = {}
+try:
+    best = json.load(open(f"{out}/{name}-best-acceptance.json"))["dflash"]["tau"]
+    best_step = json.load(open(f"{out}/{name}-best.json"))["step"]
+except (OSError, ValueError, KeyError):
+    best = best_step = None  # the best export is the final one (or none)
 print(json.dumps({"variant": name, "dflash_tau": online.get("dflash", {}).get("tau"),
                   "prompt_lookup_tau": online["prompt_lookup"]["tau"],
                   "chained_dev_tau": offline.get("chained_tau"),
-                  "random_anchor_dev_tau": offline.get("eval_tau")}))
+                  "random_anchor_dev_tau": offline.get("eval_tau"),
+                  "best_export_tau": best, "best_export_step": best_step}))
 EOF
   fi
 }
