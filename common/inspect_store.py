@@ -304,6 +304,7 @@ def sample_sequences(info: StoreInfo, num_samples: int) -> tuple[list[dict[str, 
             documents = _documents(tokens[row], loss[row], doc_ids[row], group, tokenizer)
             sequence = index * per_shard + row
             samples.append({"shard": index, "sequence": sequence, "documents": documents})
+            samples[-1]["generated"] = bool(info.attrs.get("generation"))
             samples[-1]["padding"] = int((doc_ids[row] < 0).sum())
     return samples, note
 
@@ -313,12 +314,15 @@ def render_samples(samples: list[dict[str, Any]], note: str | None, color: bool)
     opened, closed = (ANSI_LOSS, ANSI_RESET) if color else (LOSS_OPEN, LOSS_CLOSE)
     dim = (lambda t: f"{ANSI_DIM}{t}{ANSI_RESET}") if color else (lambda t: t)
     lines = [f"note: {note}; showing token ids"] if note else []
+    # a store of `dflash generate` output: its rows are the generated dataset's, whose own
+    # `source_index` (in the generated files) names the original row
+    row_name = "generated row" if samples and samples[0].get("generated") else "source row"
     for sample in samples:
         lines.append(f"=== sequence {sample['sequence']} (shard {sample['shard']}) ===")
         for doc in sample["documents"]:
             lines.append(
                 dim(
-                    f"--- document {doc['document']}: source row {doc['source_index']},"
+                    f"--- document {doc['document']}: {row_name} {doc['source_index']},"
                     f" piece {doc['piece']}, {doc['length']} tokens ---"
                 )
             )
