@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import click
+
+from common.config import describe
 
 
 def config_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -29,11 +30,22 @@ def config_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-def fail(err: Exception) -> None:
-    """The one-line error of a ValueError (cli_errors, on every command, does the same for
-    every exception; this remains for commands that catch their own)."""
-    click.echo(f"error: {err}", err=True)
-    sys.exit(2)
+def help_config_option(config_class: type) -> Callable[..., Any]:
+    """`--help-config`: list every field of the command's config and exit."""
+
+    def show(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+        if value and not ctx.resilient_parsing:
+            click.echo("\n".join(describe(config_class)))
+            ctx.exit()
+
+    return click.option(
+        "--help-config",
+        is_flag=True,
+        expose_value=False,
+        is_eager=True,
+        callback=show,
+        help="list every config field and exit",
+    )
 
 
 def echo_json(results: dict[str, Any], json_out: str | None) -> None:

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import click
 
-from common.config import build_config, describe
+from common.config import build_config
 from common.errors import cli_errors
 from common.logging import init_logger, quiet_launcher_logs
-from dflash_offline.options import config_options, fail
+from dflash_offline.options import config_options, help_config_option
+from stage1_extract.config import ExtractConfig
+from stage1_generate.config import GenerateConfig
+from stage2_train.config import TrainConfig
 
 
 @click.command()
@@ -23,7 +26,7 @@ from dflash_offline.options import config_options, fail
     "instead of loading the target (endpoint.url; sets run.backend=openai)",
 )
 @click.option("--overwrite", is_flag=True, help="delete an existing output folder first")
-@click.option("--help-config", is_flag=True, help="list every config field and exit")
+@help_config_option(GenerateConfig)
 @cli_errors
 def generate(
     config_path: str | None,
@@ -34,7 +37,6 @@ def generate(
     devices: str | None,
     endpoint: str | None,
     overwrite: bool,
-    help_config: bool,
 ) -> None:
     """Let the target write its own training text: rewrite every assistant turn of chat rows
     (turn by turn, through its chat template), continue windows of text rows.
@@ -43,11 +45,6 @@ def generate(
     fingerprint, sampling settings, source row ids) that extract copies into the store.
     Rerunning the same command after an interruption resumes it, chunk by chunk.
     """
-    from stage1_generate.config import GenerateConfig
-
-    if help_config:
-        click.echo("\n".join(describe(GenerateConfig)))
-        return
     flags = {
         "target.model": model,
         "data.path": data,
@@ -61,13 +58,10 @@ def generate(
     if overwrite:
         extra.append("output.overwrite=true")
     init_logger()
-    try:
-        cfg = build_config(GenerateConfig, config_path, "generate", [*overrides, *extra])
-        from stage1_generate.run import run_generate
+    cfg = build_config(GenerateConfig, config_path, "generate", [*overrides, *extra])
+    from stage1_generate.run import run_generate
 
-        run_generate(cfg)
-    except ValueError as err:
-        fail(err)
+    run_generate(cfg)
 
 
 @click.command()
@@ -77,7 +71,7 @@ def generate(
 @click.option("--out", help="store folder to write (store.out)")
 @click.option("--devices", help="GPU ids like 0,1, or cpu (run.devices; default 0,1)")
 @click.option("--overwrite", is_flag=True, help="delete an existing store at --out first")
-@click.option("--help-config", is_flag=True, help="list every config field and exit")
+@help_config_option(ExtractConfig)
 @cli_errors
 def extract(
     config_path: str | None,
@@ -87,17 +81,11 @@ def extract(
     out: str | None,
     devices: str | None,
     overwrite: bool,
-    help_config: bool,
 ) -> None:
     """Run the target over a dataset once and write a Zarr v3 store of features and logits.
 
     Rerunning the same command after an interruption resumes where it stopped.
     """
-    from stage1_extract.config import ExtractConfig
-
-    if help_config:
-        click.echo("\n".join(describe(ExtractConfig)))
-        return
     flags = {"target.model": model, "data.path": data, "store.out": out, "run.devices": devices}
     extra = [f"{k}={v}" for k, v in flags.items() if v is not None]
     if overwrite:
@@ -127,7 +115,7 @@ def extract(
     help="train while `dflash extract` still writes the store: the first epoch reads shards as "
     "they are committed, waiting when it catches up (data.follow)",
 )
-@click.option("--help-config", is_flag=True, help="list every config field and exit")
+@help_config_option(TrainConfig)
 @cli_errors
 def train(
     config_path: str | None,
@@ -137,14 +125,8 @@ def train(
     devices: str | None,
     allow_config_change: bool,
     follow: bool,
-    help_config: bool,
 ) -> None:
     """Train the DFlash drafter from a store; resumes from the newest checkpoint in --out."""
-    from stage2_train.config import TrainConfig
-
-    if help_config:
-        click.echo("\n".join(describe(TrainConfig)))
-        return
     flags = {"data.store": store, "run.out": out, "run.devices": devices}
     extra = [f"{k}={v}" for k, v in flags.items() if v is not None]
     if allow_config_change:
