@@ -15,23 +15,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from jsonl import read_jsonl  # bench/ is on sys.path: scripts run as bench/x.py
+
 EXTRACT_LOOP = re.compile(r"rank 0: (\d+) shards, (\d+) tokens in ([\d.]+) s \((\d+) tokens/s")
 WAITING = re.compile(
     r"^(\d\d:\d\d:\d\d) .*caught up with extraction of \S+: waiting for (.+?) "
     r"\((\d+) shards committed\)"
 )
 HELD_OUT = re.compile(r"\((\d+) held out\)")
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut by a timeout
-    return rows
 
 
 def read_text(path: Path) -> str:

@@ -7,24 +7,12 @@ part that failed or was skipped shows as such.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
-from typing import Any
+
+from jsonl import read_jsonl  # bench/ is on sys.path: scripts run as bench/x.py
 
 GOAL_MS = 0.45  # issue 12: fwd+bwd at the seed shape
-
-
-def read(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut by a timeout
-    return rows
 
 
 def parts_lines(parts: list[dict]) -> list[str]:
@@ -124,15 +112,15 @@ def train_lines(rows: list[dict], yard: list[dict]) -> list[str]:
 
 def main() -> None:
     out = Path(sys.argv[1])
-    parts = read(out / "parts.jsonl")
-    yard = read(out / "yardsticks.jsonl")
+    parts = read_jsonl(out / "parts.jsonl")
+    yard = read_jsonl(out / "yardsticks.jsonl")
     text = [
         "# issue 12 device call",
         *parts_lines(parts),
         "",
-        *attention_lines(read(out / "attention_sweep.jsonl"), yard),
+        *attention_lines(read_jsonl(out / "attention_sweep.jsonl"), yard),
         "",
-        *train_lines(read(out / "train_profile.jsonl"), yard),
+        *train_lines(read_jsonl(out / "train_profile.jsonl"), yard),
     ]
     report = "\n".join(text) + "\n"
     (out / "summary.txt").write_text(report)
