@@ -18,10 +18,14 @@ part="$WORK/results/call-$started"
 mkdir -p "$part"
 
 # data stages: done once (each is resumable; a finished one leaves a marker)
+# (each stage resumes where a cut one stopped: it is cut 40 s before the call's end so the results
+# of the call still come back)
 for stage in generate extract dev; do
   [ -f "$WORK/done-$stage" ] && continue
-  OUT=$part STAGES=$stage bash bench/recipe_pystd.sh && touch "$WORK/done-$stage"
-  [ -f "$WORK/done-$stage" ] || { echo "stage $stage failed: see $part"; break; }
+  left=$(( started + CALL_S - 40 - $(date +%s) ))
+  (( left > 30 )) || { echo "stage $stage: no time left in this call"; break; }
+  OUT=$part STAGES=$stage timeout "$left" bash bench/recipe_pystd.sh && touch "$WORK/done-$stage"
+  [ -f "$WORK/done-$stage" ] || { echo "stage $stage cut or failed: see $part"; break; }
 done
 
 # train until the call's deadline (the last 40 s are left for packing the results)
@@ -37,6 +41,7 @@ if [ -f "$WORK/done-train" ] && [ ! -f "$WORK/done-evaluate" ]; then
   OUT=$part STAGES=train,evaluate bash bench/recipe_pystd.sh && touch "$WORK/done-evaluate"
   echo "recipe done"
 fi
+df -h "$WORK" > "$part/df.txt" 2>&1
 nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv > "$part/nvidia-smi.csv" 2>&1
 tar czf "$RESULTS/call-$started.tgz" -C "$WORK/results" "call-$started"
 echo "call took $(( $(date +%s) - started )) s; results in $RESULTS/call-$started.tgz"
