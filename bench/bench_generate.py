@@ -63,6 +63,7 @@ def main() -> None:
         help="every prompt exactly --prompt-tokens long (text windows: no padding)",
     )
     parser.add_argument("--profile", action="store_true", help="profile the timed run")
+    parser.add_argument("--attn", default="sdpa", help="the target's attn_implementation")
     args = parser.parse_args()
     shape = "tiny" if args.tiny else args.shape
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -71,7 +72,9 @@ def main() -> None:
     config = Qwen3Config(**{**SHAPES[shape], "max_position_embeddings": 8192}, pad_token_id=0)
     torch.manual_seed(0)
     with device:  # initialised where it runs: an 8B model never passes through host memory
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=args.attn
+        ).eval()
     # a reserved id as the stop id, never sampled by argmax in practice: replies run full length
     backend = LocalBackend(
         model,
@@ -115,6 +118,7 @@ def main() -> None:
         "peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 1)
         if device.type == "cuda"
         else None,
+        "attn": args.attn,
         "torch": torch.__version__,
     }
     if args.profile:
