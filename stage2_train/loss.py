@@ -64,11 +64,11 @@ def chunk_terms(
     dpace_alpha: float,
     num_slots: int,
     need_grad: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """One chunk's loss terms and logit gradient; pure (its inputs are never written).
 
-    Returns ce_C, the chunk's sums [static-weight CE, static-weight KL, loss total] (fp32),
-    argmax == label [C] and, if ``need_grad``, d(total)/d(logits) in h_CD's dtype. Eager, it
+    Returns the chunk's sums [static-weight CE, static-weight KL, loss total] (fp32), argmax
+    == label [C] and, if ``need_grad``, d(total)/d(logits) in h_CD's dtype. Eager, it
     works in place on its own [C, V] fp32 buffers (today's memory bound); under torch.compile
     (``compiled_chunk_terms``) inductor fuses the elementwise passes around the matmul into a
     few kernels. Both branches do the same fp32 operations in the same order (inductor's
@@ -96,7 +96,7 @@ def chunk_terms(
         total = total + lam * (w_C * kl_C).sum()
     sums_3 = torch.stack([ce_sum, kl_sum, total])
     if not need_grad:
-        return ce_C, sums_3, correct_C, None
+        return sums_3, correct_C, None
     # d(total)/dz = w (softmax(z) - onehot) [+ lam T w (softmax(z / T) - p scattered)]
     if torch.compiler.is_compiling():
         # out of place, the one-hot as an index comparison: one fused pass to g_CV, where a
@@ -107,7 +107,7 @@ def chunk_terms(
         if ids_Ck is not None:
             gt_CV = torch.exp(zt_CV - lset_C[:, None]).scatter_add(1, ids_Ck, -p_Ck)
             g_CV = g_CV + gt_CV * ((lam * temperature) * w_C[:, None])
-        return ce_C, sums_3, correct_C, g_CV.to(h_CD.dtype)
+        return sums_3, correct_C, g_CV.to(h_CD.dtype)
     g_CV = z_CV.sub_(lse_C[:, None]).exp_()  # in place over this call's own logits
     g_CV.scatter_add_(1, y_C[:, None], -torch.ones_like(w_C)[:, None])
     g_CV.mul_(w_C[:, None])
@@ -115,11 +115,11 @@ def chunk_terms(
         gt_CV = zt_CV.sub_(lset_C[:, None]).exp_().scatter_add_(1, ids_Ck, -p_Ck)
         g_CV.add_(gt_CV.mul_((lam * temperature) * w_C[:, None]))
         del gt_CV, zt_CV
-    return ce_C, sums_3, correct_C, g_CV.to(h_CD.dtype)
+    return sums_3, correct_C, g_CV.to(h_CD.dtype)
 
 
 @functools.cache
-def compiled_chunk_terms() -> Callable[..., tuple[Tensor, Tensor, Tensor, Tensor | None]]:
+def compiled_chunk_terms() -> Callable[..., tuple[Tensor, Tensor, Tensor | None]]:
     """``chunk_terms`` as one inductor region (loss.compile_chunks). Static shapes: one graph
     for the full chunks and, when Q % C != 0, exactly one more for the shorter last chunk (Q
     is the same every step, so neither recompiles). fullgraph: a graph break, or Dynamo's
@@ -160,7 +160,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         for start in range(0, hidden_QD.size(0), chunk_tokens):
             rows = slice(start, start + chunk_tokens)
             h_CD = hidden_QD[rows]
-            _, chunk_3, correct_C, g_CV = terms(
+            chunk_3, correct_C, g_CV = terms(
                 h_CD, head_VD, labels_Q[rows], weights_Q[rows],
                 topk_ids_Qk[rows] if distill else None,
                 topk_logprobs_Qk[rows] if distill else None,
