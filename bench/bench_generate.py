@@ -64,6 +64,13 @@ def main() -> None:
     )
     parser.add_argument("--profile", action="store_true", help="profile the timed run")
     parser.add_argument("--attn", default="sdpa", help="the target's attn_implementation")
+    parser.add_argument(
+        "--cache",
+        choices=["dynamic", "static"],
+        default="dynamic",
+        help="run.kv_cache (static: transformers compiles the decode step on a GPU; the "
+        "warm-up runs at the timed batch's shape so that compile is not timed)",
+    )
     args = parser.parse_args()
     shape = "tiny" if args.tiny else args.shape
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -84,6 +91,7 @@ def main() -> None:
         [config.vocab_size - 1],
         args.batch_size,
         args.batch_tokens,
+        kv_cache=args.cache,
     )
     gen = torch.Generator().manual_seed(0)
     low = args.prompt_tokens if args.equal_lengths else args.prompt_tokens // 2
@@ -91,7 +99,10 @@ def main() -> None:
     prompts = [
         torch.randint(1, config.vocab_size - 1, (n,), generator=gen).tolist() for n in lengths
     ]
-    backend.generate(prompts[: min(8, len(prompts))], 4)  # warm-up: kernels, allocator
+    # warm-up: kernels, allocator; a static cache compiles per batch shape, so its warm-up
+    # runs one full batch (the cache is sized by prompt + new tokens: the same new tokens)
+    warm = prompts[: args.batch_size] if args.cache == "static" else prompts[:8]
+    backend.generate(warm, args.new_tokens if args.cache == "static" else 4)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -119,6 +130,7 @@ def main() -> None:
         if device.type == "cuda"
         else None,
         "attn": args.attn,
+        "kv_cache": args.cache,
         "torch": torch.__version__,
     }
     if args.profile:

@@ -137,6 +137,12 @@ class GenerateRunConfig:
     batch_tokens: int = doc(
         1_048_576, "local backend: most (prompt + new) tokens of one batch (bounds the KV cache)"
     )
+    kv_cache: Literal["dynamic", "static"] = doc(
+        "dynamic",
+        "local backend: dynamic grows the KV cache each step; static preallocates it and, on a "
+        "GPU, lets transformers compile the decode step (CUDA graphs; one compile per batch "
+        "shape; BENCHMARKS.md has the speed of each)",
+    )
     progress: bool = doc(True, "show a progress bar")
 
     def problems(self) -> list[str]:

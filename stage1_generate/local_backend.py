@@ -61,6 +61,7 @@ class LocalBackend:
         stop_ids: list[int],
         batch_size: int,
         batch_tokens: int,
+        kv_cache: str = "dynamic",
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -68,6 +69,10 @@ class LocalBackend:
         self.stop_ids = stop_ids
         self.batch_size = batch_size
         self.batch_tokens = batch_tokens
+        if kv_cache not in ("dynamic", "static"):
+            raise ValueError(f"kv_cache must be dynamic or static, got {kv_cache!r}")
+        # static: transformers' StaticCache, which its generate compiles on a GPU
+        self.cache_kwargs = {"cache_implementation": "static"} if kv_cache == "static" else {}
         self.device = next(model.parameters()).device
         self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
         pad = tokenizer.pad_token_id
@@ -114,6 +119,7 @@ class LocalBackend:
             pad_token_id=self.pad_id,
             top_k=None,
             use_cache=True,
+            **self.cache_kwargs,
             **kwargs,
         )
         new_BN = seq_BX[:, width:].tolist()

@@ -76,7 +76,13 @@ def _make_backend(
     eos = getattr(model.generation_config, "eos_token_id", None)
     stops = stop_token_ids(tokenizer, eos, cfg.data.chat_template_kwargs)
     return LocalBackend(
-        model, tokenizer, cfg.sampling, stops, cfg.run.batch_size, cfg.run.batch_tokens
+        model,
+        tokenizer,
+        cfg.sampling,
+        stops,
+        cfg.run.batch_size,
+        cfg.run.batch_tokens,
+        kv_cache=cfg.run.kv_cache,
     )
 
 

@@ -404,3 +404,41 @@ def test_text_windows_follow_the_tokenizers_bos(tiny_qwen3: Path, tmp_path: Path
             == tokenizer.decode(prompt + reply, skip_special_tokens=True)[len(row["prompt"]) :]
         )
         assert tokenizer(row["prompt"])["input_ids"][0] == bos  # what extract will see
+
+
+@pytest.mark.parametrize("target", ["tiny_qwen3", "tiny_llama"])
+def test_static_kv_cache_writes_the_same_rows(
+    target: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """run.kv_cache=static (transformers' StaticCache, compiled on a GPU) is a speed option only:
+    chat and text rows, batched with left padding, come out as with the growing cache, and
+    the text replies are the target's uncached greedy ones."""
+    model = request.getfixturevalue(target)
+    rows = chat_rows() + [{"text": t} for t in TEXTS]
+    written = {}
+    for cache in ("dynamic", "static"):
+        for kind, data_rows in (
+            ("chat", rows[: len(CONVERSATIONS)]),
+            ("text", rows[len(CONVERSATIONS) :]),
+        ):
+            data = write_jsonl(tmp_path / f"{kind}.jsonl", data_rows)
+            out = tmp_path / f"{cache}-{kind}"
+            run_generate(config(model, data, out, f"run.kv_cache={cache}", "run.batch_size=4"))
+            written[cache, kind] = read_rows(out)
+    for kind in ("chat", "text"):
+        assert written["static", kind] == written["dynamic", kind]
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    for row in written["static", "text"]:
+        ids = tokenizer(TEXTS[row["source_index"]], add_special_tokens=False)["input_ids"]
+        prompt = ids[row["window_start"] : row["window_start"] + 12]
+        assert row["new_tokens"] == len(greedy_reply(model, prompt, 5))
+
+
+def test_kv_cache_setting_checked(tiny_qwen3: Path, tmp_path: Path) -> None:
+    data = write_jsonl(tmp_path / "text.jsonl", [{"text": TEXTS[0]}])
+    result = CliRunner().invoke(
+        cli,
+        ["generate", "--model", str(tiny_qwen3), "--data", str(data), "--out", str(tmp_path / "o"),
+         "--devices", "cpu", "--set", "run.kv_cache=paged"],
+    )  # fmt: skip
+    assert result.exit_code != 0 and "kv_cache" in result.output and "static" in result.output
