@@ -29,7 +29,9 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from flex_sweep import VARIANTS, Problem, Sweep  # bench/ is on sys.path: scripts run as bench/x.py
+from flex_check import Problem  # bench/ is on sys.path: scripts run as bench/x.py
+from flex_sweep import Sweep
+from flex_variants import VARIANTS
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
 from stage2_train.attention import block_attention

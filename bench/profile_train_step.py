@@ -17,7 +17,8 @@ GPU kernel time per step by category (attention fwd/bwd, mask build, LM head + l
 fwd/bwd, optimizer + clipping, copies, other fwd/bwd), the share of the step the GPU is busy,
 and the top kernels. Categories come from record_function scopes this script wraps around
 BlockAttention's construction (mask build), block_attention (attention) and chunked_block_loss
-(loss), plus kernel and autograd-node names. JSON lines to stdout and
+(loss), plus kernel and autograd-node names (bench/profile_events.py); the synthetic batches
+and the shapes are bench/synthetic_batches.py's. JSON lines to stdout and
 $OUT/train_profile.jsonl; `--trace F` also writes a gzipped Chrome trace of the first phase.
 
     python bench/profile_train_step.py --shape pystd                  # needs a CUDA GPU
@@ -34,60 +35,23 @@ import os
 import shutil
 import statistics
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import torch
 from bench_train import MATRIX_RATE, model_flops  # bench/ is on sys.path: scripts run as bench/x.py
-from shapes import PYSTD_28M, QWEN3_8B
-from torch.autograd.profiler import record_function
+from profile_events import breakdown, instrument
+from synthetic_batches import SHAPES, synthetic_batches
 
-import stage2_train.attention as attention_module
-import stage2_train.step as step_module
-import stage2_train.trainstep as trainstep_module
 from common.config import build_config
-from stage2_train.anchors import block_labels, pad_anchors, sample_anchors, training_slot_weights
+from stage2_train.anchors import training_slot_weights
 from stage2_train.config import TrainConfig
-from stage2_train.data import Batch, collate
 from stage2_train.fp8 import convert_to_fp8
 from stage2_train.model import DFlashDrafter, drafter_shape
 from stage2_train.step import FrozenHead
 from stage2_train.trainstep import StepRunner, run_dtypes
 
-TINY = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-6,
-)
-# config file, target config, tapped layers, tokens per sequence, mask token id, extra settings
-SHAPES: dict[str, tuple[str, dict, int, int, int, list[str]]] = {
-    "pystd": ("configs/pystd.yaml", PYSTD_28M, 5, 3072, 3, []),
-    "qwen3-8b": ("configs/qwen3-8b.yaml", QWEN3_8B, 5, 3072, 151669, []),
-    "tiny": ("configs/debug.yaml", TINY, 2, 256, 3, ["optim.batch_sequences=2"]),
-}
 ROOT = Path(__file__).resolve().parents[1]
-PROMPT = 16  # first tokens of each synthetic document carry no loss
-CATEGORIES = (
-    "attention_fwd",
-    "attention_bwd",
-    "mask_build",
-    "lm_head_loss",
-    "matmul_fwd",
-    "matmul_bwd",
-    "optimizer",
-    "copies",
-    "other_fwd",
-    "other_bwd",
-)
-MATMUL_NAMES = ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "sm80_", "splitk", "gemv")  # cuBLAS
-MATMUL_OPS = ("mm", "addmm", "bmm", "matmul", "linear")  # the CPU smoke's op names
-COPY_NAMES = ("memcpy", "memset", "copy", "catarraybatched")
 
 
 def emit(record: dict) -> None:
@@ -96,157 +60,6 @@ def emit(record: dict) -> None:
     if os.environ.get("OUT"):
         with open(Path(os.environ["OUT"]) / "train_profile.jsonl", "a") as f:
             f.write(line + "\n")
-
-
-def synthetic_item(
-    seq_len: int, tapped: int, hidden: int, vocab: int, cfg: TrainConfig, gen: torch.Generator
-) -> dict[str, Any]:
-    """One sequence as StoreSequences.__getitem__ returns it (label target: the data tokens)."""
-    lo, hi = max(PROMPT + 8, seq_len // 8), max(PROMPT + 16, seq_len * 3 // 10)
-    document_ids_S = torch.full((seq_len,), -1, dtype=torch.long)
-    position_ids_S = torch.zeros(seq_len, dtype=torch.long)
-    loss_mask_S = torch.zeros(seq_len, dtype=torch.bool)
-    start, doc = 0, 0
-    while seq_len - start >= lo:  # packed documents, the tail left as padding
-        length = min(int(torch.randint(lo, hi + 1, (), generator=gen)), seq_len - start)
-        document_ids_S[start : start + length] = doc
-        position_ids_S[start : start + length] = torch.arange(length)
-        loss_mask_S[start + PROMPT : start + length] = True
-        start, doc = start + length, doc + 1
-    tokens_S = torch.randint(4, vocab, (seq_len,), generator=gen)
-    num_anchors, block_size = cfg.anchors.num_anchors, cfg.drafter.block_size
-    sampled_A = sample_anchors(loss_mask_S, document_ids_S, num_anchors, gen)
-    anchors_A = pad_anchors(sampled_A, num_anchors)
-    labels_AB, weights_AB = block_labels(
-        anchors_A, tokens_S, loss_mask_S, document_ids_S, None, block_size
-    )
-    return {
-        "index": 0,
-        "tokens_S": tokens_S,
-        "position_ids_S": position_ids_S,
-        "document_ids_S": document_ids_S,
-        "hidden_SKD": torch.randn(seq_len, tapped, hidden, generator=gen, dtype=torch.bfloat16),
-        "anchors_A": anchors_A,
-        "labels_AB": labels_AB,
-        "weights_AB": weights_AB.float(),
-        "damaged": None,
-    }
-
-
-def instrument() -> list[str]:
-    """record_function scopes around the mask build, the attention and the loss (for the
-    profile's categories); returns what could not be wrapped (those then count by name)."""
-    missing = []
-    if hasattr(step_module, "BlockAttention"):
-
-        class ScopedBlockAttention(step_module.BlockAttention):  # type: ignore[name-defined,misc]
-            def __init__(self, *args: Any, **kwargs: Any) -> None:
-                with record_function("dflash::mask_build"):
-                    super().__init__(*args, **kwargs)
-
-        step_module.BlockAttention = ScopedBlockAttention  # type: ignore[misc]
-    else:
-        missing.append("stage2_train.step.BlockAttention (mask build)")
-    if hasattr(attention_module, "block_attention"):
-        attend = attention_module.block_attention
-
-        @torch.compiler.disable  # like the original: compiled layers call it from eager code
-        def scoped_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
-            with record_function("dflash::attention"):
-                return attend(*args, **kwargs)
-
-        attention_module.block_attention = scoped_attention
-    else:
-        missing.append("stage2_train.attention.block_attention (attention forward)")
-    if hasattr(trainstep_module, "chunked_block_loss"):
-        loss_fn = trainstep_module.chunked_block_loss
-
-        def scoped_loss(*args: Any, **kwargs: Any) -> Any:
-            with record_function("dflash::loss"):
-                return loss_fn(*args, **kwargs)
-
-        trainstep_module.chunked_block_loss = scoped_loss
-    else:
-        missing.append("stage2_train.trainstep.chunked_block_loss (LM head + loss)")
-    return missing
-
-
-def classify(name: str, scopes: list[str], compiled_layers: bool) -> str:
-    """Category of one kernel (or CPU op) from its name and its enclosing ops' names."""
-    lowered, joined = name.lower(), " | ".join(scopes)
-    backward = "Backward" in joined or "autograd::engine" in joined
-    if "dflash::mask_build" in joined:
-        return "mask_build"
-    if "dflash::loss" in joined or "ChunkedHeadLoss" in joined:
-        return "lm_head_loss"
-    attention = (
-        "attention" in lowered  # flex's kernels and ops; SDPA's (the CPU backend)
-        or lowered.startswith("triton_tem")
-        or "dflash::attention" in joined
-        or (not compiled_layers and "CompiledFunction" in joined)  # the only compiled region
-    )
-    if attention:
-        return "attention_bwd" if backward else "attention_fwd"
-    if "Optimizer." in joined or "multi_tensor" in lowered or "foreach" in lowered:
-        return "optimizer"
-    if any(n in lowered for n in COPY_NAMES):
-        return "copies"
-    if any(n in lowered for n in MATMUL_NAMES) or lowered.split("::")[-1] in MATMUL_OPS:
-        return "matmul_bwd" if backward else "matmul_fwd"
-    return "other_bwd" if backward else "other_fwd"
-
-
-def _scopes(event: Any) -> list[str]:
-    names = []
-    while event is not None:
-        names.append(event.name)
-        event = event.cpu_parent
-    return names
-
-
-def breakdown(prof: Any, steps: int, compiled_layers: bool, on_cuda: bool) -> dict[str, Any]:
-    """ms per step by category and the top kernels: GPU kernel time on CUDA, else every CPU
-    op's self time (a smoke of the same bookkeeping)."""
-    per_cat: dict[str, float] = defaultdict(float)
-    per_kernel: dict[str, list] = {}
-    for event in prof.events():
-        if on_cuda:
-            items = [(k.name, k.duration) for k in event.kernels]
-        elif event.device_type == torch.autograd.DeviceType.CPU and not event.is_async:
-            items = [(event.name, event.self_cpu_time_total)]
-        else:
-            items = []
-        if not items:
-            continue
-        scopes = _scopes(event)
-        for name, us in items:
-            category = classify(name, scopes, compiled_layers)
-            per_cat[category] += us
-            entry = per_kernel.setdefault(name, [0.0, 0, category])
-            entry[0] += us
-            entry[1] += 1
-    total = sum(per_cat.values()) or 1.0
-    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:30]
-    return {
-        "kernel_ms_per_step": round(total / steps / 1e3, 3),
-        "categories": {
-            c: {
-                "ms_per_step": round(per_cat[c] / steps / 1e3, 3),
-                "share": round(per_cat[c] / total, 4),
-            }
-            for c in CATEGORIES
-            if c in per_cat
-        },
-        "top_kernels": [
-            {
-                "name": name[:160],
-                "category": cat,
-                "ms_per_step": round(us / steps / 1e3, 3),
-                "calls_per_step": round(n / steps, 1),
-            }
-            for name, (us, n, cat) in top
-        ],
-    }
 
 
 class Bench:
@@ -290,15 +103,9 @@ class Bench:
         self.runner = StepRunner(
             self.model, self.model, head, cfg, slot_w_B, backend, self.device, 10**6
         )
-        gen = torch.Generator().manual_seed(0)
         per_batch = cfg.optim.batch_sequences
-        self.batches: list[Batch] = []
-        for _ in range(args.num_batches):
-            items = [
-                synthetic_item(seq_len, tapped, hidden, vocab, cfg, gen) for _ in range(per_batch)
-            ]
-            batch = collate(items)
-            self.batches.append(batch.pin_memory() if self.device.type == "cuda" else batch)
+        pin = self.device.type == "cuda"
+        self.batches = synthetic_batches(args.num_batches, seq_len, tapped, hidden, vocab, cfg, pin)
         self.step_index = 0
         context, queries = (
             per_batch * seq_len,
