@@ -128,6 +128,11 @@ class TrainDataConfig:
     holdout_sequences: int = doc(8, "sequences held out (from the end) for evaluation")
     num_workers: int = doc(2, "loader worker processes")
     prefetch: int = doc(4, "batches prefetched per worker")
+    prefetch_to_device: bool = doc(
+        True,
+        "fetch the next step's batches and start their copy to the GPU while a step runs "
+        "(a side stream), instead of after its metrics are read back (stage2_train/prefetch.py)",
+    )
     seed: int = doc(0, "seed of shuffling and anchor sampling")
     on_damaged: Literal["error", "skip"] = doc(
         "error",

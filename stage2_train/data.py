@@ -102,6 +102,16 @@ class Batch:
         return Batch(**moved)
 
 
+def batch_tensors(batch: Batch) -> Iterator[torch.Tensor]:
+    """Every tensor a batch holds, those of its mask tables included."""
+    for f in fields(batch):
+        value = getattr(batch, f.name)
+        if isinstance(value, MaskTables):
+            yield from value
+        elif isinstance(value, torch.Tensor):
+            yield value
+
+
 def _apply(value: Any, method: str, *args: Any, **kwargs: Any) -> Any:
     if isinstance(value, MaskTables):
         return MaskTables(*(_apply(t, method, *args, **kwargs) for t in value))

@@ -18,6 +18,7 @@ Padding items (see plan.py) have w = 0, so remainders are neither dropped nor du
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,7 @@ from stage2_train.metrics import MetricsWriter, format_line, memory_gb
 from stage2_train.model import DFlashDrafter
 from stage2_train.plan import EpochPlan, HoldoutSampler, PlanSampler, split_store
 from stage2_train.plots import draw_plots_safely
+from stage2_train.prefetch import DevicePrefetcher
 from stage2_train.resume import resume_run
 from stage2_train.step import load_frozen_head
 from stage2_train.trackers import Trackers, check_trackers
@@ -273,6 +275,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         dynamic_ncols=True,
     )
     batches = None
+    prefetcher = DevicePrefetcher(device, cfg.optim.grad_accum)
     skipped_damaged = 0  # data.on_damaged=skip: sequences skipped by this run
     while state.step < total_steps:
         if plan.epoch_done(state.epoch, state.step_in_epoch):  # --follow: may wait for shards
@@ -281,9 +284,15 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         if batches is None:
             sampler.set_position(state.epoch, state.step_in_epoch)
             batches = iter(loader)
+            prefetcher.reset()
         started = time.perf_counter()
-        micro = [next(batches) for _ in range(cfg.optim.grad_accum)]
-        record = runner.step(micro)
+        micro = prefetcher.take(batches)
+        # the last step fetches nothing past the run; --follow's streamed epoch fetches in turn,
+        # since its next batch may wait for extract (a step would wait with its metrics unsaved)
+        more = state.step + 1 < total_steps and not (state.stream and state.epoch == 0)
+        more = more and cfg.data.prefetch_to_device
+        fetch = functools.partial(prefetcher.fetch, batches) if more else None
+        record = runner.step(micro, fetch)
         if skipped := count_damaged(micro, device):
             record["skipped_damaged"] = skipped
             skipped_damaged += skipped

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -67,8 +68,14 @@ class StepRunner:
         self.optimizer = build_optimizer(self.params, cfg.optim, device)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, total_steps)
 
-    def step(self, micro_batches: list[Batch]) -> dict[str, Any]:
-        """Forward/backward every micro-batch, clip, update; returns the step's metrics."""
+    def step(
+        self, micro_batches: list[Batch], while_running: Callable[[], None] | None = None
+    ) -> dict[str, Any]:
+        """Forward/backward every micro-batch, clip, update; returns the step's metrics.
+
+        `while_running` is called once every kernel of the step is queued and before the
+        metrics are read back (which waits for the GPU): work for the host that overlaps the
+        step, like fetching the next batches (prefetch.DevicePrefetcher)."""
         started = time.perf_counter()
         B = self.cfg.drafter.block_size
         batches = [b.to(self.device) for b in micro_batches]
@@ -124,6 +131,8 @@ class StepRunner:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if while_running is not None:
+            while_running()
 
         seqs = _gather_indices(torch.cat([b.indices for b in batches]), self.world)
         packed = _all_reduce(torch.cat([sums, correct_B, total_B]))

@@ -323,3 +323,27 @@ def test_evaluate_offline_on_a_store(store: Path, tmp_path: Path) -> None:
     assert result.exit_code == 2 and "the drafter reads layers" in result.output
     result = CliRunner().invoke(cli, [*args[:2], str(tmp_path), "--store", str(store)])
     assert result.exit_code == 2 and "config.json, model.safetensors missing" in result.output
+
+
+def test_prefetching_the_next_step_changes_nothing(store: Path, tmp_path: Path) -> None:
+    """Fetching the next step's batches while a step runs (stage2_train/prefetch.py) reads the
+    same sequences in the same steps, across epoch ends, with loader workers, as pulling them
+    at the top of each step: same metrics, same weights."""
+    sets = [
+        "optim.max_steps=8",
+        "optim.grad_accum=2",
+        "optim.batch_sequences=2",
+        "data.num_workers=2",
+        "run.eval_every=4",
+    ]
+    prefetched = train(store, tmp_path / "prefetched", *sets)
+    in_turn = train(store, tmp_path / "in-turn", *sets, "data.prefetch_to_device=false")
+
+    def strip(rows: list[dict]) -> list[dict]:
+        return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+    assert in_turn[-1]["epoch"] == 2  # both epoch ends are inside the run
+    assert strip(prefetched) == strip(in_turn)
+    weights = [load_file(tmp_path / run / "export" / "model.safetensors") for run in
+               ("prefetched", "in-turn")]  # fmt: skip
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
