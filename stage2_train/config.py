@@ -129,9 +129,10 @@ class TrainDataConfig:
     num_workers: int = doc(2, "loader worker processes")
     prefetch: int = doc(4, "batches prefetched per worker")
     prefetch_to_device: bool = doc(
-        True,
+        False,
         "fetch the next step's batches and start their copy to the GPU while a step runs "
-        "(a side stream), instead of after its metrics are read back (stage2_train/prefetch.py)",
+        "(a side stream), instead of after its metrics are read back (stage2_train/prefetch.py;"
+        " off until a GPU has passed bench/prefetch_check.py and measured the gain)",
     )
     seed: int = doc(0, "seed of shuffling and anchor sampling")
     on_damaged: Literal["error", "skip"] = doc(

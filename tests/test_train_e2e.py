@@ -336,7 +336,7 @@ def test_prefetching_the_next_step_changes_nothing(store: Path, tmp_path: Path) 
         "data.num_workers=2",
         "run.eval_every=4",
     ]
-    prefetched = train(store, tmp_path / "prefetched", *sets)
+    prefetched = train(store, tmp_path / "prefetched", *sets, "data.prefetch_to_device=true")
     in_turn = train(store, tmp_path / "in-turn", *sets, "data.prefetch_to_device=false")
 
     def strip(rows: list[dict]) -> list[dict]:
