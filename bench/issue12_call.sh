@@ -117,10 +117,15 @@ if [ "$SMOKE" = 1 ]; then
   SWEEP=(--device cpu --tiny --only order_random,prescale_qk,q64_kv64,blocks_contiguous)
   PYSTD=(--shape tiny --device cpu --warmup 1 --steps 2 --profile-steps 2)
   EIGHT_B=("${PYSTD[@]}")
+  PREFETCH=(--device cpu --steps 6 --warmup 2)
+  GENERATE=(--tiny --prompts 8 --new-tokens 8 --batch-size 4)
 else
   SWEEP=()
   PYSTD=(--shape pystd)
   EIGHT_B=(--shape qwen3-8b)
+  PREFETCH=()
+  GENERATE=(--shape pystd-28m --equal-lengths --prompts 1024 --new-tokens 384 --batch-size 1024
+    --dtype float32)
 fi
 attention_parts() {
   [ "$SMOKE" = 1 ] || part yardstick_attention 120 python3 .bench/yardstick_attention.py
@@ -166,6 +171,20 @@ train_8b_fused_loss() {
       >> "$OUT/train_profile.jsonl"
   fi
 }
+# data.prefetch_to_device: first the GPU check that it trains exactly like fetching in turn,
+# then the real loop at the pystd shape with it on and off ($OUT/prefetch.jsonl)
+prefetch() {
+  part prefetch 300 python3 bench/prefetch_check.py --measure "${PREFETCH[@]}"
+}
+# dflash generate's local backend at the pystd recipe's shape (fp32, one batch of 1,024 x 256
+# + 384): attention implementations and the static (compiled) KV cache ($OUT/generate.jsonl)
+generate_pystd() {
+  part generate_pystd 300 bash -c 'for v in "--attn sdpa" "--attn eager" "--cache static" \
+      "--attn flex_attention"; do
+    mkdir -p "$2/gen"; OUT="$2/gen" timeout 100 python3 bench/bench_generate.py $v "${@:3}" \
+      | grep "^{" >> "$1/generate.jsonl" || echo "{\"variant\": \"$v\", \"failed\": true}" >> "$1/generate.jsonl"
+  done' gen "$OUT" "$LOGS" "${GENERATE[@]}"
+}
 
 if (( gpus >= 2 )); then
   ( export CUDA_VISIBLE_DEVICES=0; attention_parts; train_8b ) &
@@ -173,6 +192,8 @@ if (( gpus >= 2 )); then
   wait
   train_8b_fp8
   train_8b_fused_loss
+  prefetch
+  generate_pystd
 else
   attention_parts
   train_pystd
@@ -181,4 +202,6 @@ else
   train_8b_compiled
   train_8b_fp8
   train_8b_fused_loss
+  prefetch
+  generate_pystd
 fi
