@@ -26,6 +26,7 @@ size, k top-k, A anchors, B block size.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -266,10 +267,11 @@ class StoreSequences(torch.utils.data.Dataset):
         return item
 
 
-def collate(items: list[dict[str, Any]]) -> Batch:
+def collate(items: list[dict[str, Any]], mask_tables: bool = True) -> Batch:
     """Lay the sequences end to end; shift anchors, make document ids batch-unique, and move
     every padding anchor (-1) behind the real ones, as the attention mask expects; then build
-    that mask's tile tables (on CPU, in the loader's worker)."""
+    that mask's tile tables (on CPU, in the loader's worker) unless `mask_tables` is False
+    (the dense SDPA path reads no tables: it builds its mask from the anchors)."""
     S = items[0]["tokens_S"].shape[0]
     doc_parts, anchor_parts, next_doc = [], [], 0
     for i, item in enumerate(items):
@@ -287,8 +289,10 @@ def collate(items: list[dict[str, Any]]) -> Batch:
     anchors_A = anchors_A[order_A]
     document_ids_T = torch.cat(doc_parts)
     block_size = items[0]["labels_AB"].shape[1]
-    ctx_lo_A, ctx_hi_A = context_intervals(anchors_A, document_ids_T)
-    tables = anchor_mask_tables(ctx_lo_A, ctx_hi_A, document_ids_T.numel(), block_size)
+    tables = None
+    if mask_tables:
+        ctx_lo_A, ctx_hi_A = context_intervals(anchors_A, document_ids_T)
+        tables = anchor_mask_tables(ctx_lo_A, ctx_hi_A, document_ids_T.numel(), block_size)
 
     def blocks(name: str) -> torch.Tensor:
         return torch.cat([item[name] for item in items])[order_A]
@@ -351,16 +355,17 @@ def make_loader(
     prefetch: int,
     pin_memory: bool,
     on_damaged: str = "error",
+    mask_tables: bool = True,
 ) -> DamageGuard:
     """A DataLoader over `sampler`'s micro-batches (workers persist across epochs), behind a
-    DamageGuard applying `on_damaged`."""
+    DamageGuard applying `on_damaged`; `mask_tables`: collate builds the flex mask's tables."""
     extra: dict[str, Any] = {}
     if num_workers > 0:
         extra = {"prefetch_factor": prefetch, "persistent_workers": True}
     loader = torch.utils.data.DataLoader(
         dataset,
         batch_sampler=sampler,
-        collate_fn=collate,
+        collate_fn=functools.partial(collate, mask_tables=mask_tables),
         num_workers=num_workers,
         pin_memory=pin_memory,
         **extra,

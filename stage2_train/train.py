@@ -140,9 +140,16 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         cfg.data.prefetch,
         pin,
         on_damaged=cfg.data.on_damaged,
+        mask_tables=backend == "flex",
     )
     eval_loader = make_loader(
-        dataset("argmax", False), holdout, 0, cfg.data.prefetch, pin, cfg.data.on_damaged
+        dataset("argmax", False),
+        holdout,
+        0,
+        cfg.data.prefetch,
+        pin,
+        cfg.data.on_damaged,
+        mask_tables=backend == "flex",
     )
 
     total_steps = plan.steps_per_epoch * cfg.optim.epochs

@@ -14,6 +14,7 @@ from store_factory import FactorySpec, build_store
 
 from common.config import build_config
 from common.store import DOCUMENT_ARRAYS, SEQUENCE_ARRAYS, StoreError, open_store
+from stage2_train.attention import BlockAttention
 from stage2_train.config import TrainConfig
 from stage2_train.data import StoreSequences, collate, make_loader
 from stage2_train.inputs import check_inputs
@@ -145,6 +146,22 @@ def test_loader_batches_carry_the_mask_tables_of_their_anchors(store: Path) -> N
     want = anchor_mask_tables(lo_A, hi_A, batch.document_ids_T.numel(), 4)
     for name, got, expected in zip(MaskTables._fields, batch.mask_tables, want, strict=True):
         assert torch.equal(got, expected), name
+
+
+def test_loader_for_the_sdpa_path_builds_no_tables(store: Path) -> None:
+    """mask_tables=False (train's SDPA backend): no tables cross the worker boundary, and the
+    dense mask the attention builds from the anchors is the one the tables' intervals give."""
+    ds = _dataset(store)
+    sampler = PlanSampler(EpochPlan(10, 1, 0, 2, 1, seed=0))
+    plain = next(iter(make_loader(ds, sampler, 1, 2, False, mask_tables=False)))
+    with_tables = next(iter(make_loader(ds, sampler, 1, 2, False)))
+    assert plain.mask_tables is None and isinstance(with_tables.mask_tables, MaskTables)
+    assert torch.equal(plain.anchors_A, with_tables.anchors_A)
+    dense = BlockAttention(plain.anchors_A, plain.document_ids_T, 4, "sdpa")
+    tabled = BlockAttention(
+        plain.anchors_A, plain.document_ids_T, 4, "sdpa", tables=with_tables.mask_tables
+    )
+    assert dense.mask_1QK is not None and torch.equal(dense.mask_1QK, tabled.mask_1QK)
 
 
 def test_loader_workers_open_shards_lazily_and_match(store: Path) -> None:
