@@ -141,7 +141,8 @@ class GenerateRunConfig:
         "dynamic",
         "local backend: dynamic grows the KV cache each step; static preallocates it and, on a "
         "GPU, lets transformers compile the decode step (CUDA graphs; one compile per batch "
-        "shape; BENCHMARKS.md has the speed of each)",
+        "shape; BENCHMARKS.md has the speed of each); a static cache is as long as the longest "
+        "prompt + new tokens so far, and batch_tokens counts rows at that length",
     )
     progress: bool = doc(True, "show a progress bar")
 

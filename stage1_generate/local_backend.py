@@ -31,16 +31,17 @@ class Completion:
 
 
 def plan_batches(
-    lengths: list[int], max_new: int, batch_size: int, batch_tokens: int
+    lengths: list[int], max_new: int, batch_size: int, batch_tokens: int, min_row: int = 0
 ) -> list[list[int]]:
     """Indices of the prompts, longest first, grouped so that each group holds at most
-    `batch_size` prompts and (longest prompt + max_new) x rows <= batch_tokens (one prompt
-    always fits)."""
+    `batch_size` prompts and max(longest prompt + max_new, min_row) x rows <= batch_tokens (one
+    prompt always fits). `min_row`: the cache length of a row whatever the group's prompts (a
+    static cache is as long as the longest row the model has generated)."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     batches: list[list[int]] = []
     current: list[int] = []
     for i in order:
-        width = (lengths[current[0]] if current else lengths[i]) + max_new
+        width = max((lengths[current[0]] if current else lengths[i]) + max_new, min_row)
         if current and (len(current) >= batch_size or width * (len(current) + 1) > batch_tokens):
             batches.append(current)
             current = []
@@ -71,8 +72,13 @@ class LocalBackend:
         self.batch_tokens = batch_tokens
         if kv_cache not in ("dynamic", "static"):
             raise ValueError(f"kv_cache must be dynamic or static, got {kv_cache!r}")
-        # static: transformers' StaticCache, which its generate compiles on a GPU
-        self.cache_kwargs = {"cache_implementation": "static"} if kv_cache == "static" else {}
+        # static: transformers' StaticCache, which its generate compiles on a GPU. It sizes every
+        # cache to the longest (prompt + new) generated on the model so far (one compiled shape),
+        # not to the batch's own: rows are planned by that length (`static_row`), so that
+        # batch_tokens bounds the cache as it bounds the growing one
+        self.static = kv_cache == "static"
+        self.cache_kwargs = {"cache_implementation": "static"} if self.static else {}
+        self.static_row = 0
         self.device = next(model.parameters()).device
         self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
         pad = tokenizer.pad_token_id
@@ -88,7 +94,13 @@ class LocalBackend:
         is called after each batch (progress)."""
         out: list[Completion | None] = [None] * len(prompts)
         lengths = [len(p) for p in prompts]
-        for batch in plan_batches(lengths, max_new_tokens, self.batch_size, self.batch_tokens):
+        min_row = 0
+        if self.static and lengths:  # transformers' own record too (another caller's batches)
+            seen = getattr(self.model, "_previous_max_cache_length", 0) + 1
+            self.static_row = max(self.static_row, seen, max(lengths) + max_new_tokens)
+            min_row = self.static_row
+        planned = plan_batches(lengths, max_new_tokens, self.batch_size, self.batch_tokens, min_row)
+        for batch in planned:
             rows = self._generate_batch([prompts[i] for i in batch], max_new_tokens)
             for i, completion in zip(batch, rows, strict=True):
                 out[i] = completion

@@ -23,7 +23,8 @@ from stage1_extract.config import ExtractConfig
 from stage1_extract.data import prepare_documents
 from stage1_extract.run import run_extract
 from stage1_generate import run as generate_run
-from stage1_generate.config import GenerateConfig
+from stage1_generate.config import GenerateConfig, SamplingConfig
+from stage1_generate.local_backend import LocalBackend
 from stage1_generate.output import output_lock
 from stage1_generate.rows import stop_token_ids, text_windows
 from stage1_generate.run import run_generate
@@ -442,3 +443,29 @@ def test_kv_cache_setting_checked(tiny_qwen3: Path, tmp_path: Path) -> None:
          "--devices", "cpu", "--set", "run.kv_cache=paged"],
     )  # fmt: skip
     assert result.exit_code != 0 and "kv_cache" in result.output and "static" in result.output
+
+
+def test_static_kv_cache_stays_within_batch_tokens(tiny_qwen3: Path) -> None:
+    """transformers sizes every static cache to the longest (prompt + new) it has seen on the
+    model, not to the batch's own: the backend plans rows by that length, so a batch of short
+    prompts after a long one holds no more than run.batch_tokens of KV cache (the bound the
+    growing cache keeps), in one call as across calls (chat turns, chunks)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    caches = []  # (rows, cache length) of every static cache generate allocates
+    allocate = model._prepare_static_cache
+
+    def spy(*args, **kwargs):
+        cache = allocate(*args, **kwargs)
+        caches.append((kwargs["batch_size"], model._previous_max_cache_length))
+        return cache
+
+    model._prepare_static_cache = spy
+    stops = stop_token_ids(tokenizer, None, {})
+    budget = 8 * 24
+    backend = LocalBackend(model, tokenizer, SamplingConfig(), stops, 8, budget, "static")
+    long_prompt, short_prompts = [[5] * 100], [[6] * 8] * 8
+    replies = backend.generate(long_prompt + short_prompts, 8)  # one call: long batch first
+    assert len(replies) == 9 and len(caches) >= 2
+    backend.generate(short_prompts, 8)  # a later call: the cache is as long as before
+    assert all(rows * length <= budget for rows, length in caches), caches
