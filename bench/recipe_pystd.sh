@@ -26,19 +26,24 @@ IFS=',' read -ra TRAIN_GPUS <<< "${TRAIN_GPUS:-${DEVICE%%,*}}"
 read -ra GEN_SETS <<< "${GEN_SETS:-}"
 read -ra EXTRACT_SETS <<< "${EXTRACT_SETS:-}"
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
+# a data stage whose command fails makes the script exit 1 at its end (bench/recipe_call.sh
+# marks a stage done on exit 0 only)
+failed=()
 stamp() { echo "\"$1_s\": $(( $(date +%s) - $2 ))" >> "$OUT/timings.txt"; }
 
 if has generate; then
   t=$(date +%s)
   dflash generate --config "$CFG" --model $M --data .carry/train.jsonl.gz --out "$WORK/gen" \
-    --devices "$DEVICE" --set run.progress=false "${GEN_SETS[@]}" 2>&1 | tee "$OUT/generate.log" | tail -3
+    --devices "$DEVICE" --set run.progress=false "${GEN_SETS[@]}" 2>&1 | tee "$OUT/generate.log" | tail -3 \
+    || failed+=(generate)
   stamp generate "$t"
 fi
 if has extract; then
   t=$(date +%s)
   dflash extract --config "$CFG" --model $M --data "$WORK/gen" --out "$WORK/store" \
-    --devices "$DEVICE" --set run.progress=false "${EXTRACT_SETS[@]}" 2>&1 | tee "$OUT/extract.log" | tail -2
-  dflash inspect "$WORK/store" > "$OUT/inspect.txt"
+    --devices "$DEVICE" --set run.progress=false "${EXTRACT_SETS[@]}" 2>&1 | tee "$OUT/extract.log" | tail -2 \
+    || failed+=(extract)
+  dflash inspect "$WORK/store" > "$OUT/inspect.txt" || failed+=(extract)
   stamp extract "$t"
 fi
 if has dev; then  # the target's own continuation of the 12 online prompts: the offline twin
@@ -46,10 +51,11 @@ if has dev; then  # the target's own continuation of the 12 online prompts: the 
   dflash generate --config "$CFG" --model $M --data .carry/dev.jsonl.gz --out "$WORK/dev-gen" \
     --devices "${DEVICE%%,*}" --set data.max_samples=12 --set text.new_tokens=128 \
     --set text.stride=1000000 --set text.loss_on_prompt=false --set run.progress=false \
-    > "$OUT/dev-generate.log" 2>&1  # {prompt, completion}: the chain starts at the completion
+    > "$OUT/dev-generate.log" 2>&1 || failed+=(dev)  # {prompt, completion}: chains start there
   dflash extract --config "$CFG" --model $M --data "$WORK/dev-gen" --out "$WORK/dev-store" \
     --devices "${DEVICE%%,*}" --set packing.seq_len=384 --set store.sequences_per_shard=12 \
-    --set run.writer_processes=0 --set run.progress=false > "$OUT/dev-extract.log" 2>&1
+    --set run.writer_processes=0 --set run.progress=false > "$OUT/dev-extract.log" 2>&1 \
+    || failed+=(dev)
   stamp dev "$t"
 fi
 
@@ -123,3 +129,7 @@ else
 fi
 sed 's/$/,/' "$OUT/timings.txt" | tr -d '\n' | sed 's/^/{/; s/,$/}\n/' > "$OUT/timings.json"
 cat "$OUT/timings.json"
+if (( ${#failed[@]} )); then
+  echo "failed: ${failed[*]} (see their logs in $OUT)"
+  exit 1
+fi
