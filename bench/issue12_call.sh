@@ -6,6 +6,9 @@
 #   train      bench/profile_train_step.py: run.compile_layers false vs true and a torch.profiler
 #              breakdown of ~10 steady steps, pystd shape (8 x 3,072 tokens, mixed), then the
 #              Qwen3-8B drafter shape; .bench/yardstick_train_step.py (8B shape) for the ratio
+#   prefetch   bench/prefetch_check.py --measure: data.prefetch_to_device checked, then timed on/off
+#   generate_pystd  bench/bench_generate.py at the pystd recipe's generate shape: sdpa, eager,
+#              static cache, flex_attention
 # Start the device command with the wheel install line, carry [".whl", ".bench"], timeout 540:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 #     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site && python3 -m pip install \
@@ -14,12 +17,13 @@
 # has its own `timeout`, a part that no longer fits is skipped (parts.jsonl says so), and the
 # results are written whatever fails. What one call leaves (on one GPU, expect the 8B parts),
 # a second call runs: PARTS="train_8b yardstick_train train_8b_compiled train_8b_fp8
-# train_8b_fused_loss" bash bench/...
+# train_8b_fused_loss" bash bench/..., and a third PARTS="prefetch generate_pystd" (each up
+# to 300 s: they come last, and one call rarely reaches them)
 # Two or more GPUs: two lanes side by side (GPU 0: attention parts, then the 8B step; GPU 1:
 # the pystd step, the training yardstick, the compiled 8B step). SMOKE=1 checks the plumbing
-# on a CPU (tiny shapes, forward-only sweep, no yardsticks). Results in $OUT (6 files):
+# on a CPU (tiny shapes, forward-only sweep, no yardsticks). Results in $OUT (up to 8 files):
 #   summary.txt, parts.jsonl, attention_sweep.jsonl, train_profile.jsonl, yardsticks.jsonl,
-#   logs.tgz (every part's log, nvidia-smi, the pystd Chrome trace).
+#   prefetch.jsonl, generate.jsonl, logs.tgz (every part's log, nvidia-smi, the pystd trace).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 started=$(date +%s)
