@@ -131,8 +131,11 @@ class StepRunner:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if while_running is not None:
+        fetch_s = None
+        if while_running is not None:  # host time beside the queued kernels: reported alone
+            fetch_started = time.perf_counter()
             while_running()
+            fetch_s = round(time.perf_counter() - fetch_started, 4)
 
         seqs = _gather_indices(torch.cat([b.indices for b in batches]), self.world)
         packed = _all_reduce(torch.cat([sums, correct_B, total_B]))
@@ -151,6 +154,9 @@ class StepRunner:
             "labelled_tokens": int(labelled),
             "seqs": seqs,
             "compute_s": round(time.perf_counter() - started, 4),
+            # (overlapped with the GPU's work on this step: it delays the step only by what
+            # it outlasts that work; compute_s includes it)
+            **({"fetch_s": fetch_s} if fetch_s is not None else {}),
         }
 
 

@@ -22,7 +22,7 @@ from stage2_train.model import DFlashDrafter, DrafterShape
 from stage2_train.train import run_train
 
 DEBUG = Path(__file__).parents[1] / "configs" / "debug.yaml"
-TIMING = {"compute_s", "step_s", "tokens_per_s", "mem_gb"}
+TIMING = {"compute_s", "fetch_s", "step_s", "tokens_per_s", "mem_gb"}
 
 
 @pytest.fixture(scope="module")
