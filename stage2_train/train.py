@@ -123,6 +123,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
 
     distill = cfg.loss.distill_weight > 0
     pin = device.type == "cuda"
+    flex_tables = backend == "flex"  # the loader builds them; the SDPA path reads none
     layout = (ctx.world_size, ctx.rank, cfg.optim.batch_sequences, cfg.optim.grad_accum)
     plan: EpochPlan | FollowPlan
     if cfg.data.follow:  # epoch 0 streams shards as extract commits them (follow.py)
@@ -140,7 +141,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         cfg.data.prefetch,
         pin,
         on_damaged=cfg.data.on_damaged,
-        mask_tables=backend == "flex",
+        mask_tables=flex_tables,
     )
     eval_loader = make_loader(
         dataset("argmax", False),
@@ -149,7 +150,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         cfg.data.prefetch,
         pin,
         cfg.data.on_damaged,
-        mask_tables=backend == "flex",
+        mask_tables=flex_tables,
     )
 
     total_steps = plan.steps_per_epoch * cfg.optim.epochs
@@ -224,6 +225,18 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         else None,
     }
 
+    def export_to(folder: Path, fix: str) -> Path:
+        """The drafter as served (plain layers, the training parameters) into `folder`."""
+        return export_drafter(
+            served,
+            shape,
+            info.tapped_layers,
+            info.attrs["target"]["config"],
+            folder,
+            mask_token=extra_meta["mask_token"],
+            fix=fix,
+        )
+
     best_tau = best_so_far(out, state.step)
 
     def export_if_best(record: dict[str, Any]) -> None:
@@ -232,13 +245,8 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         tau = record.get("dev_chained_tau")
         if not (cfg.run.export_best and ctx.is_main and tau is not None and tau > best_tau):
             return
-        export_drafter(
-            served,
-            shape,
-            info.tapped_layers,
-            info.attrs["target"]["config"],
+        export_to(
             out / BEST_DIR,
-            mask_token=extra_meta["mask_token"],
             fix="free space, then rerun the same command (it resumes), or set "
             "run.export_best=false",
         )
@@ -296,8 +304,11 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         micro = prefetcher.take(batches)
         # the last step fetches nothing past the run; --follow's streamed epoch fetches in turn,
         # since its next batch may wait for extract (a step would wait with its metrics unsaved)
-        more = state.step + 1 < total_steps and not (state.stream and state.epoch == 0)
-        more = more and cfg.data.prefetch_to_device
+        more = (
+            cfg.data.prefetch_to_device
+            and state.step + 1 < total_steps
+            and not (state.stream and state.epoch == 0)
+        )
         fetch = functools.partial(prefetcher.fetch, batches) if more else None
         record = runner.step(micro, fetch)
         if skipped := count_damaged(micro, device):
@@ -340,13 +351,8 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
             skipped_damaged,
         )
     if ctx.is_main:
-        path = export_drafter(
-            model,
-            shape,
-            info.tapped_layers,
-            info.attrs["target"]["config"],
+        path = export_to(
             out / "export",
-            mask_token=extra_meta["mask_token"],
             fix="free space, then rerun the same command (it only exports: the checkpoints "
             f"are whole), or `dflash export {out} --out FOLDER`",
         )
