@@ -32,8 +32,8 @@ from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_atten
 from stage2_train.masks import (
     TILE,
     MaskTables,
+    anchor_block_mask,
     anchor_block_mask_mod,
-    anchor_mask_tables,
     block_mask_from_tables,
     context_intervals,
 )
@@ -123,9 +123,11 @@ class BlockAttention:
         self.block_mask: BlockMask | None = None
         self.mask_1QK: Tensor | None = None
         if backend == "flex":
-            if tables is None:
-                tables = anchor_mask_tables(ctx_lo_A, ctx_hi_A, self.context_len, block_size)
-            self.block_mask = block_mask_from_tables(tables, self.context_len, block_size)
+            self.block_mask = (
+                anchor_block_mask(ctx_lo_A, ctx_hi_A, self.context_len, block_size)
+                if tables is None
+                else block_mask_from_tables(tables, self.context_len, block_size)
+            )
         else:
             self.mask_1QK = create_mask(
                 self.mask_mod, 1, 1, self.num_queries, kv_len, device=anchors_A.device
