@@ -62,8 +62,12 @@ class DevicePrefetcher:
             for _ in range(self.micro_batches):
                 pulled.append(next(batches))
         except StopIteration:
-            if pulled:  # the iterator ended inside a step: `take` pulls (and fails) as before
-                self.ready, self.error = None, _PartialStep(len(pulled), self.micro_batches)
+            if pulled:  # the iterator ended inside a step
+                self.error = RuntimeError(
+                    f"the data loader ended after {len(pulled)} of a step's "
+                    f"{self.micro_batches} micro-batches: the epoch plan and the loader disagree "
+                    "(a bug; please report it with the run's config)"
+                )
             return
         except Exception as err:  # raised by the next `take`, where the loop expects it
             self.error = err
@@ -77,11 +81,3 @@ class DevicePrefetcher:
             self.ready = [batch.to(self.device) for batch in pulled]
             self.copied = torch.cuda.Event()
             self.copied.record(self.stream)
-
-
-class _PartialStep(RuntimeError):
-    def __init__(self, got: int, wanted: int) -> None:
-        super().__init__(
-            f"the data loader ended after {got} of a step's {wanted} micro-batches: the "
-            "epoch plan and the loader disagree (a bug; please report it with the run's config)"
-        )
