@@ -15,7 +15,8 @@ median step time over `--steps` after `--warmup`, tokens/s, model TFLOP/s and MF
 bench_train.py, peak memory, first-step time; then torch.profiler over `--profile-steps` steps:
 GPU kernel time per step by category (attention fwd/bwd, mask build, LM head + loss, matmuls
 fwd/bwd, optimizer + clipping, copies, other fwd/bwd), the share of the step the GPU is busy,
-and the top kernels. Categories come from record_function scopes this script wraps around
+and the top kernels (`--profile-steps 0`: timings only). loss.compile_chunks is as `dflash
+train` decides it (on for a GPU): `--set loss.compile_chunks=false` for the eager loss. Categories come from record_function scopes this script wraps around
 BlockAttention's construction (mask build), block_attention (attention) and chunked_block_loss
 (loss), plus kernel and autograd-node names (bench/profile_events.py); the synthetic batches
 and the shapes are bench/synthetic_batches.py's. JSON lines to stdout and
@@ -45,7 +46,7 @@ from synthetic_batches import SHAPES, synthetic_batches
 
 from common.config import build_config
 from stage2_train.anchors import training_slot_weights
-from stage2_train.config import TrainConfig
+from stage2_train.config import TrainConfig, with_compile_defaults
 from stage2_train.fp8 import convert_to_fp8
 from stage2_train.model import DFlashDrafter, drafter_shape
 from stage2_train.step import FrozenHead
@@ -68,11 +69,16 @@ class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         config, target, tapped, seq_len, mask_id, extra = SHAPES[args.shape]
         self.device = torch.device(args.device)
-        self.cfg = build_config(
-            TrainConfig,
-            ROOT / config,
-            "train",
-            ["data.store=synthetic", "run.out=unused", *extra, *args.overrides],
+        # loss.compile_chunks as `dflash train` decides it (on for a GPU unless --set);
+        # run.compile_layers is this bench's --compile-layers phases instead
+        self.cfg = with_compile_defaults(
+            build_config(
+                TrainConfig,
+                ROOT / config,
+                "train",
+                ["data.store=synthetic", "run.out=unused", *extra, *args.overrides],
+            ),
+            on_gpu=self.device.type == "cuda",
         )
         cfg = self.cfg
         vocab, hidden = target["vocab_size"], target["hidden_size"]
@@ -213,7 +219,7 @@ def main() -> None:
     parser.add_argument("--compile-layers", choices=["false", "true", "both"], default="both")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--profile-steps", type=int, default=10)
+    parser.add_argument("--profile-steps", type=int, default=10, help="0: no profile")
     parser.add_argument("--num-batches", type=int, default=2, help="distinct batches, cycled")
     parser.add_argument("--trace", default=None, help="gzipped Chrome trace of the first phase")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
@@ -246,6 +252,7 @@ def main() -> None:
             },
             "dtype": bench.cfg.run.dtype,
             "head_chunk_tokens": bench.cfg.loss.head_chunk_tokens,
+            "compile_chunks": bench.cfg.loss.compile_chunks,
             "device": torch.cuda.get_device_name(0) if bench.device.type == "cuda" else "cpu",
             "torch": torch.__version__,
             "not_scoped": missing,
@@ -261,8 +268,9 @@ def main() -> None:
                 bench.model.compile_layers()
             steps[compiled] = bench.measure(args, compiled)
             emit(steps[compiled])
-            trace = args.trace if compiled == phases[0] else None
-            emit(bench.profile(args, compiled, trace))
+            if args.profile_steps > 0:  # 0: timings only
+                trace = args.trace if compiled == phases[0] else None
+                emit(bench.profile(args, compiled, trace))
         except Exception as err:  # report, go on with the next phase
             text = str(err).strip().splitlines()
             emit(

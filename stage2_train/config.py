@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -72,13 +73,14 @@ class LossConfig:
     distill_weight: float = doc(0.0, "weight of the top-k KL distillation term (0 = off)")
     distill_temperature: float = doc(1.0, "temperature of the distillation term")
     head_chunk_tokens: int = doc(2048, "query tokens per LM-head + CE chunk")
-    compile_chunks: bool = doc(
-        False,
+    compile_chunks: bool | None = doc(
+        None,
         "run each chunk's elementwise loss math (log-sum-exp, CE, top-k KL, D-PACE, softmax "
         "minus target, cast) as one torch.compile region, so inductor fuses its ~8-10 passes "
         "over the [chunk, vocab] logits; the LM-head matmuls stay cuBLAS calls; same loss up to "
         "fp32 rounding; one graph (two when query tokens % head_chunk_tokens != 0) compiled "
-        "on the first step",
+        "on the first step; null = on when training on GPUs (1.24x the step at the pystd "
+        "shape, BENCHMARKS.md), off on the CPU",
     )
 
     def problems(self) -> list[str]:
@@ -189,10 +191,12 @@ class TrainRunConfig:
         "parameters and AdamW states (master weights), bf16 compute under autocast",
     )
     compile_attention: bool = doc(True, "flex_attention compiled as its own region (GPU: required)")
-    compile_layers: bool = doc(
-        False,
+    compile_layers: bool | None = doc(
+        None,
         "also torch.compile each drafter layer (fixed shapes, attention stays its own region): "
-        "fuses norms, RoPE and the MLP; costs a longer first step",
+        "fuses norms, RoPE and the MLP; costs a longer first step; null = on when training on "
+        "GPUs (with loss.compile_chunks 1.54x the step at the pystd shape, BENCHMARKS.md), off "
+        "on the CPU",
     )
     fp8_linear: Literal["tensorwise", "rowwise"] | None = doc(
         None,
@@ -242,3 +246,16 @@ class TrainConfig:
     optim: OptimConfig = doc(factory=OptimConfig, help="optimizer and schedule")
     data: TrainDataConfig = doc(factory=TrainDataConfig, help="the store and loader")
     run: TrainRunConfig = doc(factory=TrainRunConfig, help="devices, logging, checkpoints")
+
+
+def with_compile_defaults(cfg: TrainConfig, on_gpu: bool) -> TrainConfig:
+    """`cfg` with run.compile_layers and loss.compile_chunks decided where the config left them
+    null: on for a GPU run, where they were measured (BENCHMARKS.md, eighth session), off on the
+    CPU, where nothing was measured and inductor's C++ builds slow short runs and tests."""
+    layers = cfg.run.compile_layers
+    chunks = cfg.loss.compile_chunks
+    return dataclasses.replace(
+        cfg,
+        run=dataclasses.replace(cfg.run, compile_layers=on_gpu if layers is None else layers),
+        loss=dataclasses.replace(cfg.loss, compile_chunks=on_gpu if chunks is None else chunks),
+    )

@@ -36,7 +36,7 @@ from evaluation.heldout import evaluate
 from stage2_train.anchors import training_slot_weights
 from stage2_train.best import BEST_DIR, best_so_far, record_best
 from stage2_train.checkpoint import TrainState, save_checkpoint
-from stage2_train.config import TrainConfig
+from stage2_train.config import TrainConfig, with_compile_defaults
 from stage2_train.data import StoreSequences, count_damaged, make_loader
 from stage2_train.export import export_drafter, mask_token_string
 from stage2_train.follow import FollowHoldout, FollowPlan, check_stream_position, wait_for_store
@@ -85,6 +85,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
     out = Path(cfg.run.out)
     param_dtype, compute_dtype = run_dtypes(cfg.run.dtype)
     device = ctx.device
+    cfg = with_compile_defaults(cfg, on_gpu=device.type == "cuda")  # what checkpoints record
     head = load_frozen_head(cfg.data.store, device, compute_dtype)
     B = cfg.drafter.block_size
     slot_w_B = training_slot_weights(B, cfg.loss.weighting, cfg.loss.gamma).to(device)

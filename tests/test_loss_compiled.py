@@ -25,7 +25,7 @@ from torch._dynamo.utils import counters
 
 from common.config import build_config
 from stage2_train.anchors import slot_weights
-from stage2_train.config import TrainConfig
+from stage2_train.config import TrainConfig, with_compile_defaults
 from stage2_train.loss import chunk_terms, chunked_block_loss
 from stage2_train.resume import config_changes
 from stage2_train.train import run_train
@@ -145,3 +145,23 @@ def test_switching_it_on_resume_is_free() -> None:
     current = dataclasses.asdict(TrainConfig())
     current["loss"]["compile_chunks"] = True
     assert config_changes(saved, current) == ([], [])
+
+
+def test_null_compiles_on_a_gpu_only() -> None:
+    """run.compile_layers and loss.compile_chunks left null (the default): on for a GPU run,
+    off on the CPU; a value the config sets is kept on either."""
+    null = TrainConfig()
+    assert (null.run.compile_layers, null.loss.compile_chunks) == (None, None)
+    gpu = with_compile_defaults(null, on_gpu=True)
+    cpu = with_compile_defaults(null, on_gpu=False)
+    assert (gpu.run.compile_layers, gpu.loss.compile_chunks) == (True, True)
+    assert (cpu.run.compile_layers, cpu.loss.compile_chunks) == (False, False)
+    chosen = build_config(
+        TrainConfig,
+        DEBUG,
+        "train",
+        ["run.out=x", "data.store=s", "run.compile_layers=false", "loss.compile_chunks=true"],
+    )
+    for on_gpu in (True, False):
+        kept = with_compile_defaults(chosen, on_gpu=on_gpu)
+        assert (kept.run.compile_layers, kept.loss.compile_chunks) == (False, True)
