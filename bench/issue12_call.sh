@@ -4,8 +4,10 @@
 #              BlockMask tiles, kernel_options, anchor orderings in compiled regions (fwd+bwd,
 #              each checked against fp32; budgeted, failures recorded)
 #   train      bench/profile_train_step.py: run.compile_layers false vs true and a torch.profiler
-#              breakdown of ~10 steady steps, pystd shape (8 x 3,072 tokens, mixed), then the
-#              Qwen3-8B drafter shape; .bench/yardstick_train_step.py (8B shape) for the ratio
+#              breakdown of ~10 steady steps, pystd shape (8 x 3,072 tokens, mixed; the loss
+#              chunks compiled, the GPU default), then 8,192-token loss chunks; the Qwen3-8B
+#              drafter shape eager, compiled, fp8, loss-only compiled;
+#              .bench/yardstick_train_step.py (8B shape) for the ratio
 #   prefetch   bench/prefetch_check.py --measure: data.prefetch_to_device checked, then timed on/off
 #   generate_pystd  bench/bench_generate.py at the pystd recipe's generate shape: sdpa, eager,
 #              static cache, flex_attention
@@ -140,8 +142,9 @@ train_pystd() {
   part train_pystd 140 python3 bench/profile_train_step.py "${PYSTD[@]}" \
     --compile-layers both --trace "$LOGS/trace-pystd.json.gz"
 }
-train_8b() {
-  part train_8b 100 python3 bench/profile_train_step.py "${EIGHT_B[@]}" --compile-layers false
+train_8b() {  # the eager step (since the eighth session GPU runs compile both by default)
+  part train_8b 100 python3 bench/profile_train_step.py "${EIGHT_B[@]}" --compile-layers false \
+    --set loss.compile_chunks=false
 }
 yardstick_train() {
   [ "$SMOKE" = 1 ] || part yardstick_train 240 python3 .bench/yardstick_train_step.py
@@ -161,19 +164,32 @@ train_8b_fp8() {
   part train_8b_fp8 150 python3 bench/profile_train_step.py "${EIGHT_B[@]}" \
     --compile-layers true --set run.fp8_linear=rowwise
 }
+# variant PART CAP SHAPE_ARGS -- ARGS...: profile_train_step.py with ARGS, its records tagged
+# "variant" in train_profile.jsonl (the summary shows it), since the shape and compile_layers
+# alone would read like another part's
+variant() {
+  local name=$1 cap=$2 label=$3
+  shift 3
+  local own="$LOGS/$name"
+  mkdir -p "$own"
+  part "$name" "$cap" env OUT="$own" python3 bench/profile_train_step.py "$@"
+  if [ -f "$own/train_profile.jsonl" ]; then
+    sed "s/^{/{\"variant\": \"$label\", /" "$own/train_profile.jsonl" >> "$OUT/train_profile.jsonl"
+  fi
+}
 # loss.compile_chunks (issue 12: the LM head's per-chunk elementwise loss math as one inductor
 # region) at the 8B drafter shape, eager layers: compare its step and lm_head_loss ms with
-# train_8b's. Its records go to train_profile.jsonl tagged "variant" (the summary shows it),
-# since the shape and compile_layers alone would read like train_8b's.
+# train_8b's
 train_8b_fused_loss() {
-  local own="$LOGS/fused_loss"
-  mkdir -p "$own"
-  part train_8b_fused_loss 150 env OUT="$own" python3 bench/profile_train_step.py \
-    "${EIGHT_B[@]}" --compile-layers false --set loss.compile_chunks=true
-  if [ -f "$own/train_profile.jsonl" ]; then
-    sed 's/^{/{"variant": "loss.compile_chunks=true", /' "$own/train_profile.jsonl" \
-      >> "$OUT/train_profile.jsonl"
-  fi
+  variant train_8b_fused_loss 150 "loss.compile_chunks=true" "${EIGHT_B[@]}" \
+    --compile-layers false --set loss.compile_chunks=true
+}
+# fewer, larger LM-head chunks at the pystd shape (vocab 8,192: 8,192 x 8,192 fp32 logits are
+# 0.27 GB): the compiled step is host-bound (busy 0.73, eighth session), and each chunk costs
+# launches and guards in the forward and the backward; compare with train_pystd's compiled step
+train_pystd_chunks() {
+  variant train_pystd_chunks 120 "loss.head_chunk_tokens=8192" "${PYSTD[@]}" \
+    --compile-layers true --set loss.head_chunk_tokens=8192 --profile-steps 5
 }
 # data.prefetch_to_device: first the GPU check that it trains exactly like fetching in turn,
 # then the real loop at the pystd shape with it on and off ($OUT/prefetch.jsonl)
@@ -192,7 +208,8 @@ generate_pystd() {
 
 if (( gpus >= 2 )); then
   ( export CUDA_VISIBLE_DEVICES=0; attention_parts; train_8b ) &
-  ( export CUDA_VISIBLE_DEVICES=1; train_pystd; yardstick_train; train_8b_compiled ) &
+  ( export CUDA_VISIBLE_DEVICES=1; train_pystd; train_pystd_chunks; yardstick_train
+    train_8b_compiled ) &
   wait
   train_8b_fp8
   train_8b_fused_loss
@@ -201,6 +218,7 @@ if (( gpus >= 2 )); then
 else
   attention_parts
   train_pystd
+  train_pystd_chunks
   train_8b
   yardstick_train
   train_8b_compiled

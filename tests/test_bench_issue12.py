@@ -13,15 +13,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_train_profile_tiny_and_summary(tmp_path: Path) -> None:
-    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+def profile_tiny(out: Path, profile_steps: int) -> list[dict]:
+    """bench/profile_train_step.py at the tiny shape on the CPU: its records."""
+    env = {**os.environ, "OUT": str(out), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, str(ROOT / "bench" / "profile_train_step.py"), "--shape", "tiny"]
     command += ["--device", "cpu", "--compile-layers", "false", "--warmup", "0", "--steps", "1"]
-    command += ["--profile-steps", "1"]
+    command += ["--profile-steps", str(profile_steps)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    records = [json.loads(line) for line in (tmp_path / "train_profile.jsonl").open()]
-    setup, step, profile = records
+    return [json.loads(line) for line in (out / "train_profile.jsonl").open()]
+
+
+def test_train_profile_tiny_and_summary(tmp_path: Path) -> None:
+    setup, step, profile = profile_tiny(tmp_path, profile_steps=1)
     assert setup["what"] == "train_setup" and setup["not_scoped"] == []
     assert step["what"] == "train_step" and step["status"] == "ok" and step["median_step_ms"] > 0
     assert profile["what"] == "train_profile"
@@ -36,6 +40,14 @@ def test_train_profile_tiny_and_summary(tmp_path: Path) -> None:
     assert subprocess.run(summary, capture_output=True, timeout=60).returncode == 0
     text = (tmp_path / "summary.txt").read_text()
     assert "tiny, compile_layers=False" in text and "train_pystd: ok" in text
+
+
+def test_train_profile_timings_only(tmp_path: Path) -> None:
+    """--profile-steps 0: the step's timing without a profile (it once failed on no steps);
+    the setup says whether the loss chunks were compiled (off on the CPU by default)."""
+    records = profile_tiny(tmp_path, profile_steps=0)
+    assert [r["what"] for r in records] == ["train_setup", "train_step"]
+    assert records[0]["compile_chunks"] is False and records[1]["status"] == "ok"
 
 
 def test_issue12_call_script_parses() -> None:
