@@ -64,6 +64,8 @@ variant() {  # $1 = name, $2 = GPU, the rest: train --set arguments
   local eval_device; eval_device=$([ "$gpu" = cpu ] && echo cpu || echo "cuda:$gpu")
   local t; t=$(date +%s)
   if has train; then
+    # (the log is appended to: bench/recipe_call.sh runs train twice in its last call, the
+    # second only to export, and the first one's lines are the run's)
     # TRAIN_DEADLINE (epoch seconds): stop training then (a checkpoint every run.checkpoint_every
     # steps; rerunning with STAGES=train,... resumes), so a device call ends in its limit
     local limit=$TRAIN_LIMIT_S
@@ -72,7 +74,7 @@ variant() {  # $1 = name, $2 = GPU, the rest: train --set arguments
     timeout "$limit" dflash train --config "$CFG" --store "$WORK/store" \
       --out "$WORK/run-$name" --devices "$gpu" --set run.progress=false \
       --set data.dev_store="$WORK/dev-store" $@ \
-      > "$OUT/$name-train.log" 2>&1 || echo "$name: train stopped (limit or error)" >> "$OUT/$name-train.log"
+      >> "$OUT/$name-train.log" 2>&1 || echo "$name: train stopped (limit or error)" >> "$OUT/$name-train.log"
     if has evaluate && [ ! -f "$WORK/run-$name/export/model.safetensors" ]; then
       dflash export "$WORK/run-$name" >> "$OUT/$name-train.log" 2>&1
     fi
