@@ -4,7 +4,9 @@ Every `dflash` command runs under `cli_errors`, which prints one line for any ex
 
 - a user error (ValueError, a disk full or file-size limit, a missing or unreadable file, a
   damaged safetensors file): `error: <message>`, exit 2;
-- anything else (a bug): `error: <type>: <message>` plus how to get the traceback, exit 1.
+- anything else (a bug): `error: <type>: <message>` plus how to get the traceback, exit 1;
+- a job stopped on request after saving its progress (`Stopped`): `stopped: <message>`, exit
+  with its own code.
 
 `DFLASH_LOG_LEVEL=DEBUG` prints the traceback first. Worker processes started through
 torchrun's launcher fail as a `ChildFailedError` holding whichever rank died first, often a
@@ -54,6 +56,15 @@ _USER_ERRNOS = {
 } | NO_SPACE_ERRNOS
 
 
+class Stopped(Exception):
+    """A job that stopped early on request (a signal, a time limit) after saving its progress:
+    not a failure; the command exits with `exit_code` and the message says how to resume."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 class WorkerError(Exception):
     """A worker process's error, as it reported it (see `report_to_launcher`)."""
 
@@ -96,14 +107,17 @@ def report_to_launcher(fn: F) -> F:
                     "message": message or f"{type(err).__name__}: {err}",
                     "trace": traceback.format_exc(),
                 }
+                if isinstance(err, Stopped):
+                    report.update(message=str(err), stopped=err.exit_code)
                 Path(folder, f"rank-{global_rank()}.json").write_text(json.dumps(report))
             raise
 
     return wrapper  # type: ignore[return-value]
 
 
-def first_worker_error(folder: str | Path) -> WorkerError | None:
-    """The first user error the workers reported in `folder`, else the earliest report."""
+def first_worker_error(folder: str | Path) -> WorkerError | Stopped | None:
+    """The first user error the workers reported in `folder`, else the earliest error; when
+    every rank stopped on request (the launcher then fails too), that stop."""
     reports = []
     for path in Path(folder).glob("rank-*.json"):
         try:
@@ -112,7 +126,10 @@ def first_worker_error(folder: str | Path) -> WorkerError | None:
             continue
     if not reports:
         return None
-    best = min(reports, key=lambda r: (not r["user"], r["time"]))
+    errors = [r for r in reports if "stopped" not in r]
+    if not errors:
+        return Stopped(reports[0]["message"], reports[0]["stopped"])
+    best = min(errors, key=lambda r: (not r["user"], r["time"]))
     return WorkerError(best["message"], best["user"], best["trace"])
 
 
@@ -151,6 +168,10 @@ def cli_errors(fn: F) -> F:
         except Exception as err:
             if isinstance(err, _click_exceptions()):
                 raise  # usage errors and exits: Click prints and exits itself
+            if isinstance(err, Stopped):  # progress saved: how to go on, not an error
+                print(f"stopped: {err}", file=sys.stderr)
+                logging.shutdown()
+                sys.exit(err.exit_code)
             message = user_message(err)
             if debug_enabled():
                 trace = err.trace if isinstance(err, WorkerError) else traceback.format_exc()

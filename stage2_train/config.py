@@ -210,6 +210,12 @@ class TrainRunConfig:
     eval_every: int = doc(500, "steps between held-out evaluations (0 = only at the end)")
     checkpoint_every: int = doc(1000, "steps between checkpoints (0 = only at the end)")
     keep_checkpoints: int = doc(2, "newest checkpoints kept")
+    time_limit_s: float | None = doc(
+        None,
+        "stop after the step that passes this many seconds of the training process, with a "
+        "checkpoint (exit code 124; rerun to resume): a job's wall-clock limit. SIGTERM and a "
+        "first Ctrl-C stop the same way (exit 143 / 130); null = no limit",
+    )
     seed: int = doc(0, "seed of model init")
     progress: bool = doc(True, "show a progress bar")
     report_to: list[Literal["tensorboard", "wandb"]] = doc(
@@ -231,6 +237,8 @@ class TrainRunConfig:
         out = []
         if not self.out:
             out.append("out is required: the run folder (--out)")
+        if self.time_limit_s is not None and self.time_limit_s <= 0:
+            out.append(f"time_limit_s must be > 0 (or null for none), got {self.time_limit_s}")
         if self.keep_checkpoints < 1:
             out.append(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
         if len(set(self.report_to)) != len(self.report_to):

@@ -58,6 +58,7 @@ from stage2_train.anchors import (
 )
 from stage2_train.masks import MaskTables, anchor_mask_tables, context_intervals
 from stage2_train.plan import ItemKey
+from stage2_train.stop import ignore_stop_signals
 
 SEQUENCE_FIELDS = ("tokens", "loss_mask", "position_ids", "document_ids", "target_argmax", "hidden")
 DISTILL_FIELDS = ("topk_ids", "topk_logits", "logsumexp")
@@ -327,6 +328,15 @@ class DamageGuard:
     def __len__(self) -> int:
         return len(self.loader)
 
+    def close(self) -> None:
+        """Stop the loader's worker processes now. Persistent workers otherwise live until the
+        loader is collected, and a run that stops with an error still holding it would wait
+        on them at exit (they ignore SIGTERM: `ignore_stop_signals`)."""
+        iterator = getattr(self.loader, "_iterator", None)  # where torch keeps the workers
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+            self.loader._iterator = None
+
     def __iter__(self) -> Iterator[Batch]:
         for batch in self.loader:
             if batch.damaged and self.on_damaged == "error":
@@ -368,6 +378,7 @@ def make_loader(
         collate_fn=functools.partial(collate, mask_tables=mask_tables),
         num_workers=num_workers,
         pin_memory=pin_memory,
+        worker_init_fn=ignore_stop_signals if num_workers > 0 else None,
         **extra,
     )
     return DamageGuard(loader, on_damaged)

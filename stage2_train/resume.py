@@ -45,6 +45,7 @@ FREE_ON_RESUME = (
     "run.eval_every",
     "run.checkpoint_every",
     "run.keep_checkpoints",
+    "run.time_limit_s",  # each job of a run gets its own wall-clock limit
     "run.compile_attention",
     "run.compile_layers",
     "run.allow_config_change",

@@ -17,6 +17,7 @@ Padding items (see plan.py) have w = 0, so remainders are neither dropped nor du
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -35,7 +36,7 @@ from evaluation.chained import chained_tau_on_store, open_dev_store
 from evaluation.heldout import evaluate
 from stage2_train.anchors import training_slot_weights
 from stage2_train.best import BEST_DIR, best_so_far, record_best
-from stage2_train.checkpoint import TrainState, save_checkpoint
+from stage2_train.checkpoint import TrainState, save_checkpoint, step_dir
 from stage2_train.config import TrainConfig, with_compile_defaults
 from stage2_train.data import StoreSequences, count_damaged, make_loader
 from stage2_train.export import export_drafter, mask_token_string
@@ -49,6 +50,7 @@ from stage2_train.plots import draw_plots_safely
 from stage2_train.prefetch import DevicePrefetcher
 from stage2_train.resume import resume_run
 from stage2_train.step import load_frozen_head
+from stage2_train.stop import StopRequests, stopped
 from stage2_train.trackers import Trackers, check_trackers
 from stage2_train.trainstep import StepRunner, compute_context, replica_fingerprint, run_dtypes
 
@@ -293,56 +295,69 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
     batches = None
     prefetcher = DevicePrefetcher(device, cfg.optim.grad_accum)
     skipped_damaged = 0  # data.on_damaged=skip: sequences skipped by this run
-    while state.step < total_steps:
-        if plan.epoch_done(state.epoch, state.step_in_epoch):  # --follow: may wait for shards
-            state.epoch, state.step_in_epoch = state.epoch + 1, 0
-            batches = None  # the epoch's iterator is exhausted
-        if batches is None:
-            sampler.set_position(state.epoch, state.step_in_epoch)
-            batches = iter(loader)
-            prefetcher.reset()
-        started = time.perf_counter()
-        micro = prefetcher.take(batches)
-        # the last step fetches nothing past the run; --follow's streamed epoch fetches in turn,
-        # since its next batch may wait for extract (a step would wait with its metrics unsaved)
-        more = (
-            cfg.data.prefetch_to_device
-            and state.step + 1 < total_steps
-            and not (state.stream and state.epoch == 0)
-        )
-        fetch = functools.partial(prefetcher.fetch, batches) if more else None
-        record = runner.step(micro, fetch)
-        if skipped := count_damaged(micro, device):
-            record["skipped_damaged"] = skipped
-            skipped_damaged += skipped
-        state.step += 1
-        state.step_in_epoch += 1
-        state.tokens_seen += record.pop("labelled_tokens")
-        if state.stream and state.epoch == 0:
-            state.streamed_sequences = plan.streamed(state.step_in_epoch)
-        record.update(step=state.step, epoch=state.epoch, mem_gb=memory_gb(device))
-        record["step_s"] = round(time.perf_counter() - started, 4)
-        record["tokens_per_s"] = round(record["tokens"] / record["step_s"], 1)
-        last = state.step == total_steps
-        due = (cfg.run.eval_every and state.step % cfg.run.eval_every == 0) or last
-        if due and holdout.ready():  # --follow: once the held-out shards are committed
-            record.update(run_eval())
-        if due:
-            record.update(run_dev_eval())
-            export_if_best(record)
-        metrics.write(record)
-        trackers.log(record)
-        if ctx.is_main and ("eval_tau" in record or last):
-            draw_plots_safely(out)
-        bar.update(1)
-        if ctx.is_main and (state.step % cfg.run.log_every == 0 or last or "eval_tau" in record):
-            line = format_line(record, total_steps)
-            if bar.disable:
-                log.info(line)
-            else:
-                bar.write(line)
-        if (cfg.run.checkpoint_every and state.step % cfg.run.checkpoint_every == 0) or last:
-            checkpoint()
+    # SIGTERM, a first Ctrl-C or run.time_limit_s: finish the step, checkpoint, exit (stop.py);
+    # the loader's workers ignore those signals, so they are stopped here however the loop ends
+    stop = StopRequests(cfg.run.time_limit_s, device, ctx.world_size)
+    with stop, contextlib.closing(loader):
+        while state.step < total_steps:
+            if plan.epoch_done(state.epoch, state.step_in_epoch):  # --follow: may wait for shards
+                state.epoch, state.step_in_epoch = state.epoch + 1, 0
+                batches = None  # the epoch's iterator is exhausted
+            if batches is None:
+                sampler.set_position(state.epoch, state.step_in_epoch)
+                batches = iter(loader)
+                prefetcher.reset()
+            started = time.perf_counter()
+            micro = prefetcher.take(batches)
+            # the last step fetches nothing past the run; --follow's streamed epoch fetches in turn,
+            # since its next batch may wait for extract (a step would wait with its metrics unsaved)
+            more = (
+                cfg.data.prefetch_to_device
+                and state.step + 1 < total_steps
+                and not (state.stream and state.epoch == 0)
+            )
+            fetch = functools.partial(prefetcher.fetch, batches) if more else None
+            record = runner.step(micro, fetch)
+            if skipped := count_damaged(micro, device):
+                record["skipped_damaged"] = skipped
+                skipped_damaged += skipped
+            state.step += 1
+            state.step_in_epoch += 1
+            state.tokens_seen += record.pop("labelled_tokens")
+            if state.stream and state.epoch == 0:
+                state.streamed_sequences = plan.streamed(state.step_in_epoch)
+            record.update(step=state.step, epoch=state.epoch, mem_gb=memory_gb(device))
+            record["step_s"] = round(time.perf_counter() - started, 4)
+            record["tokens_per_s"] = round(record["tokens"] / record["step_s"], 1)
+            last = state.step == total_steps
+            due = (cfg.run.eval_every and state.step % cfg.run.eval_every == 0) or last
+            if due and holdout.ready():  # --follow: once the held-out shards are committed
+                record.update(run_eval())
+            if due:
+                record.update(run_dev_eval())
+                export_if_best(record)
+            metrics.write(record)
+            trackers.log(record)
+            if ctx.is_main and ("eval_tau" in record or last):
+                draw_plots_safely(out)
+            bar.update(1)
+            if ctx.is_main and (
+                state.step % cfg.run.log_every == 0 or last or "eval_tau" in record
+            ):
+                line = format_line(record, total_steps)
+                if bar.disable:
+                    log.info(line)
+                else:
+                    bar.write(line)
+            every = cfg.run.checkpoint_every
+            if saved := (every and state.step % every == 0) or last:
+                checkpoint()
+            if not last and (code := stop.due()):  # a signal or the time limit (stop.py)
+                if not saved:
+                    checkpoint()
+                bar.close()
+                trackers.close()
+                raise stopped(code, state.step, total_steps, str(step_dir(out, state.step)))
     bar.close()
     trackers.close()
     if skipped_damaged and ctx.is_main:

@@ -1,0 +1,106 @@
+"""Stopping a training run early without losing a step.
+
+A scheduler's preemption notice (SIGTERM: SLURM before its kill, Kubernetes, `timeout`), a
+first Ctrl-C (SIGINT) or `run.time_limit_s` do not kill the run where it stands: the step in
+flight finishes, the run checkpoints that step and exits with a `Stopped` error whose exit code
+says why (128 + the signal's number, as a shell reports a signal; 124 for the time limit, as
+`timeout` does). Rerunning the same command resumes from that checkpoint. A second Ctrl-C stops
+at once (KeyboardInterrupt), losing the steps since the last checkpoint.
+
+With several ranks the signal may reach them at different steps (the launcher forwards it), so
+each step the ranks agree on whether to stop (one all-reduce of one number): all of them stop
+after the same step and the checkpoint is whole.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from common.errors import Stopped
+
+TIME_LIMIT_EXIT = 124
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopRequests:
+    """Records a stop signal or the time limit; `due()` says, after a step, whether to stop.
+
+    Use as a context manager: the handlers are installed for the loop and the previous ones put
+    back after it (a process running several jobs, e.g. the tests, keeps its own)."""
+
+    def __init__(self, time_limit_s: float | None, device: torch.device, world_size: int) -> None:
+        self.time_limit_s, self.device, self.world_size = time_limit_s, device, world_size
+        self.started = time.monotonic()
+        self.signal: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequests:
+        # signal handlers can only be set from the main thread (a worker thread runs unguarded)
+        if threading.current_thread() is threading.main_thread():
+            for sig in _SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.signal == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # the second Ctrl-C: stop now
+        if self.signal is None:
+            self.signal = signum
+            hint = " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""
+            # print, not log: a handler may interrupt the logger itself mid-write
+            print(
+                f"{signal.Signals(signum).name}: stopping after this step with a checkpoint{hint}",
+                flush=True,
+            )
+
+    def _local_code(self) -> int:
+        if self.signal is not None:
+            return 128 + self.signal
+        if self.time_limit_s is not None and time.monotonic() - self.started >= self.time_limit_s:
+            return TIME_LIMIT_EXIT
+        return 0
+
+    def due(self) -> int:
+        """0 to go on, else the exit code to stop with; every rank calls it after every step
+        and all of them get the same answer."""
+        code = self._local_code()
+        if self.world_size > 1 and dist.is_initialized():
+            agreed = torch.tensor([code], device=self.device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            code = int(agreed.item())
+        return code
+
+
+def stopped(code: int, step: int, total_steps: int, checkpoint: str) -> Stopped:
+    """The error a stopped run exits with: why, where it stopped, and how to go on."""
+    if code == TIME_LIMIT_EXIT:
+        why = "run.time_limit_s reached"
+    else:
+        why = f"{signal.Signals(code - 128).name} received"
+    return Stopped(
+        f"{why}: stopped after step {step} of {total_steps} with a checkpoint in {checkpoint}; "
+        "rerun the same command to resume from it",
+        exit_code=code,
+    )
+
+
+def ignore_stop_signals(worker_id: int) -> None:
+    """DataLoader worker_init_fn: a loader worker leaves SIGTERM and SIGINT to its trainer.
+
+    `timeout` and a terminal's Ctrl-C signal the whole process group; a worker that died of it
+    would make the trainer fail on its next batch instead of checkpointing. The trainer shuts
+    its workers down itself, and a worker whose trainer is gone exits on its own."""
+    for sig in _SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
