@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The pystd recipe (bench/recipe_pystd.sh) as one background job that outlives the device call,
+# where the machine lets it: no process restarts between calls (each cost ~60 s of start-up and
+# compiles), no per-call margins, and the stage times of one uninterrupted run. Each call
+# watches the job until CALL_S seconds after the call started and returns its results so far;
+# the call that sees it finish prints "recipe done". Make each call within 30 s of the last
+# (a warm machine keeps /tmp only then).
+#   CALL_S=570 VARIANTS="recipe|--set run.checkpoint_every=500" bash bench/recipe_background.sh
+# If the machine stopped the job between calls, the call says "job gone" and exits 3: every
+# stage resumes, so go on with bench/recipe_call.sh and the same settings and $WORK.
+# The job runs from a snapshot (bench/, configs/, .carry/ and the package installed into
+# $WORK/background/site), since the device replaces the working tree and the carried folders at
+# each call. Settings as bench/recipe_pystd.sh (VARIANTS, GEN_SETS, EXTRACT_SETS, DEVICE, ...).
+set -uo pipefail
+started=$(date +%s)
+CALL_S=${CALL_S:-570}
+WORK=${WORK:-/tmp/recipe}
+RESULTS=${OUT:-runs/recipe}
+job="$WORK/background"
+mkdir -p "$job/results" "$RESULTS"
+export WORK
+
+if [ ! -f "$job/pid" ]; then
+  rm -rf "$job/src" "$job/site"
+  mkdir -p "$job/src"
+  cp -r bench configs .carry "$job/src/" || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$job/site" . \
+    > "$job/install.log" 2>&1 || { cat "$job/install.log"; exit 1; }
+  (
+    cd "$job/src" || exit 1
+    export PATH="$job/site/bin:$PATH" PYTHONPATH="$job/site${PYTHONPATH:+:$PYTHONPATH}"
+    export OUT="$job/results" TRAIN_LIMIT_S=${TRAIN_LIMIT_S:-7200}
+    # its own session: the end of the device call's shell does not signal it
+    setsid nohup bash -c 'bash bench/recipe_pystd.sh; echo $? > "$1/exit"' _ "$job" \
+      > "$job/recipe.log" 2>&1 < /dev/null &
+    echo $! > "$job/pid"
+  )
+  echo "started the recipe as pid $(cat "$job/pid") (log: $job/recipe.log)"
+elif [ ! -f "$job/exit" ] && ! kill -0 "$(cat "$job/pid")" 2>/dev/null; then
+  echo "job gone: the machine stopped pid $(cat "$job/pid") between calls; go on with"
+  echo "bench/recipe_call.sh, the same settings and WORK=$WORK (every stage resumes)"
+  tar czf "$RESULTS/call-$started.tgz" -C "$job" results recipe.log 2>/dev/null
+  exit 3
+else
+  echo "watching pid $(cat "$job/pid")"
+fi
+
+# watch until the job ends or the call's time is up (the last 30 s pack the results)
+while [ ! -f "$job/exit" ] && (( $(date +%s) < started + CALL_S - 30 )); do
+  sleep 5
+done
+tail -5 "$job/recipe.log"
+nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv > "$job/results/nvidia-smi.csv" 2>&1
+df -h "$WORK" > "$job/results/df.txt" 2>&1
+tar czf "$RESULTS/call-$started.tgz" -C "$job" results recipe.log
+if [ -f "$job/exit" ]; then
+  echo "recipe done (exit $(cat "$job/exit"))"
+else
+  echo "still running: call again within 30 s"
+fi
+echo "call took $(( $(date +%s) - started )) s; results in $RESULTS/call-$started.tgz"
