@@ -126,7 +126,10 @@ def train(
     allow_config_change: bool,
     follow: bool,
 ) -> None:
-    """Train the DFlash drafter from a store; resumes from the newest checkpoint in --out."""
+    """Train the DFlash drafter from a store; resumes from the newest checkpoint in --out.
+
+    SIGTERM, a first Ctrl-C or run.time_limit_s stop it after the step in flight, with a
+    checkpoint of that step (exit 143 / 130 / 124): rerun the same command to resume."""
     flags = {"data.store": store, "run.out": out, "run.devices": devices}
     extra = [f"{k}={v}" for k, v in flags.items() if v is not None]
     if allow_config_change:
