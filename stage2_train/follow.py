@@ -73,11 +73,25 @@ def writer_lock_held(store: Path) -> bool:
     return False
 
 
+class WaitInterrupted(Exception):
+    """A stop request (stop.py) that came while the run waited for extraction."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"stop requested (exit code {code}) while waiting for extraction")
+        self.code = code
+
+
 class ExtractionWatch:
-    """Waits for the store to grow; StoreError when its extraction seems to have died."""
+    """Waits for the store to grow; StoreError when its extraction seems to have died.
+
+    `interrupt` (set by a one-rank training loop) is asked at each poll: a non-zero answer ends
+    the wait with WaitInterrupted, so a run stopped while caught up with extraction need not
+    wait for its next batch (with several ranks a peer may be inside the step's collectives:
+    they stop after it)."""
 
     def __init__(self, store: str | Path, poll_s: float, timeout_s: float) -> None:
         self.store, self.poll_s, self.timeout_s = Path(store), poll_s, timeout_s
+        self.interrupt: Callable[[], int] | None = None
 
     def _progress(self) -> tuple[bool, bool, int]:
         root = (self.store / "zarr.json").is_file()
@@ -99,6 +113,8 @@ class ExtractionWatch:
         )
         while not ready():
             time.sleep(self.poll_s)
+            if self.interrupt is not None and (code := self.interrupt()):
+                raise WaitInterrupted(code)
             if (now := self._progress()) != seen:
                 seen, since, warned = now, time.monotonic(), False
                 continue

@@ -83,17 +83,21 @@ class StopRequests:
         return code
 
 
-def stopped(code: int, step: int, total_steps: int, checkpoint: str) -> Stopped:
-    """The error a stopped run exits with: why, where it stopped, and how to go on."""
+def stopped(code: int, step: int, total_steps: int, checkpoint: str | None) -> Stopped:
+    """The error a stopped run exits with: why, where it stopped, and how to go on
+    (`checkpoint` None: no step was trained, nothing to save)."""
     if code == TIME_LIMIT_EXIT:
         why = "run.time_limit_s reached"
     else:
         why = f"{signal.Signals(code - 128).name} received"
-    return Stopped(
-        f"{why}: stopped after step {step} of {total_steps} with a checkpoint in {checkpoint}; "
-        "rerun the same command to resume from it",
-        exit_code=code,
-    )
+    if checkpoint is None:
+        where = f"stopped before its first step of {total_steps}; rerun the same command to start"
+    else:
+        where = (
+            f"stopped after step {step} of {total_steps} with a checkpoint in {checkpoint}; "
+            "rerun the same command to resume from it"
+        )
+    return Stopped(f"{why}: {where}", exit_code=code)
 
 
 def ignore_stop_signals(worker_id: int) -> None:

@@ -22,7 +22,7 @@ import dataclasses
 import functools
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,13 @@ from stage2_train.checkpoint import TrainState, save_checkpoint, step_dir
 from stage2_train.config import TrainConfig, with_compile_defaults
 from stage2_train.data import StoreSequences, count_damaged, make_loader
 from stage2_train.export import export_drafter, mask_token_string
-from stage2_train.follow import FollowHoldout, FollowPlan, check_stream_position, wait_for_store
+from stage2_train.follow import (
+    FollowHoldout,
+    FollowPlan,
+    WaitInterrupted,
+    check_stream_position,
+    wait_for_store,
+)
 from stage2_train.fp8 import check_fp8_installed, convert_to_fp8, plain_twin
 from stage2_train.inputs import check_inputs
 from stage2_train.metrics import MetricsWriter, format_line, memory_gb
@@ -298,17 +304,32 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
     # SIGTERM, a first Ctrl-C or run.time_limit_s: finish the step, checkpoint, exit (stop.py);
     # the loader's workers ignore those signals, so they are stopped here however the loop ends
     stop = StopRequests(cfg.run.time_limit_s, device, ctx.world_size)
+    saved_step = state.step  # the newest checkpoint's (or 0)
+    if isinstance(plan, FollowPlan) and ctx.world_size == 1:
+        plan.watch.interrupt = stop.due  # stop while caught up with extraction, too
+
+    def stop_now(code: int) -> NoReturn:
+        if saved_step != state.step:
+            checkpoint()
+        bar.close()
+        trackers.close()
+        saved = str(step_dir(out, state.step)) if state.step else None
+        raise stopped(code, state.step, total_steps, saved)
+
     with stop, contextlib.closing(loader):
         while state.step < total_steps:
-            if plan.epoch_done(state.epoch, state.step_in_epoch):  # --follow: may wait for shards
-                state.epoch, state.step_in_epoch = state.epoch + 1, 0
-                batches = None  # the epoch's iterator is exhausted
-            if batches is None:
-                sampler.set_position(state.epoch, state.step_in_epoch)
-                batches = iter(loader)
-                prefetcher.reset()
-            started = time.perf_counter()
-            micro = prefetcher.take(batches)
+            try:
+                if plan.epoch_done(state.epoch, state.step_in_epoch):  # --follow: may wait
+                    state.epoch, state.step_in_epoch = state.epoch + 1, 0
+                    batches = None  # the epoch's iterator is exhausted
+                if batches is None:
+                    sampler.set_position(state.epoch, state.step_in_epoch)
+                    batches = iter(loader)
+                    prefetcher.reset()
+                started = time.perf_counter()
+                micro = prefetcher.take(batches)
+            except WaitInterrupted as interrupted:
+                stop_now(interrupted.code)
             # the last step fetches nothing past the run; --follow's streamed epoch fetches in turn,
             # since its next batch may wait for extract (a step would wait with its metrics unsaved)
             more = (
@@ -350,14 +371,11 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
                 else:
                     bar.write(line)
             every = cfg.run.checkpoint_every
-            if saved := (every and state.step % every == 0) or last:
+            if (every and state.step % every == 0) or last:
                 checkpoint()
+                saved_step = state.step
             if not last and (code := stop.due()):  # a signal or the time limit (stop.py)
-                if not saved:
-                    checkpoint()
-                bar.close()
-                trackers.close()
-                raise stopped(code, state.step, total_steps, str(step_dir(out, state.step)))
+                stop_now(code)
     bar.close()
     trackers.close()
     if skipped_damaged and ctx.is_main:

@@ -287,3 +287,52 @@ def test_a_store_never_created_is_named_as_such(tmp_path: Path) -> None:
     watch = ExtractionWatch(tmp_path / "never", poll_s=0.001, timeout_s=0.01)
     with pytest.raises(StoreError, match=r"no `dflash extract` has created it.*--store path"):
         watch.wait(lambda: False, "the store")
+
+
+def test_sigterm_while_caught_up_with_extraction_stops_without_waiting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One rank caught up with an extraction (shards 3-4 not committed yet) gets SIGTERM at its
+    first wait: it checkpoints the last step it trained and exits 143 at once; rerun once the
+    shards are there, it streams the rest, every training sequence exactly once."""
+    store = build_store(tmp_path / "store", FactorySpec(num_sequences=13, sequences_per_shard=3))
+    meta = store / "zarr.json"
+    whole = meta.read_text()
+    doc = json.loads(whole)
+    doc["attributes"]["dflash"]["complete"] = False
+    del doc["attributes"]["dflash"]["counts"]
+    meta.write_text(json.dumps(doc))
+    aside, out = tmp_path / "aside", tmp_path / "run"
+    aside.mkdir()
+    for index in (3, 4):
+        (shards_dir(store) / shard_name(index)).rename(aside / shard_name(index))
+    polls: list[float] = []
+
+    def first_poll_signals(seconds: float) -> None:  # only the wait for extraction polls
+        polls.append(seconds)
+        if len(polls) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        REAL_SLEEP(seconds)
+
+    monkeypatch.setattr(follow.time, "sleep", first_poll_signals)
+    sets = ["optim.epochs=1", "run.progress=false", "data.holdout_sequences=2"]
+    sets += ["data.follow_poll_s=0.05", "data.follow_timeout_s=300", "run.checkpoint_every=100"]
+    args = ["train", "--config", str(DEBUG), "--store", str(store), "--out", str(out)]
+    args += ["--devices", "cpu", "--follow", *[a for s in sets for a in ("--set", s)]]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 128 + signal.SIGTERM, result.output
+    assert len(polls) == 1  # it did not wait on
+    trained = [r["step"] for r in _metrics(out)]
+    assert trained == list(range(1, len(trained) + 1)) and trained
+    assert f"stopped after step {trained[-1]} of " in result.output
+    assert sorted(p.name for p in out.glob("step-*")) == [f"step-{trained[-1]:06d}"]
+    monkeypatch.setattr(follow.time, "sleep", REAL_SLEEP)
+    for index in (3, 4):  # extraction goes on and completes
+        (aside / shard_name(index)).rename(shards_dir(store) / shard_name(index))
+    meta.write_text(whole)
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    rows = _metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    streamed = [i for r in rows if r["epoch"] == 0 for i in r["seqs"][0] if i >= 0]
+    assert streamed == list(range(11))  # in store order, each exactly once
