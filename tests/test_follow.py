@@ -243,20 +243,30 @@ def _timing(row: dict) -> dict:
     return {k: row[k] for k in ("compute_s", "step_s", "tokens_per_s", "mem_gb") if k in row}
 
 
+def store_being_extracted(tmp_path: Path) -> tuple[Path, Path, str]:
+    """A store of 13 sequences in 5 shards as a running extraction leaves it: the root not yet
+    complete, shards 3 and 4 not committed (moved to the returned folder). Also returns the
+    complete root's zarr.json text, which the extraction's end would write."""
+    store = build_store(tmp_path / "store", FactorySpec(num_sequences=13, sequences_per_shard=3))
+    meta = store / "zarr.json"
+    whole = meta.read_text()
+    doc = json.loads(whole)
+    doc["attributes"]["dflash"]["complete"] = False
+    del doc["attributes"]["dflash"]["counts"]
+    meta.write_text(json.dumps(doc))
+    aside = tmp_path / "aside"
+    aside.mkdir()
+    for index in (3, 4):
+        (shards_dir(store) / shard_name(index)).rename(aside / shard_name(index))
+    return store, aside, whole
+
+
 def test_two_gloo_processes_share_the_streamed_epoch(tmp_path):
     """Two ranks on a store still being extracted (root incomplete, its last shards committed
     once the run has checkpointed step 2): together they read every sequence once, and the
     held-out evaluation (collective) runs on both once its shards are there."""
-    store = build_store(tmp_path / "store", FactorySpec(num_sequences=13, sequences_per_shard=3))
-    meta = store / "zarr.json"
-    doc = json.loads(meta.read_text())
-    doc["attributes"]["dflash"]["complete"] = False
-    del doc["attributes"]["dflash"]["counts"]
-    meta.write_text(json.dumps(doc))
-    aside, out = tmp_path / "aside", tmp_path / "run"
-    aside.mkdir()
-    for index in (3, 4):
-        (shards_dir(store) / shard_name(index)).rename(aside / shard_name(index))
+    store, aside, _ = store_being_extracted(tmp_path)
+    out = tmp_path / "run"
 
     def commit_later() -> None:
         deadline = time.monotonic() + 300  # a safety net only
@@ -295,17 +305,8 @@ def test_sigterm_while_caught_up_with_extraction_stops_without_waiting(
     """One rank caught up with an extraction (shards 3-4 not committed yet) gets SIGTERM at its
     first wait: it checkpoints the last step it trained and exits 143 at once; rerun once the
     shards are there, it streams the rest, every training sequence exactly once."""
-    store = build_store(tmp_path / "store", FactorySpec(num_sequences=13, sequences_per_shard=3))
-    meta = store / "zarr.json"
-    whole = meta.read_text()
-    doc = json.loads(whole)
-    doc["attributes"]["dflash"]["complete"] = False
-    del doc["attributes"]["dflash"]["counts"]
-    meta.write_text(json.dumps(doc))
-    aside, out = tmp_path / "aside", tmp_path / "run"
-    aside.mkdir()
-    for index in (3, 4):
-        (shards_dir(store) / shard_name(index)).rename(aside / shard_name(index))
+    store, aside, whole = store_being_extracted(tmp_path)
+    meta, out = store / "zarr.json", tmp_path / "run"
     polls: list[float] = []
 
     def first_poll_signals(seconds: float) -> None:  # only the wait for extraction polls
