@@ -14,6 +14,7 @@ after the same step and the checkpoint is whole.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -54,16 +55,17 @@ class StopRequests:
         self._previous.clear()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if self.signal == signal.SIGINT and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # the second Ctrl-C: stop now
+        if self.signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # Ctrl-C after a stop request: stop now
         if self.signal is None:
             self.signal = signum
             hint = " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""
-            # print, not log: a handler may interrupt the logger itself mid-write
-            print(
-                f"{signal.Signals(signum).name}: stopping after this step with a checkpoint{hint}",
-                flush=True,
+            # one write(2) call, not the logger or print: the handler may have interrupted either
+            # mid-write, and a buffered stream refuses a reentrant write
+            line = (
+                f"{signal.Signals(signum).name}: stopping after this step with a checkpoint{hint}"
             )
+            os.write(2, f"{line}\n".encode())
 
     def _local_code(self) -> int:
         if self.signal is not None:
