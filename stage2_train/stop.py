@@ -4,8 +4,8 @@ A scheduler's preemption notice (SIGTERM: SLURM before its kill, Kubernetes, `ti
 first Ctrl-C (SIGINT) or `run.time_limit_s` do not kill the run where it stands: the step in
 flight finishes, the run checkpoints that step and exits with a `Stopped` error whose exit code
 says why (128 + the signal's number, as a shell reports a signal; 124 for the time limit, as
-`timeout` does). Rerunning the same command resumes from that checkpoint. A second Ctrl-C stops
-at once (KeyboardInterrupt), losing the steps since the last checkpoint.
+`timeout` does). Rerunning the same command resumes from that checkpoint. A Ctrl-C after a
+stop signal (SIGTERM or a first Ctrl-C) stops at once (KeyboardInterrupt), losing the steps since the last checkpoint.
 
 With several ranks the signal may reach them at different steps (the launcher forwards it), so
 each step the ranks agree on whether to stop (one all-reduce of one number): all of them stop
@@ -56,7 +56,7 @@ class StopRequests:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self.signal is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # Ctrl-C after a stop request: stop now
+            raise KeyboardInterrupt  # Ctrl-C after a stop signal: stop now
         if self.signal is None:
             self.signal = signum
             hint = " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""
