@@ -5,7 +5,8 @@ first Ctrl-C (SIGINT) or `run.time_limit_s` do not kill the run where it stands:
 flight finishes, the run checkpoints that step and exits with a `Stopped` error whose exit code
 says why (128 + the signal's number, as a shell reports a signal; 124 for the time limit, as
 `timeout` does). Rerunning the same command resumes from that checkpoint. A Ctrl-C after a
-stop signal (SIGTERM or a first Ctrl-C) stops at once (KeyboardInterrupt), losing the steps since the last checkpoint.
+stop signal (SIGTERM or a first Ctrl-C) stops at once (KeyboardInterrupt), losing the steps
+since the last checkpoint.
 
 With several ranks the signal may reach them at different steps (the launcher forwards it), so
 each step the ranks agree on whether to stop (one all-reduce of one number): all of them stop
