@@ -139,6 +139,7 @@ def main() -> None:
         result["device_busy_share"] = _write_profile(profiler, device, seconds)
     print(json.dumps(result))
     if os.environ.get("OUT"):
+        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         Path(os.environ["OUT"], "generate-bench.json").write_text(json.dumps(result) + "\n")
 
 
