@@ -29,6 +29,7 @@ import torch
 from shapes import PYSTD_28M, QWEN3_8B  # bench/ is on sys.path: scripts run as bench/x.py
 from transformers import AutoModelForCausalLM, Qwen3Config
 
+from stage1_generate import gqa_decode  # noqa: F401  (registers --attn sdpa_gqa_decode)
 from stage1_generate.config import SamplingConfig
 from stage1_generate.local_backend import LocalBackend
 
@@ -63,7 +64,12 @@ def main() -> None:
         help="every prompt exactly --prompt-tokens long (text windows: no padding)",
     )
     parser.add_argument("--profile", action="store_true", help="profile the timed run")
-    parser.add_argument("--attn", default="sdpa", help="the target's attn_implementation")
+    parser.add_argument(
+        "--attn",
+        default="sdpa",
+        help="the target's attn_implementation (sdpa, eager, sdpa_gqa_decode: decode steps on "
+        "the key/value heads)",
+    )
     parser.add_argument(
         "--cache",
         choices=["dynamic", "static"],

@@ -21,7 +21,12 @@ class GenTargetConfig:
     dtype: Literal["bfloat16", "float32"] = doc(
         "bfloat16", "weights and activations dtype: generate in the dtype the target serves in"
     )
-    attn_implementation: str = doc("sdpa", "transformers attention backend of the target")
+    attn_implementation: str = doc(
+        "sdpa",
+        "transformers attention backend of the target; sdpa_gqa_decode: sdpa with each decode "
+        "step of grouped-query attention run on the key/value heads, no copy of the cache "
+        "(stage1_generate/gqa_decode.py)",
+    )
     trust_remote_code: bool = doc(False, "allow custom model code from the hub")
 
     def problems(self) -> list[str]:

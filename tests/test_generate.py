@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from dflash_offline.cli import main as cli
 from stage1_extract.config import ExtractConfig
 from stage1_extract.data import prepare_documents
 from stage1_extract.run import run_extract
+from stage1_generate import gqa_decode
 from stage1_generate import run as generate_run
 from stage1_generate.config import GenerateConfig, SamplingConfig
 from stage1_generate.local_backend import LocalBackend
@@ -433,6 +435,39 @@ def test_static_kv_cache_writes_the_same_rows(
         ids = tokenizer(TEXTS[row["source_index"]], add_special_tokens=False)["input_ids"]
         prompt = ids[row["window_start"] : row["window_start"] + 12]
         assert row["new_tokens"] == len(greedy_reply(model, prompt, 5))
+
+
+@pytest.mark.parametrize("target", ["tiny_qwen3", "tiny_llama"])
+def test_gqa_decode_attention_writes_the_same_rows(
+    target: str, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """target.attn_implementation=sdpa_gqa_decode is a speed option only: chat rows (left
+    padded, a mask) and text windows (equal lengths, no mask) come out as with sdpa, and the
+    decode steps did run on the key/value heads (2 of the tiny targets' 4 query heads each)."""
+    model = request.getfixturevalue(target)
+    rows = chat_rows() + [{"text": t} for t in TEXTS]
+    packed_shapes = []
+    sdpa = gqa_decode.F.scaled_dot_product_attention
+
+    def spy(query: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        packed_shapes.append(tuple(query.shape[1:3]))  # (key/value heads, query rows)
+        return sdpa(query, *args, **kwargs)
+
+    monkeypatch.setattr(gqa_decode, "F", SimpleNamespace(scaled_dot_product_attention=spy))
+    written = {}
+    for attn in ("sdpa", gqa_decode.GQA_DECODE):
+        for kind, data_rows in (
+            ("chat", rows[: len(CONVERSATIONS)]),
+            ("text", rows[len(CONVERSATIONS) :]),
+        ):
+            data = write_jsonl(tmp_path / f"{kind}.jsonl", data_rows)
+            out = tmp_path / f"{attn}-{kind}"
+            extra = (f"target.attn_implementation={attn}", "run.batch_size=4")
+            run_generate(config(model, data, out, *extra))
+            written[attn, kind] = read_rows(out)
+    for kind in ("chat", "text"):
+        assert written[gqa_decode.GQA_DECODE, kind] == written["sdpa", kind]
+    assert packed_shapes and set(packed_shapes) == {(2, 2)}
 
 
 def test_kv_cache_setting_checked(tiny_qwen3: Path, tmp_path: Path) -> None:
