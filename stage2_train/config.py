@@ -102,7 +102,13 @@ class OptimConfig:
     weight_decay: float = doc(0.0, "AdamW weight decay")
     betas: list[float] = doc(factory=lambda: [0.9, 0.95], help="AdamW betas")
     warmup_ratio: float = doc(0.04, "share of steps with linear warmup")
-    min_lr_ratio: float = doc(0.0, "cosine floor as a share of lr")
+    min_lr_ratio: float = doc(0.0, "the schedule's floor as a share of lr")
+    schedule: Literal["cosine", "wsd"] = doc(
+        "cosine",
+        "lr after warmup: cosine decay to the floor, or wsd (warmup-stable-decay): the peak lr, "
+        "then a 1 - sqrt decay to the floor over the last decay_ratio of the steps",
+    )
+    decay_ratio: float = doc(0.2, "wsd: share of the steps after warmup spent decaying")
     grad_clip: float = doc(1.0, "max global gradient norm (0 = off)")
     epochs: int = doc(6, "passes over the training sequences")
     max_steps: int | None = doc(None, "stop after this many optimizer steps (null: all epochs)")
@@ -115,6 +121,8 @@ class OptimConfig:
             out.append(f"lr must be > 0, got {self.lr}")
         if not 0 <= self.warmup_ratio < 1:
             out.append(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if not 0 < self.decay_ratio <= 1:
+            out.append(f"decay_ratio must be in (0, 1], got {self.decay_ratio}")
         if len(self.betas) != 2:
             out.append(f"betas must have two values, got {self.betas}")
         if self.epochs < 1:

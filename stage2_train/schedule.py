@@ -1,4 +1,9 @@
-"""Optimizer and learning-rate schedule of `dflash train`: AdamW, linear warmup, cosine decay.
+"""Optimizer and learning-rate schedule of `dflash train`: AdamW, linear warmup, then a cosine
+decay (`optim.schedule=cosine`) or warmup-stable-decay (`wsd`: the peak lr until the last
+`optim.decay_ratio` of the steps, then a 1 - sqrt decay to the floor, the cooldown shape that
+matched cosine's final loss in Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training
+Beyond Fixed Training Durations"). Why wsd: on pystd the dev acceptance rose most in cosine's
+low-lr tail (BENCHMARKS.md, eleventh session); wsd gives that tail a set share of the steps.
 
 Numerics: parameters live in the parameter dtype of `run.dtype`, and AdamW's moment buffers
 take the parameters' dtype. `mixed` (the default) keeps fp32 master weights and fp32 AdamW
@@ -34,11 +39,25 @@ def build_optimizer(
     )
 
 
-def lr_factor(step: int, total_steps: int, warmup_ratio: float, min_lr_ratio: float) -> float:
+def lr_factor(
+    step: int,
+    total_steps: int,
+    warmup_ratio: float,
+    min_lr_ratio: float,
+    schedule: str = "cosine",
+    decay_ratio: float = 0.2,
+) -> float:
     """Multiplier of the peak lr at optimizer step `step` (0-based) of `total_steps`."""
     warmup = math.ceil(warmup_ratio * total_steps)
     if step < warmup:
         return (step + 1) / warmup
+    if schedule == "wsd":
+        decay = max(math.ceil(decay_ratio * (total_steps - warmup)), 1)
+        stable_end = total_steps - decay
+        if step < stable_end:
+            return 1.0
+        progress = min((step - stable_end + 1) / decay, 1.0)  # reaches the floor at the last step
+        return min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - math.sqrt(progress))
     span = max(total_steps - warmup, 1)
     progress = min((step - warmup) / span, 1.0)
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
@@ -48,5 +67,8 @@ def build_scheduler(
     optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, total_steps, cfg.warmup_ratio, cfg.min_lr_ratio)
+        optimizer,
+        lambda step: lr_factor(
+            step, total_steps, cfg.warmup_ratio, cfg.min_lr_ratio, cfg.schedule, cfg.decay_ratio
+        ),
     )

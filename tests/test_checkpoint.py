@@ -85,6 +85,16 @@ def test_lr_schedule_warms_up_then_decays_to_floor() -> None:
     assert math.isclose(lrs[55], 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 45 / 90)))
 
 
+def test_wsd_schedule_holds_the_peak_then_decays_as_one_minus_sqrt() -> None:
+    # 100 steps: 10 of warmup, 90 after it, the last 30 (decay_ratio 1/3) decaying
+    lrs = [lr_factor(s, 100, 0.1, 0.05, "wsd", 1 / 3) for s in range(100)]
+    assert lrs[0] == 0.1 and lrs[9] == 1.0  # the same linear warmup as cosine
+    assert lrs[10:70] == [1.0] * 60  # stable until the last 30 steps
+    assert all(a > b for a, b in zip(lrs[69:], lrs[70:], strict=False))
+    assert math.isclose(lrs[99], 0.05)  # the floor at the last step
+    assert math.isclose(lrs[84], 0.05 + 0.95 * (1 - math.sqrt(15 / 30)))
+
+
 def test_export_round_trip(tmp_path: Path) -> None:
     target = {
         "hidden_size": 32,

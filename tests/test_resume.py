@@ -101,6 +101,16 @@ def test_truncated_newest_checkpoint_resumes_from_the_previous(
     assert torch.load(model, weights_only=True)  # written again, whole
 
 
+def test_wsd_schedule_reaches_the_optimizer(store: Path, tmp_path: Path) -> None:
+    rows = train(store, tmp_path / "run", "optim.schedule=wsd", "optim.decay_ratio=0.5")
+    warmup, floor = 0.04, 0.0  # debug.yaml keeps the defaults
+    total = rows[-1]["step"]
+    for row in rows:
+        expected = 0.003 * lr_factor(row["step"] - 1, total, warmup, floor, "wsd", 0.5)
+        assert row["lr"] == pytest.approx(expected, rel=1e-6), row
+    assert rows[-1]["lr"] == 0.0 and len({r["lr"] for r in rows}) > 2
+
+
 def test_changed_lr_refused_then_applied_with_the_flag(store: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     interrupted_after_step_4(store, out)
