@@ -9,8 +9,8 @@
 #              drafter shape eager, compiled, fp8, loss-only compiled;
 #              .bench/yardstick_train_step.py (8B shape) for the ratio
 #   prefetch   bench/prefetch_check.py --measure: data.prefetch_to_device checked, then timed on/off
-#   generate_pystd  bench/bench_generate.py at the pystd recipe's generate shape: sdpa, eager,
-#              static cache, flex_attention
+#   generate_pystd  bench/bench_generate.py at the pystd recipe's generate shape: sdpa,
+#              sdpa_gqa_decode, eager, static cache, flex_attention
 # Start the device command with the wheel install line, carry [".whl", ".bench"], timeout 540:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 #     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site && python3 -m pip install \
@@ -199,8 +199,8 @@ prefetch() {
 # dflash generate's local backend at the pystd recipe's shape (fp32, one batch of 1,024 x 256
 # + 384): attention implementations and the static (compiled) KV cache ($OUT/generate.jsonl)
 generate_pystd() {
-  part generate_pystd 300 bash -c 'for v in "--attn sdpa" "--attn eager" "--cache static" \
-      "--attn flex_attention"; do
+  part generate_pystd 300 bash -c 'for v in "--attn sdpa" "--attn sdpa_gqa_decode" \
+      "--attn eager" "--cache static" "--attn flex_attention"; do
     mkdir -p "$2/gen"; OUT="$2/gen" timeout 100 python3 bench/bench_generate.py $v "${@:3}" \
       | grep "^{" >> "$1/generate.jsonl" || echo "{\"variant\": \"$v\", \"failed\": true}" >> "$1/generate.jsonl"
   done' gen "$OUT" "$LOGS" "${GENERATE[@]}"

@@ -34,3 +34,34 @@ def test_a_failed_data_stage_is_not_marked_done(tmp_path: Path) -> None:
     assert "stage generate cut or failed" in done.stdout
     assert not list(work.glob("done-*")), sorted(p.name for p in work.glob("done-*"))
     assert list((tmp_path / "results").glob("call-*.tgz"))
+
+
+def test_generate_attn_check_counts_identical_rows_and_speedup(tmp_path: Path) -> None:
+    """bench/generate_attn_check.py: rows compared one to one, throughput read from each log."""
+    import gzip
+    import json
+
+    def run(name: str, rows: list[dict], tokens_per_s: float) -> tuple[Path, Path]:
+        folder = tmp_path / name
+        folder.mkdir()
+        lines = "".join(json.dumps(r) + "\n" for r in rows).encode()
+        (folder / "part-00000.jsonl.gz").write_bytes(gzip.compress(lines))
+        log = tmp_path / f"{name}.log"
+        log.write_text(f"rank 0: 1 chunks, 10 new tokens in 1.0 s ({tokens_per_s} new tokens/s)\n")
+        return folder, log
+
+    rows = [{"prompt": "a", "completion": "bcdefgh"}, {"prompt": "x", "completion": "yz"}]
+    changed = [rows[0], {"prompt": "x", "completion": "yq"}]
+    a = run("a", rows, 100.0)
+    b = run("b", changed, 150.0)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "generate_attn_check.py"), *a, *b],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if k != "OUT"},
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert (result["rows"], result["identical_rows"], result["speedup_b_over_a"]) == (2, 1, 1.5)
+    assert 0 < result["differing_rows_mean_shared_prefix"] < 1
