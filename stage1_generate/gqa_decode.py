@@ -44,8 +44,9 @@ def sdpa_gqa_decode_forward(
     packable = (
         q_len == 1
         and groups > 1
-        and kwargs.get("softcap") is None
-        and kwargs.get("position_bias") is None
+        # terms SDPA's call below would drop (logit soft-capping, T5-style biases, attention
+        # sinks): such models take transformers' own path
+        and all(kwargs.get(name) is None for name in ("softcap", "position_bias", "s_aux", "sinks"))
         # a mask per query head cannot follow the heads into rows
         and (attention_mask is None or attention_mask.shape[1] == 1)
     )
