@@ -214,6 +214,13 @@ class TrainRunConfig:
         "tensorwise = one scale per tensor, rowwise = one per row; weights, checkpoints, "
         "evaluations and the export are those of a run without it; null = off",
     )
+    gc_every: int = doc(
+        50,
+        "Python's automatic garbage collection is off while training; generations 0-1 are "
+        "collected every gc_every steps on all ranks at once (a full pass after evaluations), "
+        "so no rank stalls a step at a moment of CPython's choosing (stage2_train/"
+        "gc_schedule.py); the time goes to the step's gc_s metric; 0 = CPython's own schedule",
+    )
     log_every: int = doc(10, "steps between log lines")
     eval_every: int = doc(500, "steps between held-out evaluations (0 = only at the end)")
     checkpoint_every: int = doc(1000, "steps between checkpoints (0 = only at the end)")
@@ -249,6 +256,8 @@ class TrainRunConfig:
             out.append(f"time_limit_s must be > 0 (or null for none), got {self.time_limit_s}")
         if self.keep_checkpoints < 1:
             out.append(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+        if self.gc_every < 0:
+            out.append(f"gc_every must be >= 0 (0: CPython's own schedule), got {self.gc_every}")
         if len(set(self.report_to)) != len(self.report_to):
             out.append(f"report_to lists a tracker twice: {self.report_to}")
         return out

@@ -27,6 +27,7 @@ size, k top-k, A anchors, B block size.
 from __future__ import annotations
 
 import functools
+import gc
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -331,7 +332,7 @@ class DamageGuard:
     def close(self) -> None:
         """Stop the loader's worker processes now. Persistent workers otherwise live until the
         loader is collected, and a run that stops with an error still holding it would wait
-        on them at exit (they ignore SIGTERM: `ignore_stop_signals`)."""
+        on them at exit (they ignore SIGTERM: `init_loader_worker`)."""
         iterator = getattr(self.loader, "_iterator", None)  # where torch keeps the workers
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
             iterator._shutdown_workers()
@@ -358,6 +359,15 @@ def count_damaged(batches: list[Batch], device: torch.device) -> int:
     return count
 
 
+def init_loader_worker(worker_id: int) -> None:
+    """DataLoader worker_init_fn: signals left to the trainer (`ignore_stop_signals`), and
+    CPython's own garbage collection: a worker forked inside the training loop inherits the
+    trainer's disabled collector (stage2_train/gc_schedule.py), which nothing in the worker
+    would ever collect for."""
+    ignore_stop_signals(worker_id)
+    gc.enable()
+
+
 def make_loader(
     dataset: StoreSequences,
     sampler: torch.utils.data.Sampler[list[ItemKey]],
@@ -378,7 +388,7 @@ def make_loader(
         collate_fn=functools.partial(collate, mask_tables=mask_tables),
         num_workers=num_workers,
         pin_memory=pin_memory,
-        worker_init_fn=ignore_stop_signals if num_workers > 0 else None,
+        worker_init_fn=init_loader_worker if num_workers > 0 else None,
         **extra,
     )
     return DamageGuard(loader, on_damaged)

@@ -42,6 +42,7 @@ FREE_ON_RESUME = (
     "run.devices",
     "run.progress",
     "run.log_every",
+    "run.gc_every",
     "run.eval_every",
     "run.checkpoint_every",
     "run.keep_checkpoints",

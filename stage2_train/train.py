@@ -48,6 +48,7 @@ from stage2_train.follow import (
     wait_for_store,
 )
 from stage2_train.fp8 import check_fp8_installed, convert_to_fp8, plain_twin
+from stage2_train.gc_schedule import ScheduledGC
 from stage2_train.inputs import check_inputs
 from stage2_train.metrics import MetricsWriter, format_line, memory_gb
 from stage2_train.model import DFlashDrafter
@@ -316,7 +317,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         saved = str(step_dir(out, state.step)) if state.step else None
         raise stopped(code, state.step, total_steps, saved)
 
-    with stop, contextlib.closing(loader):
+    with stop, contextlib.closing(loader), ScheduledGC(cfg.run.gc_every) as collector:
         while state.step < total_steps:
             try:
                 if plan.epoch_done(state.epoch, state.step_in_epoch):  # --follow: may wait
@@ -348,6 +349,8 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
             if state.stream and state.epoch == 0:
                 state.streamed_sequences = plan.streamed(state.step_in_epoch)
             record.update(step=state.step, epoch=state.epoch, mem_gb=memory_gb(device))
+            if (gc_s := collector.after_step(state.step)) is not None:
+                record["gc_s"] = gc_s  # inside step_s: the loop's own time, counted
             record["step_s"] = round(time.perf_counter() - started, 4)
             record["tokens_per_s"] = round(record["tokens"] / record["step_s"], 1)
             last = state.step == total_steps
@@ -357,6 +360,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
             if due:
                 record.update(run_dev_eval())
                 export_if_best(record)
+                collector.after_step(state.step, evaluated=True)  # what the evaluations dropped
             metrics.write(record)
             trackers.log(record)
             if ctx.is_main and ("eval_tau" in record or last):
