@@ -29,7 +29,6 @@ import torch
 from shapes import PYSTD_28M, QWEN3_8B  # bench/ is on sys.path: scripts run as bench/x.py
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from stage1_generate import gqa_decode  # noqa: F401  (registers --attn sdpa_gqa_decode)
 from stage1_generate.config import SamplingConfig
 from stage1_generate.local_backend import LocalBackend
 
@@ -78,6 +77,8 @@ def main() -> None:
         "warm-up runs at the timed batch's shape so that compile is not timed)",
     )
     args = parser.parse_args()
+    if args.attn == "sdpa_gqa_decode":  # registers it with transformers
+        from stage1_generate import gqa_decode  # noqa: F401
     shape = "tiny" if args.tiny else args.shape
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     default = torch.bfloat16 if device.type == "cuda" else torch.float32

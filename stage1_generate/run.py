@@ -70,8 +70,10 @@ def _make_backend(
         stops = stop_token_ids(tokenizer, None, cfg.data.chat_template_kwargs)
         return OpenAIBackend(cfg.endpoint, cfg.sampling, stops, cfg.target.model)
     from stage1_extract.target import load_target
-    from stage1_generate import gqa_decode  # noqa: F401  (registers target.attn_implementation=sdpa_gqa_decode)
     from stage1_generate.local_backend import LocalBackend
+
+    if cfg.target.attn_implementation == "sdpa_gqa_decode":  # registers it with transformers
+        from stage1_generate import gqa_decode  # noqa: F401
 
     model = load_target(cfg.target.as_target_config(), ctx.device, devices)
     eos = getattr(model.generation_config, "eos_token_id", None)
