@@ -4,9 +4,8 @@ Why: CPython runs a full (generation 2) collection whenever enough objects have 
 moments nobody picks. A training process holds ~10^5-10^6 Python objects (modules, loader
 state, torch.compile's artifacts), and one full pass over them takes ~0.2 s (up to 246 ms on
 this project's CPU machine for a pystd run's ~420k objects, BENCHMARKS.md): a stall of the host
-that, in a
-host-bound step, the GPU waits out; with several ranks, the rank that collects makes the others
-wait at the next collective. As torchtitan does (its `gc_freq`), automatic collection is off
+that, in a host-bound step, the GPU waits out; with several ranks, the rank that collects makes
+the others wait at the next collective. As torchtitan does (its `gc_freq`), automatic collection is off
 inside the loop; generations 0 and 1 are collected every `run.gc_every` steps on every rank at
 once, and everything after each evaluation. Reference counting still frees every object that
 is not in a cycle. Leaving the loop (finished, stopped or failed) turns automatic collection
