@@ -158,7 +158,7 @@ train_8b_compiled() {
 # torchao==0.18.0); compare with train_8b_compiled's step
 train_8b_fp8() {
   if ! python3 -c 'import torchao' > /dev/null 2>&1; then
-    record '{"part": "train_8b_fp8", "skipped": "torchao not installed"}'
+    record '{"part": "train_8b_fp8", "status": "skipped", "reason": "torchao not installed"}'
     return 0
   fi
   part train_8b_fp8 150 python3 bench/profile_train_step.py "${EIGHT_B[@]}" \
