@@ -154,6 +154,21 @@ def load_export(folder: str | Path) -> DFlashDrafter:
     return model
 
 
+def served_copy(
+    model: DFlashDrafter,
+    dtype: torch.dtype = torch.bfloat16,
+    compute_dtype: torch.dtype = torch.float32,
+) -> DFlashDrafter:
+    """A detached copy of `model` as `dflash evaluate` runs its export: every weight rounded to
+    the export's `dtype`, then held in `compute_dtype` (the training parameters stay as they
+    are). Costs one `compute_dtype` copy of the weights while it lives."""
+    with torch.device("meta"):
+        twin = DFlashDrafter(model.shape)
+    state = {k: v.detach().to(dtype).to(compute_dtype) for k, v in model.state_dict().items()}
+    twin.load_state_dict(state, strict=True, assign=True)
+    return twin.eval()
+
+
 def export_checkpoint(
     run: str | Path,
     step: int | None = None,

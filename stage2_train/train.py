@@ -34,12 +34,13 @@ from common.logging import get_logger, init_logger
 from common.store_files import check_store_files
 from evaluation.chained import chained_tau_on_store, open_dev_store
 from evaluation.heldout import evaluate
+from evaluation.offline import OfflineEvalConfig
 from stage2_train.anchors import training_slot_weights
 from stage2_train.best import BEST_DIR, best_so_far, record_best
 from stage2_train.checkpoint import TrainState, save_checkpoint, step_dir
 from stage2_train.config import TrainConfig, with_compile_defaults
 from stage2_train.data import StoreSequences, count_damaged, make_loader
-from stage2_train.export import export_drafter, mask_token_string
+from stage2_train.export import export_drafter, mask_token_string, served_copy
 from stage2_train.follow import (
     FollowHoldout,
     FollowPlan,
@@ -193,20 +194,25 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
     dev_info = open_dev_store(cfg.data.dev_store, info) if cfg.data.dev_store else None
 
     def run_dev_eval() -> dict[str, Any]:
-        """Chained tau on data.dev_store (rank 0: the figure needs no other rank)."""
+        """Chained tau on data.dev_store (rank 0: the figure needs no other rank), computed the
+        way `dflash evaluate` runs the export (bf16 weights computing in fp32, the target's head
+        in fp32), so that it is the online tau: in the training dtype (bf16 autocast, bf16 head)
+        argmax near-ties read 6.42 where the export gave 6.59 online (pystd, twelfth session)."""
         if dev_info is None or not ctx.is_main:
             return {}
-        with compute_context(cfg.run.dtype, device):
-            chained = chained_tau_on_store(
-                served,
-                head,
-                dev_info,
-                block_size=B,
-                mask_token_id=shape.mask_token_id,
-                backend=backend,
-                chunk_tokens=cfg.loss.head_chunk_tokens,
-                device=device,
-            )
+        as_served = served_copy(served)
+        head_fp32 = load_frozen_head(cfg.data.store, device, torch.float32)
+        chained = chained_tau_on_store(
+            as_served,
+            head_fp32,
+            dev_info,
+            block_size=B,
+            mask_token_id=shape.mask_token_id,
+            backend=backend,
+            chunk_tokens=OfflineEvalConfig.chunk_tokens,
+            device=device,
+        )
+        del as_served, head_fp32
         return {"dev_chained_tau": chained["chained_tau"]}
 
     def run_eval() -> dict[str, Any]:

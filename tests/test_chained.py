@@ -19,7 +19,8 @@ from evaluation.offline import OfflineEvalConfig, run_offline_eval
 from stage1_extract.config import ExtractConfig
 from stage1_extract.run import run_extract
 from stage2_train.config import TrainConfig
-from stage2_train.export import load_export
+from stage2_train.export import load_export, served_copy
+from stage2_train.model import DFlashDrafter, DrafterShape
 from stage2_train.train import run_train
 
 DEBUG = Path(__file__).parents[1] / "configs" / "debug.yaml"
@@ -63,12 +64,16 @@ def test_chained_offline_tau_equals_online(tiny_qwen3: Path, tmp_path: Path) -> 
     run_extract(build_config(ExtractConfig, DEBUG, "extract", [*sets, "run.progress=false"]))
     train_sets = [f"data.store={store}", f"run.out={run}", "optim.max_steps=30"]
     train_sets += ["data.holdout_sequences=0", "run.progress=false", f"data.dev_store={store}"]
+    # mixed (bf16 autocast, bf16 head) as on GPUs: the figure must still be the served one
+    train_sets += ["run.dtype=mixed"]
     run_train(build_config(TrainConfig, DEBUG, "train", train_sets))
     # data.dev_store: the training log carries the chained figure at every evaluation
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["dev_chained_tau"] >= 1.0
 
     offline = run_offline_eval(OfflineEvalConfig(str(run / "export"), str(store)))
+    # the training log's figure is the export's, computed as `dflash evaluate` serves it
+    assert last["dev_chained_tau"] == offline["chained_tau"]
 
     drafter = load_export(run / "export").float().eval()
     embed = target.get_input_embeddings().weight.detach()
@@ -92,3 +97,35 @@ def test_chained_offline_tau_equals_online(tiny_qwen3: Path, tmp_path: Path) -> 
     assert sorted(offline["chained_tau_per_response"]) == pytest.approx(sorted(taus), abs=1e-3)
     assert max(taus) > 2  # the drafter accepts something: the chain is really exercised
     assert offline["chained_tau"] == pytest.approx(sum(taus) / len(taus), abs=1e-3)
+
+
+def test_served_copy_rounds_like_the_export() -> None:
+    """The copy the training log's dev figure runs: every weight as the bf16 export holds it,
+    computing in fp32, and no tie to the training parameters."""
+    torch.manual_seed(0)
+    shape = DrafterShape(
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_tapped=3,
+        block_size=4,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        vocab_size=64,
+        mask_token_id=3,
+    )
+    model = DFlashDrafter(shape)
+    twin = served_copy(model)
+    assert not twin.training
+    for (name, p), (twin_name, q) in zip(
+        model.named_parameters(), twin.named_parameters(), strict=True
+    ):
+        assert name == twin_name and q.dtype == torch.float32
+        assert torch.equal(q, p.detach().to(torch.bfloat16).float())
+        assert q.data_ptr() != p.data_ptr()
+    assert any(
+        not torch.equal(q, p) for p, q in zip(model.parameters(), twin.parameters(), strict=True)
+    )
