@@ -196,8 +196,9 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
     def run_dev_eval() -> dict[str, Any]:
         """Chained tau on data.dev_store (rank 0: the figure needs no other rank), computed the
         way `dflash evaluate` runs the export (bf16 weights computing in fp32, the target's head
-        in fp32), so that it is the online tau: in the training dtype (bf16 autocast, bf16 head)
-        argmax near-ties read 6.42 where the export gave 6.59 online (pystd, twelfth session)."""
+        in fp32, eager layers), so that it is the online tau: run as trained (bf16 autocast, a
+        bf16 head, compiled layers) it read 6.42 where the export's online tau over the same 11
+        prompts was 6.59 (pystd, twelfth session)."""
         if dev_info is None or not ctx.is_main:
             return {}
         as_served = served_copy(served)
