@@ -34,7 +34,7 @@ from common.config import build_config  # noqa: E402
 from stage2_train.config import TrainConfig  # noqa: E402
 from stage2_train.train import run_train  # noqa: E402
 
-TIMING = {"compute_s", "fetch_s", "step_s", "tokens_per_s", "mem_gb"}
+TIMING = {"compute_s", "fetch_s", "queue_s", "step_s", "tokens_per_s", "mem_gb"}
 
 
 PYSTD_STORE = FactorySpec(

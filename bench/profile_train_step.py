@@ -11,7 +11,9 @@ tokens per step, 512 anchors x 16 each, `mixed`) or the Qwen3-8B drafter's
 is not in these figures (bench/bench_train.py times the real loop from a store).
 
 For run.compile_layers=false, then true (same process, same batches; `--compile-layers`):
-median step time over `--steps` after `--warmup`, tokens/s, model TFLOP/s and MFU counted as in
+median step time over `--steps` after `--warmup` (each step read back at once), the mean step
+of `--steps` more as `dflash train` runs them on one GPU (run.read_metrics_late: step s+1
+queued before step s's metrics are read; `read_late_step_ms`), tokens/s, model TFLOP/s and MFU counted as in
 bench_train.py, peak memory, first-step time; then torch.profiler over `--profile-steps` steps:
 GPU kernel time per step by category (attention fwd/bwd, mask build, LM head + loss, matmuls
 fwd/bwd, optimizer + clipping, copies, other fwd/bwd), the share of the step the GPU is busy,
@@ -148,6 +150,27 @@ class Bench:
         self.sync()
         return time.perf_counter() - t0, record
 
+    def steps_read_late(self, count: int) -> float:
+        """Mean wall time of `count` steps run as `dflash train` runs them on one GPU
+        (run.read_metrics_late): step s+1 is queued before step s's metrics are read."""
+        self.sync()
+        t0 = time.perf_counter()
+        unread = None
+        for _ in range(count):
+            micro = [
+                self.batches[(self.step_index + i) % len(self.batches)]
+                for i in range(self.cfg.optim.grad_accum)
+            ]
+            self.step_index += 1
+            pending = self.runner.queue(micro)
+            if unread is not None:
+                unread.read()
+            unread = pending
+        if unread is not None:
+            unread.read()
+        self.sync()
+        return (time.perf_counter() - t0) / max(count, 1)
+
     def measure(self, args: argparse.Namespace, compiled_layers: bool) -> dict[str, Any]:
         first_s, first = self.step()
         for _ in range(args.warmup):
@@ -177,6 +200,10 @@ class Bench:
         }
         if self.device.type == "cuda":
             record["peak_gpu_GB"] = round(torch.cuda.max_memory_allocated(self.device) / 1e9, 2)
+        # the same steps with each one's metrics read after the next is queued
+        late_s = self.steps_read_late(args.steps)
+        record["read_late_step_ms"] = round(late_s * 1e3, 2)
+        record["read_late_speedup"] = round(step_s / late_s, 3)
         return record
 
     def profile(self, args: argparse.Namespace, compiled_layers: bool, trace: str | None) -> dict:

@@ -221,6 +221,13 @@ class TrainRunConfig:
         "so no rank stalls a step at a moment of CPython's choosing (stage2_train/"
         "gc_schedule.py); the time goes to the step's gc_s metric; 0 = CPython's own schedule",
     )
+    read_metrics_late: bool = doc(
+        True,
+        "one-GPU runs: queue step s+1 before reading step s's metrics back, so the host's "
+        "work between steps (the next batch, logging) overlaps the GPU's; metrics.jsonl and "
+        "the log get each step's line one step later (at once at evaluations, checkpoints and "
+        "the end); several GPUs read at once (their per-step collectives wait anyway)",
+    )
     log_every: int = doc(10, "steps between log lines")
     eval_every: int = doc(500, "steps between held-out evaluations (0 = only at the end)")
     checkpoint_every: int = doc(1000, "steps between checkpoints (0 = only at the end)")

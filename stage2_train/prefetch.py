@@ -1,9 +1,10 @@
 """The next step's micro-batches move to the GPU while the current step computes.
 
-Each step ends by reading its metrics back (a host sync), so without this the copy of the next
-batch (~94 MB of features per step at the pystd shape) and the loader hand-off start only
-after the GPU has gone idle, and the GPU waits for them at the top of every step. Instead,
-`StepRunner.step` calls `fetch` once the step's kernels are queued and before it syncs: the
+A step that ends by reading its metrics back (a host sync: several GPUs, or
+`run.read_metrics_late=false`) would start the copy of the next batch (~94 MB of features per
+step at the pystd shape) and the loader hand-off only after the GPU has gone idle, and the GPU
+would wait for them at the top of every step. Instead, `StepRunner.queue` calls `fetch` once
+the step's kernels are queued and before any sync: the
 loader is asked for the next batches then, and their copy is issued on a side stream that
 runs beside the step's kernels. `take` hands them to the next step after making the compute
 stream wait for that copy.

@@ -60,7 +60,13 @@ from stage2_train.resume import resume_run
 from stage2_train.step import load_frozen_head
 from stage2_train.stop import StopRequests, stopped
 from stage2_train.trackers import Trackers, check_trackers
-from stage2_train.trainstep import StepRunner, compute_context, replica_fingerprint, run_dtypes
+from stage2_train.trainstep import (
+    PendingStep,
+    StepRunner,
+    compute_context,
+    replica_fingerprint,
+    run_dtypes,
+)
 
 log = get_logger()
 
@@ -316,7 +322,46 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
     if isinstance(plan, FollowPlan) and ctx.world_size == 1:
         plan.watch.interrupt = stop.due  # stop while caught up with extraction, too
 
+    # run.read_metrics_late: a step's metrics are read back once the next step is queued (one
+    # GPU; the line is written then). `unread`: that step's pending metrics, the loop's own
+    # fields and its start time
+    late = cfg.run.read_metrics_late and ctx.world_size == 1
+    unread: tuple[PendingStep, dict[str, Any], float] | None = None
+
+    def finish(pending: PendingStep, fields: dict[str, Any], started: float) -> dict[str, Any]:
+        """The step's record: its metrics read back, the loop's fields, and its wall time from
+        its start to now (the next step's start, for a line read late)."""
+        record = pending.read()
+        state.tokens_seen += record.pop("labelled_tokens")
+        record.update(fields, mem_gb=memory_gb(device))
+        record["step_s"] = round(time.perf_counter() - started, 4)
+        # the rest of step_s: queueing the step, waiting for the GPU, logging
+        record["compute_s"] = round(record["step_s"] - record.pop("data_s"), 4)
+        record["tokens_per_s"] = round(record["tokens"] / record["step_s"], 1)
+        return record
+
+    def write(record: dict[str, Any]) -> None:
+        metrics.write(record)
+        trackers.log(record)
+        if ctx.is_main and ("eval_tau" in record or record["step"] == total_steps):
+            draw_plots_safely(out)
+        bar.update(1)
+        step, logged = record["step"], cfg.run.log_every
+        if ctx.is_main and (step % logged == 0 or step == total_steps or "eval_tau" in record):
+            line = format_line(record, total_steps)
+            if bar.disable:
+                log.info(line)
+            else:
+                bar.write(line)
+
+    def write_unread() -> None:
+        nonlocal unread
+        if unread is not None:
+            write(finish(*unread))
+            unread = None
+
     def stop_now(code: int) -> NoReturn:
+        write_unread()  # its tokens count into the checkpoint's state
         if saved_step != state.step:
             checkpoint()
         bar.close()
@@ -336,56 +381,47 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
                     prefetcher.reset()
                 started = time.perf_counter()
                 micro = prefetcher.take(batches)
+                data_s = time.perf_counter() - started  # the wait for the loader
             except WaitInterrupted as interrupted:
                 stop_now(interrupted.code)
             # the last step fetches nothing past the run; --follow's streamed epoch fetches in turn,
             # since its next batch may wait for extract (a step would wait with its metrics unsaved)
-            more = (
-                cfg.data.prefetch_to_device
-                and state.step + 1 < total_steps
-                and not (state.stream and state.epoch == 0)
-            )
+            streaming = state.stream and state.epoch == 0
+            more = cfg.data.prefetch_to_device and state.step + 1 < total_steps and not streaming
             fetch = functools.partial(prefetcher.fetch, batches) if more else None
-            record = runner.step(micro, fetch)
+            pending = runner.queue(micro, fetch)
+            fields: dict[str, Any] = {"data_s": data_s}
             if skipped := count_damaged(micro, device):
-                record["skipped_damaged"] = skipped
+                fields["skipped_damaged"] = skipped
                 skipped_damaged += skipped
             state.step += 1
             state.step_in_epoch += 1
-            state.tokens_seen += record.pop("labelled_tokens")
-            if state.stream and state.epoch == 0:
+            if streaming:
                 state.streamed_sequences = plan.streamed(state.step_in_epoch)
-            record.update(step=state.step, epoch=state.epoch, mem_gb=memory_gb(device))
+            fields.update(step=state.step, epoch=state.epoch)
             if (gc_s := collector.after_step(state.step)) is not None:
-                record["gc_s"] = gc_s  # inside step_s: the loop's own time, counted
-            record["step_s"] = round(time.perf_counter() - started, 4)
-            record["tokens_per_s"] = round(record["tokens"] / record["step_s"], 1)
+                fields["gc_s"] = gc_s  # inside step_s: the loop's own time, counted
+            write_unread()  # the previous step's: its kernels came before this step's
             last = state.step == total_steps
             due = (cfg.run.eval_every and state.step % cfg.run.eval_every == 0) or last
+            every = cfg.run.checkpoint_every
+            save = (every and state.step % every == 0) or last
+            code = 0 if last else stop.due()  # a signal or the time limit (stop.py)
+            if late and not (due or save or code or streaming):
+                unread = (pending, fields, started)
+                continue
+            record = finish(pending, fields, started)
             if due and holdout.ready():  # --follow: once the held-out shards are committed
                 record.update(run_eval())
             if due:
                 record.update(run_dev_eval())
                 export_if_best(record)
                 collector.after_step(state.step, evaluated=True)  # what the evaluations dropped
-            metrics.write(record)
-            trackers.log(record)
-            if ctx.is_main and ("eval_tau" in record or last):
-                draw_plots_safely(out)
-            bar.update(1)
-            if ctx.is_main and (
-                state.step % cfg.run.log_every == 0 or last or "eval_tau" in record
-            ):
-                line = format_line(record, total_steps)
-                if bar.disable:
-                    log.info(line)
-                else:
-                    bar.write(line)
-            every = cfg.run.checkpoint_every
-            if (every and state.step % every == 0) or last:
+            write(record)
+            if save:
                 checkpoint()
                 saved_step = state.step
-            if not last and (code := stop.due()):  # a signal or the time limit (stop.py)
+            if code:
                 stop_now(code)
     bar.close()
     trackers.close()

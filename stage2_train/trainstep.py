@@ -71,11 +71,23 @@ class StepRunner:
     def step(
         self, micro_batches: list[Batch], while_running: Callable[[], None] | None = None
     ) -> dict[str, Any]:
-        """Forward/backward every micro-batch, clip, update; returns the step's metrics.
+        """Forward/backward every micro-batch, clip, update; returns the step's metrics (read
+        back at once: the host waits for the GPU to finish the step); `compute_s` is the
+        step's wall time from queueing to the metrics in hand."""
+        started = time.perf_counter()
+        record = self.queue(micro_batches, while_running).read()
+        record["compute_s"] = round(time.perf_counter() - started, 4)
+        return record
 
-        `while_running` is called once every kernel of the step is queued and before the
-        metrics are read back (which waits for the GPU): work for the host that overlaps the
-        step, like fetching the next batches (prefetch.DevicePrefetcher)."""
+    def queue(
+        self, micro_batches: list[Batch], while_running: Callable[[], None] | None = None
+    ) -> PendingStep:
+        """Queue one optimizer step (forward/backward every micro-batch, clip, update) and
+        return its metrics unread: on a GPU they are copied to host memory behind the step's
+        kernels, so the host can queue the next step before reading them (`PendingStep.read`).
+
+        `while_running` is called once every kernel of the step is queued: work for the host
+        that overlaps the step, like fetching the next batches (prefetch.DevicePrefetcher)."""
         started = time.perf_counter()
         B = self.cfg.drafter.block_size
         batches = [b.to(self.device) for b in micro_batches]
@@ -137,37 +149,95 @@ class StepRunner:
             while_running()
             fetch_s = round(time.perf_counter() - fetch_started, 4)
 
-        seqs = _gather_indices(torch.cat([b.indices for b in batches]), self.world)
         packed = _all_reduce(torch.cat([sums, correct_B, total_B]))
-        ce, kl, weight, labelled = packed[:4].tolist()
-        acc_B = (packed[4 : 4 + B] / packed[4 + B :].clamp(min=1))[1:]
-        distill_weight = self.cfg.loss.distill_weight
-        tokens = sum(b.tokens_T.numel() for b in batches) * self.world
-        return {
-            "loss": (ce + distill_weight * kl) / max(weight, 1e-12),
-            "ce": ce / max(weight, 1e-12),
-            **({"distill": kl / max(weight, 1e-12)} if distill_weight > 0 else {}),
-            "acc": [round(a, 4) for a in acc_B.tolist()],
-            "lr": lr,
-            "grad_norm": float(grad_norm),
-            "tokens": tokens,
+        packed = torch.cat([packed, grad_norm.detach().double().reshape(1)])
+        if self.world == 1:  # the loader's own (host) indices: nothing to wait for
+            indices = torch.cat([b.indices.reshape(-1) for b in micro_batches]).long()
+        else:
+            indices = _gather_indices(torch.cat([b.indices for b in batches]), self.world)
+        return PendingStep(
+            packed,
+            indices,
+            world=self.world,
+            host={
+                "lr": lr,
+                "tokens": sum(b.tokens_T.numel() for b in batches) * self.world,
+                "queue_s": round(time.perf_counter() - started, 4),
+                # (overlapped with the GPU's work on this step: it delays the step only by
+                # what it outlasts that work)
+                **({"fetch_s": fetch_s} if fetch_s is not None else {}),
+            },
+            block_size=B,
+            distill_weight=self.cfg.loss.distill_weight,
+        )
+
+
+class PendingStep:
+    """A queued step's metrics: `packed` (ce, kl, weight, labelled, correct_B, total_B,
+    grad_norm) and the sequence indices start their copy to host memory behind the step's
+    kernels; `read()` waits for that copy only, not for work queued after it."""
+
+    def __init__(
+        self,
+        packed: torch.Tensor,
+        indices: torch.Tensor,
+        *,
+        world: int,
+        host: dict[str, Any],
+        block_size: int,
+        distill_weight: float,
+    ) -> None:
+        self.host, self.world = host, world
+        self.block_size, self.distill_weight = block_size, distill_weight
+        self.copied: torch.cuda.Event | None = None
+        if packed.device.type == "cuda":
+            self.packed = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self.packed.copy_(packed, non_blocking=True)
+            if indices.device.type == "cuda":
+                pinned = torch.empty(indices.shape, dtype=indices.dtype, pin_memory=True)
+                indices = pinned.copy_(indices, non_blocking=True)
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+        else:
+            self.packed = packed
+        self.indices = indices
+        self.result: dict[str, Any] | None = None
+
+    def read(self) -> dict[str, Any]:
+        """The step's metrics (waits until the step's own kernels and copies are done)."""
+        if self.result is not None:
+            return dict(self.result)
+        if self.copied is not None:
+            self.copied.synchronize()
+        B = self.block_size
+        values = self.packed.tolist()
+        ce, kl, weight, labelled = values[:4]
+        correct_B, total_B = values[4 : 4 + B], values[4 + B : 4 + 2 * B]
+        acc_B = [c / max(n, 1) for c, n in zip(correct_B, total_B, strict=True)][1:]
+        seqs = self.indices.reshape(self.world, -1).tolist()
+        weight = max(weight, 1e-12)
+        self.result = {
+            "loss": (ce + self.distill_weight * kl) / weight,
+            "ce": ce / weight,
+            **({"distill": kl / weight} if self.distill_weight > 0 else {}),
+            "acc": [round(a, 4) for a in acc_B],
+            "lr": self.host["lr"],
+            "grad_norm": values[4 + 2 * B],
+            "tokens": self.host["tokens"],
             "labelled_tokens": int(labelled),
             "seqs": seqs,
-            "compute_s": round(time.perf_counter() - started, 4),
-            # (overlapped with the GPU's work on this step: it delays the step only by what
-            # it outlasts that work; compute_s includes it)
-            **({"fetch_s": fetch_s} if fetch_s is not None else {}),
+            **{k: v for k, v in self.host.items() if k not in ("lr", "tokens")},
         }
+        return dict(self.result)
 
 
-def _gather_indices(indices: torch.Tensor, world: int) -> list[list[int]]:
-    """Sequence indices read this step, per rank (-1 = zero-weight padding item): an audit
-    trail of the data order in metrics.jsonl, small next to the step's other numbers."""
-    if world == 1:
-        return [indices.tolist()]
+def _gather_indices(indices: torch.Tensor, world: int) -> torch.Tensor:
+    """[world * n] sequence indices read this step, rank by rank (-1 = zero-weight padding
+    item): an audit trail of the data order in metrics.jsonl, small next to the step's other
+    numbers."""
     gathered = [torch.empty_like(indices) for _ in range(world)]
     dist.all_gather(gathered, indices)
-    return [g.tolist() for g in gathered]
+    return torch.cat(gathered)
 
 
 def replica_fingerprint(model: torch.nn.Module, world: int) -> list[float]:

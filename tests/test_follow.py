@@ -240,7 +240,9 @@ def test_follow_beside_extract_killed_and_resumed(tiny_qwen3, tmp_path):
 
 def _timing(row: dict) -> dict:
     """The wall-clock fields of a metrics row (they differ between the two runs)."""
-    return {k: row[k] for k in ("compute_s", "step_s", "tokens_per_s", "mem_gb") if k in row}
+    return {
+        k: row[k] for k in ("compute_s", "queue_s", "step_s", "tokens_per_s", "mem_gb") if k in row
+    }
 
 
 def store_being_extracted(tmp_path: Path) -> tuple[Path, Path, str]:

@@ -38,14 +38,14 @@ def test_collections_follow_the_loop(
 ) -> None:
     enabled_in_steps = []
     collections = []  # generation argument of each gc.collect call
-    step = StepRunner.step
+    queue = StepRunner.queue
 
-    def spy_step(self, *args, **kwargs):
+    def spy_queue(self, *args, **kwargs):
         enabled_in_steps.append(gc.isenabled())
-        return step(self, *args, **kwargs)
+        return queue(self, *args, **kwargs)
 
     collect = gc.collect
-    monkeypatch.setattr(StepRunner, "step", spy_step)
+    monkeypatch.setattr(StepRunner, "queue", spy_queue)
     monkeypatch.setattr(gc, "collect", lambda generation=2: collections.append(generation) or 0)
     assert gc.isenabled()
     rows = train(store, tmp_path / "run", "run.gc_every=2", "run.eval_every=3")

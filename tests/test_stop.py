@@ -28,11 +28,11 @@ BASE = ["run.progress=false", "optim.max_steps=6", "run.checkpoint_every=1000"]
 SLOW_TRAIN = """
 import sys, time
 import stage2_train.trainstep as trainstep
-step = trainstep.StepRunner.step
+queue = trainstep.StepRunner.queue
 def slow(self, *args, **kwargs):
     time.sleep(0.2)
-    return step(self, *args, **kwargs)
-trainstep.StepRunner.step = slow
+    return queue(self, *args, **kwargs)
+trainstep.StepRunner.queue = slow
 from dflash_offline.cli import main
 sys.argv = ["dflash", *sys.argv[1:]]
 main()

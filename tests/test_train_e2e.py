@@ -22,7 +22,7 @@ from stage2_train.model import DFlashDrafter, DrafterShape
 from stage2_train.train import run_train
 
 DEBUG = Path(__file__).parents[1] / "configs" / "debug.yaml"
-TIMING = {"compute_s", "fetch_s", "step_s", "tokens_per_s", "mem_gb"}
+TIMING = {"compute_s", "fetch_s", "queue_s", "step_s", "tokens_per_s", "mem_gb"}
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +102,27 @@ def test_resume_equals_uninterrupted(store: Path, tmp_path: Path) -> None:
     other = build_store(tmp_path / "other-store", FactorySpec(num_sequences=13, seed=7))
     with pytest.raises(ValueError, match="content key"):
         train(other, out, *sets)
+
+
+def test_metrics_read_late_match_read_at_once(store: Path, tmp_path: Path) -> None:
+    """run.read_metrics_late writes the same lines, and checkpoints the same state, as reading
+    each step's metrics at once: only their timing fields differ."""
+    sets = ["optim.max_steps=8", "run.eval_every=4", "run.checkpoint_every=3", "run.log_every=1"]
+    sets += ["run.keep_checkpoints=3"]
+    late = train(store, tmp_path / "late", *sets)
+    at_once = train(store, tmp_path / "at-once", *sets, "run.read_metrics_late=false")
+
+    def strip(rows: list[dict]) -> list[dict]:
+        return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+    assert [r["step"] for r in late] == list(range(1, 9))
+    assert strip(late) == strip(at_once)
+    for step in ("step-000003", "step-000006", "step-000008"):
+        states = [
+            json.loads((tmp_path / run / step / "meta.json").read_text())["train_state"]
+            for run in ("late", "at-once")
+        ]
+        assert states[0] == states[1] and states[0]["tokens_seen"] > 0
 
 
 def test_two_gloo_processes_disjoint_data_identical_weights(store: Path, tmp_path: Path) -> None:
