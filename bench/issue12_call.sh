@@ -6,7 +6,8 @@
 #   train      bench/profile_train_step.py: run.compile_layers false vs true and a torch.profiler
 #              breakdown of ~10 steady steps, pystd shape (8 x 3,072 tokens, mixed; the loss
 #              chunks compiled, the GPU default), then 8,192-token loss chunks; the Qwen3-8B
-#              drafter shape eager, compiled, fp8, loss-only compiled;
+#              drafter shape eager, compiled, fp8, loss-only compiled; two pystd steps sharing
+#              one GPU at once (train_pystd_pair); each step also timed with late metric reads;
 #              .bench/yardstick_train_step.py (8B shape) for the ratio
 #   prefetch   bench/prefetch_check.py --measure: data.prefetch_to_device checked, then timed on/off
 #   generate_pystd  bench/bench_generate.py at the pystd recipe's generate shape: sdpa,
@@ -191,6 +192,20 @@ train_pystd_chunks() {
   variant train_pystd_chunks 120 "loss.head_chunk_tokens=8192" "${PYSTD[@]}" \
     --compile-layers true --set loss.head_chunk_tokens=8192 --profile-steps 5
 }
+# two recipe variants sharing one GPU (bench/recipe_pystd.sh with TRAIN_GPUS=0 and two VARIANTS):
+# two pystd-shape compiled steps at once, each timed as train_pystd_chunks times its own solo
+# step; tagged "pair-a"/"pair-b" in train_profile.jsonl. Two steps in the time of fewer than two
+# solo ones is the GPU time a host-bound step leaves idle
+train_pystd_pair() {
+  part train_pystd_pair 150 bash -c 'for k in a b; do
+      mkdir -p "$2/pair-$k"
+      OUT="$2/pair-$k" python3 bench/profile_train_step.py "${@:3}" > "$2/pair-$k.log" 2>&1 &
+    done; wait
+    for k in a b; do
+      sed "s/^{/{\"variant\": \"pair-$k\", /" "$2/pair-$k/train_profile.jsonl" >> "$1/train_profile.jsonl"
+    done' pair "$OUT" "$LOGS" "${PYSTD[@]}" --compile-layers true \
+    --set loss.head_chunk_tokens=8192 --profile-steps 0 --steps 30
+}
 # data.prefetch_to_device: first the GPU check that it trains exactly like fetching in turn,
 # then the real loop at the pystd shape with it on and off ($OUT/prefetch.jsonl)
 prefetch() {
@@ -208,7 +223,7 @@ generate_pystd() {
 
 if (( gpus >= 2 )); then
   ( export CUDA_VISIBLE_DEVICES=0; attention_parts; train_8b ) &
-  ( export CUDA_VISIBLE_DEVICES=1; train_pystd; train_pystd_chunks; yardstick_train
+  ( export CUDA_VISIBLE_DEVICES=1; train_pystd; train_pystd_chunks; train_pystd_pair; yardstick_train
     train_8b_compiled ) &
   wait
   train_8b_fp8
@@ -219,6 +234,7 @@ else
   attention_parts
   train_pystd
   train_pystd_chunks
+  train_pystd_pair
   train_8b
   yardstick_train
   train_8b_compiled

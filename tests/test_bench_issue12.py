@@ -48,6 +48,7 @@ def test_train_profile_timings_only(tmp_path: Path) -> None:
     records = profile_tiny(tmp_path, profile_steps=0)
     assert [r["what"] for r in records] == ["train_setup", "train_step"]
     assert records[0]["compile_chunks"] is False and records[1]["status"] == "ok"
+    assert records[1]["read_late_step_ms"] > 0  # the same steps, each read after the next
 
 
 def test_issue12_call_script_parses() -> None:
