@@ -231,8 +231,12 @@ def load_checkpoint(
     except TypeError as err:
         raise DamagedCheckpoint(f"meta.json train_state is malformed ({err})") from err
     model.load_state_dict(model_state)
-    optimizer.load_state_dict(optim_state)
+    optimizer.load_state_dict(regroup_optimizer_state(optim_state, optimizer, model))
     scheduler.load_state_dict(sched_state)
+    groups = len(optimizer.param_groups)
+    if len(scheduler.base_lrs) == 1 and groups > 1:  # one group saved: regroup_optimizer_state
+        scheduler.base_lrs = scheduler.base_lrs * groups
+        scheduler._last_lr = scheduler._last_lr * groups
     if rng is not None:
         set_rng_state(rng)
     return state, meta
@@ -294,3 +298,35 @@ def resume_latest(
         f"every checkpoint in {out} is damaged ({'; '.join(problems)}); move them away to "
         "train from the start, or pass another --out"
     )
+
+
+def regroup_optimizer_state(
+    saved: dict[str, Any], optimizer: torch.optim.Optimizer, model: torch.nn.Module
+) -> dict[str, Any]:
+    """An optimizer state saved with one parameter group (checkpoints written before the
+    weight-decay groups of `schedule.param_groups`), renumbered into `optimizer`'s groups;
+    any other state as it is. In one group, index i is the i-th trainable parameter of the
+    model; torch numbers the parameters of several groups one group after the other."""
+    groups = optimizer.param_groups
+    if len(saved["param_groups"]) != 1 or len(groups) == 1:
+        return saved
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    position = {id(p): i for i, p in enumerate(q for g in groups for q in g["params"])}
+    if len(trainable) != len(position) or len(saved["param_groups"][0]["params"]) != len(position):
+        return saved  # not that layout: load_state_dict explains what differs
+    new_index = [position[id(p)] for p in trainable]
+    old_group = {k: v for k, v in saved["param_groups"][0].items() if k != "params"}
+    regrouped = []
+    for group in groups:
+        indices = [position[id(p)] for p in group["params"]]
+        decay = group.get("decay", True)
+        regrouped.append(
+            {
+                **old_group,
+                "weight_decay": old_group.get("weight_decay", 0.0) if decay else 0.0,
+                "decay": decay,
+                "params": indices,
+            }
+        )
+    state = {new_index[int(i)]: value for i, value in saved["state"].items()}
+    return {"state": state, "param_groups": regrouped}

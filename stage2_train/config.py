@@ -99,7 +99,9 @@ class LossConfig:
 @dataclass
 class OptimConfig:
     lr: float = doc(6e-4, "peak learning rate (AdamW)")
-    weight_decay: float = doc(0.0, "AdamW weight decay")
+    weight_decay: float = doc(
+        0.0, "AdamW weight decay of the weight matrices (the RMSNorm weights never decay)"
+    )
     betas: list[float] = doc(factory=lambda: [0.9, 0.95], help="AdamW betas")
     warmup_ratio: float = doc(0.04, "share of steps with linear warmup")
     min_lr_ratio: float = doc(0.0, "the schedule's floor as a share of lr")

@@ -140,7 +140,7 @@ def apply_optim_config(
         group.update(
             initial_lr=cfg.lr,
             betas=(cfg.betas[0], cfg.betas[1]),
-            weight_decay=cfg.weight_decay,
+            weight_decay=cfg.weight_decay if group.get("decay", True) else 0.0,
             lr=cfg.lr * factor(step),
         )
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

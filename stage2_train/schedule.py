@@ -24,13 +24,26 @@ import torch
 from stage2_train.config import OptimConfig
 
 
+def param_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict]:
+    """AdamW's groups: the matrices decay by `weight_decay`, the vectors (RMSNorm weights)
+    never: decaying a norm's gain toward 0 fights its purpose (the usual exclusion). Each
+    group's `decay` flag says which it is; an empty group is left out."""
+    matrices = [p for p in params if p.ndim >= 2]
+    vectors = [p for p in params if p.ndim < 2]
+    groups = [
+        {"params": matrices, "weight_decay": weight_decay, "decay": True},
+        {"params": vectors, "weight_decay": 0.0, "decay": False},
+    ]
+    return [g for g in groups if g["params"]]
+
+
 def build_optimizer(
     params: list[torch.nn.Parameter], cfg: OptimConfig, device: torch.device
 ) -> torch.optim.AdamW:
-    """AdamW over `params`; the fused kernel on CUDA, foreach elsewhere."""
+    """AdamW over `params` (`param_groups`); the fused kernel on CUDA, foreach elsewhere."""
     fused = device.type == "cuda"
     return torch.optim.AdamW(
-        params,
+        param_groups(params, cfg.weight_decay),
         lr=cfg.lr,
         betas=(cfg.betas[0], cfg.betas[1]),
         weight_decay=cfg.weight_decay,

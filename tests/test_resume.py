@@ -14,9 +14,10 @@ from store_factory import FactorySpec, build_store
 
 from common.config import build_config
 from common.logging import get_logger
+from stage2_train import schedule
 from stage2_train.checkpoint import TrainState, resume_latest, save_checkpoint
-from stage2_train.config import TrainConfig
-from stage2_train.schedule import lr_factor
+from stage2_train.config import OptimConfig, TrainConfig
+from stage2_train.schedule import build_optimizer, lr_factor
 from stage2_train.train import run_train
 
 DEBUG = Path(__file__).parents[1] / "configs" / "debug.yaml"
@@ -127,3 +128,39 @@ def test_changed_lr_refused_then_applied_with_the_flag(store: Path, tmp_path: Pa
         assert row["lr"] == pytest.approx(expected, rel=1e-6), row
     meta = json.loads((out / "step-000008" / "meta.json").read_text())
     assert meta["config"]["optim"]["lr"] == 0.1
+
+
+def test_weight_decay_spares_the_norm_weights() -> None:
+    """optim.weight_decay shrinks the matrices only: with zero gradients an AdamW step moves
+    nothing but the decay, and the RMSNorm weights (vectors) keep their value."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.RMSNorm(4))
+    cfg = OptimConfig(weight_decay=0.5)
+    optimizer = build_optimizer(list(model.parameters()), cfg, torch.device("cpu"))
+    before = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    matrix, norm = model.parameters()
+    assert torch.allclose(matrix, before[0] * (1 - cfg.lr * 0.5))
+    assert torch.equal(norm, before[1])
+
+
+def test_single_group_checkpoint_resumes_exactly(
+    store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint whose AdamW had one parameter group (before the weight-decay groups)
+    resumes into today's groups with every moment where it was: the same losses as a run that
+    never stopped."""
+    full = train(store, tmp_path / "full")
+    out = tmp_path / "run"
+    with monkeypatch.context() as patch:  # the old optimizer: one group of every parameter
+        patch.setattr(schedule, "param_groups", lambda params, decay: params)
+        interrupted_after_step_4(store, out)
+    optimizer = torch.load(out / "step-000004" / "optimizer.pt", weights_only=True)
+    assert len(optimizer["param_groups"]) == 1
+    resumed = train(store, out)
+    assert [r["step"] for r in resumed] == list(range(1, 7))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full]
+    optimizer = torch.load(out / "step-000006" / "optimizer.pt", weights_only=True)
+    assert [g["decay"] for g in optimizer["param_groups"]] == [True, False]
