@@ -2,7 +2,8 @@
 # The recipe end to end on the small real target pystd-28m, on one GPU, timed per stage:
 #   dflash generate (the target continues windows of train.jsonl.gz) -> dflash extract ->
 #   dflash train -> dflash evaluate (online tau on the 12 dev prompts vs prompt lookup) ->
-#   dflash evaluate-offline on the target's own continuation of the same 12 prompts.
+#   dflash evaluate-offline on the target's own continuation of the same 12 prompts (and of
+#   all 41 dev documents: `chained_dev_all_tau`, the online figure over 3.4x the prompts).
 # Settings: configs/pystd.yaml. Model and data in .carry/ (pystd-28m, train.jsonl.gz,
 # dev.jsonl.gz; see BENCHMARKS.md). Figures go to $OUT (default runs/recipe).
 #   bash bench/recipe_pystd.sh                       the recipe as configured
@@ -46,16 +47,25 @@ if has extract; then
   dflash inspect "$WORK/store" > "$OUT/inspect.txt" || failed+=(extract)
   stamp extract "$t"
 fi
-if has dev; then  # the target's own continuation of the 12 online prompts: the offline twin
+# the target's own continuation of the dev prompts, the offline twin of `dflash evaluate`:
+# dev-store holds the 12 online prompts (the training log's figure), dev-all-store all DEV_DOCS
+# documents of dev.jsonl.gz (41): the same figure over 3.4x the prompts, for comparisons. Two
+# generations: generate leaves out a document whose reply is empty, so the first 12 rows of
+# the larger one are not the 12 online prompts
+DEV_DOCS=${DEV_DOCS:-41}
+if has dev; then
   t=$(date +%s)
-  dflash generate --config "$CFG" --model $M --data .carry/dev.jsonl.gz --out "$WORK/dev-gen" \
-    --devices "${DEVICE%%,*}" --set data.max_samples=12 --set text.new_tokens=128 \
-    --set text.stride=1000000 --set text.loss_on_prompt=false --set run.progress=false \
-    > "$OUT/dev-generate.log" 2>&1 || failed+=(dev)  # {prompt, completion}: chains start there
-  dflash extract --config "$CFG" --model $M --data "$WORK/dev-gen" --out "$WORK/dev-store" \
-    --devices "${DEVICE%%,*}" --set packing.seq_len=384 --set store.sequences_per_shard=12 \
-    --set run.writer_processes=0 --set run.progress=false > "$OUT/dev-extract.log" 2>&1 \
-    || failed+=(dev)
+  for dev in dev:12 dev-all:"$DEV_DOCS"; do
+    name=${dev%%:*} docs=${dev#*:}
+    dflash generate --config "$CFG" --model $M --data .carry/dev.jsonl.gz --out "$WORK/$name-gen" \
+      --devices "${DEVICE%%,*}" --set data.max_samples="$docs" --set text.new_tokens=128 \
+      --set text.stride=1000000 --set text.loss_on_prompt=false --set run.progress=false \
+      >> "$OUT/dev-generate.log" 2>&1 || failed+=(dev)  # {prompt, completion}: chains start there
+    dflash extract --config "$CFG" --model $M --data "$WORK/$name-gen" --out "$WORK/$name-store" \
+      --devices "${DEVICE%%,*}" --set packing.seq_len=384 --set store.sequences_per_shard=12 \
+      --set run.writer_processes=0 --set run.progress=false >> "$OUT/dev-extract.log" 2>&1 \
+      || failed+=(dev)
+  done
   stamp dev "$t"
 fi
 
@@ -87,6 +97,8 @@ variant() {  # $1 = name, $2 = GPU, the rest: train --set arguments
       --device "$eval_device" > "$OUT/$name-acceptance.json" 2> "$OUT/$name-evaluate.log"
     dflash evaluate-offline --drafter "$WORK/run-$name/export" --store "$WORK/dev-store" \
       --device "$eval_device" --json-out "$OUT/$name-offline-dev.json" > /dev/null 2>&1
+    dflash evaluate-offline --drafter "$WORK/run-$name/export" --store "$WORK/dev-all-store" \
+      --device "$eval_device" --json-out "$OUT/$name-offline-dev-all.json" > /dev/null 2>&1
     # run.export_best: the peak of the dev chained tau, when it came before the last step
     local best="$WORK/run-$name/export-best"
     if [ -f "$best/best.json" ] && ! cmp -s "$best/model.safetensors" \
@@ -100,10 +112,13 @@ variant() {  # $1 = name, $2 = GPU, the rest: train --set arguments
 import json, sys
 out, name = sys.argv[1], sys.argv[2]
 online = json.load(open(f"{out}/{name}-acceptance.json"))
-try:
-    offline = json.load(open(f"{out}/{name}-offline-dev.json"))
-except (OSError, ValueError):
-    offline = {}
+def read(path):
+    try:
+        return json.load(open(path))
+    except (OSError, ValueError):
+        return {}
+offline = read(f"{out}/{name}-offline-dev.json")
+offline_all = read(f"{out}/{name}-offline-dev-all.json")
 try:
     best = json.load(open(f"{out}/{name}-best-acceptance.json"))["dflash"]["tau"]
     best_step = json.load(open(f"{out}/{name}-best.json"))["step"]
@@ -113,6 +128,8 @@ print(json.dumps({"variant": name, "dflash_tau": online.get("dflash", {}).get("t
                   "prompt_lookup_tau": online["prompt_lookup"]["tau"],
                   "chained_dev_tau": offline.get("chained_tau"),
                   "random_anchor_dev_tau": offline.get("eval_tau"),
+                  "chained_dev_all_tau": offline_all.get("chained_tau"),
+                  "dev_all_responses": offline_all.get("chained_responses"),
                   "best_export_tau": best, "best_export_step": best_step}))
 EOF
   fi
