@@ -164,3 +164,13 @@ def test_single_group_checkpoint_resumes_exactly(
     assert [r["loss"] for r in resumed] == [r["loss"] for r in full]
     optimizer = torch.load(out / "step-000006" / "optimizer.pt", weights_only=True)
     assert [g["decay"] for g in optimizer["param_groups"]] == [True, False]
+
+
+def test_weight_decay_applied_on_resume_spares_the_norms(store: Path, tmp_path: Path) -> None:
+    """--allow-config-change to a weight decay reaches the matrices' group only."""
+    out = tmp_path / "run"
+    interrupted_after_step_4(store, out)
+    train(store, out, "optim.weight_decay=0.1", "run.allow_config_change=true")
+    saved = torch.load(out / "step-000006" / "optimizer.pt", weights_only=True)
+    decays = {g["decay"]: g["weight_decay"] for g in saved["param_groups"]}
+    assert decays == {True: 0.1, False: 0.0}
