@@ -201,12 +201,9 @@ class PendingStep:
         else:
             self.packed = packed
         self.indices = indices
-        self.result: dict[str, Any] | None = None
 
     def read(self) -> dict[str, Any]:
         """The step's metrics (waits until the step's own kernels and copies are done)."""
-        if self.result is not None:
-            return dict(self.result)
         if self.copied is not None:
             self.copied.synchronize()
         B = self.block_size
@@ -216,19 +213,16 @@ class PendingStep:
         acc_B = [c / max(n, 1) for c, n in zip(correct_B, total_B, strict=True)][1:]
         seqs = self.indices.reshape(self.world, -1).tolist()
         weight = max(weight, 1e-12)
-        self.result = {
+        return {
             "loss": (ce + self.distill_weight * kl) / weight,
             "ce": ce / weight,
             **({"distill": kl / weight} if self.distill_weight > 0 else {}),
             "acc": [round(a, 4) for a in acc_B],
-            "lr": self.host["lr"],
             "grad_norm": values[4 + 2 * B],
-            "tokens": self.host["tokens"],
             "labelled_tokens": int(labelled),
             "seqs": seqs,
-            **{k: v for k, v in self.host.items() if k not in ("lr", "tokens")},
+            **self.host,  # lr, tokens, queue_s (and fetch_s)
         }
-        return dict(self.result)
 
 
 def _gather_indices(indices: torch.Tensor, world: int) -> torch.Tensor:

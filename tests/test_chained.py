@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from store_factory import FactorySpec, target_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.config import build_config
@@ -18,9 +19,9 @@ from evaluation.dflash_draft import dflash_draft_fn
 from evaluation.offline import OfflineEvalConfig, run_offline_eval
 from stage1_extract.config import ExtractConfig
 from stage1_extract.run import run_extract
-from stage2_train.config import TrainConfig
+from stage2_train.config import DrafterConfig, TrainConfig
 from stage2_train.export import load_export, served_copy
-from stage2_train.model import DFlashDrafter, DrafterShape
+from stage2_train.model import DFlashDrafter, drafter_shape
 from stage2_train.train import run_train
 
 DEBUG = Path(__file__).parents[1] / "configs" / "debug.yaml"
@@ -103,20 +104,8 @@ def test_served_copy_rounds_like_the_export() -> None:
     """The copy the training log's dev figure runs: every weight as the bf16 export holds it,
     computing in fp32, and no tie to the training parameters."""
     torch.manual_seed(0)
-    shape = DrafterShape(
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_tapped=3,
-        block_size=4,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        vocab_size=64,
-        mask_token_id=3,
-    )
+    spec = FactorySpec()
+    shape = drafter_shape(DrafterConfig(num_layers=2), target_config(spec), 3, spec.vocab_size, 3)
     model = DFlashDrafter(shape)
     twin = served_copy(model)
     assert not twin.training
