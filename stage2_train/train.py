@@ -328,13 +328,18 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
     late = cfg.run.read_metrics_late and ctx.world_size == 1
     unread: tuple[PendingStep, dict[str, Any], float] | None = None
 
-    def finish(pending: PendingStep, fields: dict[str, Any], started: float) -> dict[str, Any]:
+    def finish(
+        pending: PendingStep, fields: dict[str, Any], started: float, ended: float | None = None
+    ) -> dict[str, Any]:
         """The step's record: its metrics read back, the loop's fields, and its wall time from
-        its start to now (the next step's start, for a line read late)."""
+        its start to `ended` (the next step's start, for a line read late; else now)."""
         record = pending.read()
         state.tokens_seen += record.pop("labelled_tokens")
         record.update(fields, mem_gb=memory_gb(device))
-        record["step_s"] = round(time.perf_counter() - started, 4)
+        # a step read late ends where the next began: counting to its read would count the
+        # next step's loader wait and queueing twice (each step_s ~2x in the thirteenth session)
+        end = time.perf_counter() if ended is None else ended
+        record["step_s"] = round(end - started, 4)
         # the rest of step_s: queueing the step, waiting for the GPU, logging
         record["compute_s"] = round(record["step_s"] - record.pop("data_s"), 4)
         record["tokens_per_s"] = round(record["tokens"] / record["step_s"], 1)
@@ -354,10 +359,10 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
             else:
                 bar.write(line)
 
-    def write_unread() -> None:
+    def write_unread(ended: float | None = None) -> None:
         nonlocal unread
         if unread is not None:
-            write(finish(*unread))
+            write(finish(*unread, ended))
             unread = None
 
     def stop_now(code: int) -> NoReturn:
@@ -401,7 +406,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
             fields.update(step=state.step, epoch=state.epoch)
             if (gc_s := collector.after_step(state.step)) is not None:
                 fields["gc_s"] = gc_s  # inside step_s: the loop's own time, counted
-            write_unread()  # the previous step's: its kernels came before this step's
+            write_unread(started)  # the previous step's: its kernels came before this step's
             last = state.step == total_steps
             due = (cfg.run.eval_every and state.step % cfg.run.eval_every == 0) or last
             every = cfg.run.checkpoint_every

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from stage2_train.config import TrainConfig
 from stage2_train.export import export_checkpoint, load_export
 from stage2_train.model import DFlashDrafter, DrafterShape
 from stage2_train.train import run_train
+from stage2_train.trainstep import StepRunner
 
 DEBUG = Path(__file__).parents[1] / "configs" / "debug.yaml"
 TIMING = {"compute_s", "fetch_s", "queue_s", "step_s", "tokens_per_s", "mem_gb"}
@@ -123,6 +125,24 @@ def test_metrics_read_late_match_read_at_once(store: Path, tmp_path: Path) -> No
             for run in ("late", "at-once")
         ]
         assert states[0] == states[1] and states[0]["tokens_seen"] > 0
+
+
+def test_metrics_read_late_count_each_step_once(
+    store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step read late ends where the next one began: its step_s does not also hold the next
+    step's queueing (which made every step_s ~2x the wall time per step)."""
+    queue = StepRunner.queue
+
+    def slow_queue(self: StepRunner, *args: object, **kwargs: object) -> object:
+        time.sleep(0.5)  # on the CPU queueing runs the step: each step takes >= 0.5 s
+        return queue(self, *args, **kwargs)
+
+    monkeypatch.setattr(StepRunner, "queue", slow_queue)
+    rows = train(store, tmp_path / "late", "optim.max_steps=6", "run.eval_every=0")
+    read_late = [r["step_s"] for r in rows[:-1]]  # the last step is read at once
+    assert all(s >= 0.5 for s in read_late), read_late
+    assert sorted(read_late)[len(read_late) // 2] < 0.9, read_late  # counted twice: >= 1.0
 
 
 def test_two_gloo_processes_disjoint_data_identical_weights(store: Path, tmp_path: Path) -> None:
