@@ -43,6 +43,7 @@ FREE_ON_RESUME = (
     "run.progress",
     "run.log_every",
     "run.gc_every",
+    "run.read_metrics_late",  # when a step's metrics are read, not what they hold (a test)
     "run.eval_every",
     "run.checkpoint_every",
     "run.keep_checkpoints",

@@ -130,6 +130,14 @@ def test_changed_lr_refused_then_applied_with_the_flag(store: Path, tmp_path: Pa
     assert meta["config"]["optim"]["lr"] == 0.1
 
 
+def test_read_metrics_late_may_change_on_resume(store: Path, tmp_path: Path) -> None:
+    """When a step's metrics are read changes no number: a resume may switch it freely."""
+    out = tmp_path / "run"
+    full = interrupted_after_step_4(store, out)
+    rows = train(store, out, "run.read_metrics_late=false")
+    assert [r["loss"] for r in rows] == [r["loss"] for r in full]
+
+
 def test_weight_decay_spares_the_norm_weights() -> None:
     """optim.weight_decay shrinks the matrices only: with zero gradients an AdamW step moves
     nothing but the decay, and the RMSNorm weights (vectors) keep their value."""
