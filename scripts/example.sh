@@ -10,6 +10,9 @@ bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 WORK=${WORK:-runs/example}
 mkdir -p "$WORK"
+# each run starts from the target: the stages resume, and refuse outputs written with other
+# settings (after an upgrade that changed a default, say), which a demo should not ask about
+rm -rf "$WORK/gen" "$WORK/store" "$WORK/train" "$WORK/acceptance.json" "$WORK/acceptance.png"
 [ -f "$WORK/target/config.json" ] || python -m common.tiny "$WORK/target"
 dflash generate --config configs/debug.yaml --model "$WORK/target" \
   --data common/example_data/conversations.jsonl --out "$WORK/gen" --devices cpu

@@ -142,15 +142,32 @@ def write_root_attrs(store: Path, attrs: dict[str, Any]) -> None:
     os.replace(tmp, meta)
 
 
-def _explain_mismatch(old: dict[str, Any], new: dict[str, Any]) -> str:
-    changed = []
+# settings a rerun can set back to the store's value to resume it: label -> --set key
+_SET_BACK = {
+    "hidden_dtype": "store.hidden_dtype",  # its default changed to float8_e4m3fn
+    "topk": "verifier.topk",
+    "seq_len": "packing.seq_len",
+    "sequences_per_shard": "store.sequences_per_shard",
+    "target dtype": "target.dtype",
+}
+
+
+def _explain_mismatch(old: dict[str, Any], new: dict[str, Any]) -> tuple[str, list[str]]:
+    """What differs, and the `--set key=value` arguments that would give the store's settings
+    back where that alone could resume it."""
+    changed, set_back = [], []
     for label, get in _EXPLAINED:
         try:
             if get(old) != get(new):
                 changed.append(label)
+                if label in _SET_BACK:
+                    value = get(old)
+                    shown = value if isinstance(value, str) else json.dumps(value)
+                    set_back.append(f"--set {_SET_BACK[label]}={shown}")
         except (KeyError, TypeError):
             changed.append(label)
-    return ", ".join(changed) if changed else "the dataset contents (document lengths)"
+    what = ", ".join(changed) if changed else "the dataset contents (document lengths)"
+    return what, set_back if len(set_back) == len(changed) else []
 
 
 # fingerprint -> what differs when it does (the error adds the way out: --overwrite)
@@ -228,10 +245,11 @@ def prepare_store(store: Path, attrs: dict[str, Any], overwrite: bool) -> list[i
     if _has_content(store):
         info = open_store(store)  # format and version checks, with their own messages
         if info.attrs.get("content_key") != attrs["content_key"]:
+            what, set_back = _explain_mismatch(info.attrs, attrs)
+            resume = f"; to resume it, rerun with {' '.join(set_back)}" if set_back else ""
             raise StoreError(
-                f"store {store} was written with other settings or data "
-                f"({_explain_mismatch(info.attrs, attrs)} differ); rerun with --overwrite to "
-                "replace it, or choose another --out"
+                f"store {store} was written with other settings or data ({what} differ)"
+                f"{resume}; to replace it, rerun with --overwrite, or choose another --out"
             )
         check_fingerprints(store, info.attrs, attrs)
         for entry in shards_dir(store).glob(f"{TMP_PREFIX}*"):

@@ -65,6 +65,7 @@ def extracted(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
         folder / "store",
         "target.tapped_layers=[0,1,3]",
         "packing.strategy=next_fit",
+        "store.hidden_dtype=bfloat16",  # exact round trips (fp8: the fp8_store fixture)
     )
     run_extract(cfg)
     return folder / "store"

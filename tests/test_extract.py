@@ -26,6 +26,7 @@ from stage1_extract.config import ExtractConfig
 from stage1_extract.run import run_extract
 
 DEBUG = Path(__file__).parents[1] / "configs" / "debug.yaml"
+BF16 = "store.hidden_dtype=bfloat16"  # where bf16 features are the subject (the default: fp8)
 SMALL = [
     "packing.seq_len=64",
     "store.sequences_per_shard=2",
@@ -80,8 +81,10 @@ def file_digests(folder: Path) -> dict[str, str]:
 def qwen3_store(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("extract-qwen3")
     out = folder / "store"
-    # layer 3 is the last one: stored after the final norm, as transformers' hidden_states[4]
-    run_extract(make_config(tiny_qwen3, write_data(folder), out, "target.tapped_layers=[0,1,3]"))
+    # layer 3 is the last one: stored after the final norm, as transformers' hidden_states[4];
+    # bf16 features, which must equal a fresh forward's to the bit (fp8: tests/test_fp8.py)
+    layers = "target.tapped_layers=[0,1,3]"
+    run_extract(make_config(tiny_qwen3, write_data(folder), out, layers, BF16))
     return out
 
 
@@ -192,7 +195,9 @@ def test_root_attributes_and_head_file(qwen3_store: Path, tiny_qwen3: Path):
 
 def test_bf16_llama_with_default_layers(tiny_llama: Path, tmp_path: Path):
     out = tmp_path / "store"
-    run_extract(make_config(tiny_llama, write_data(tmp_path, 4), out, "target.dtype=bfloat16"))
+    run_extract(
+        make_config(tiny_llama, write_data(tmp_path, 4), out, "target.dtype=bfloat16", BF16)
+    )
     info = open_store(out, require_complete=True)
     assert info.tapped_layers == [0, 1, 2]  # 4 layers: 1..N-3 is too short, 0..N-2 is used
     # bf16 kernels differ slightly between a padded batch and a lone document
@@ -342,7 +347,12 @@ def test_store_from_before_fingerprints_still_resumes(existing_store, qwen3_stor
     del doc["attributes"]["dflash"]["fingerprints"]
     meta.write_text(json.dumps(doc))
     data = qwen3_store.parent / "data.jsonl"  # the fixture's data: the same content key
+    # its command from before the default became float8_e4m3fn: refused, with the way back
     result = cli_extract(tiny_qwen3, data, existing_store, "target.tapped_layers=[0,1,3]")
+    message = " ".join(result.output.split())
+    assert result.exit_code == 2 and "(hidden_dtype differ)" in message, message
+    assert "to resume it, rerun with --set store.hidden_dtype=bfloat16" in message, message
+    result = cli_extract(tiny_qwen3, data, existing_store, "target.tapped_layers=[0,1,3]", BF16)
     assert result.exit_code == 0, result.output
 
 
@@ -383,7 +393,7 @@ def test_full_disk_is_a_clear_error_and_keeps_committed_shards(
     monkeypatch.setattr(zarr.Group, "create_array", create_array)
     out, data = tmp_path / "store", write_data(tmp_path)
     result = cli_extract(
-        tiny_qwen3, data, out, "target.tapped_layers=[0,1,3]", "run.writer_threads=1"
+        tiny_qwen3, data, out, "target.tapped_layers=[0,1,3]", "run.writer_threads=1", BF16
     )
     assert result.exit_code == 2
     message = " ".join(result.output.split())  # click may wrap lines
@@ -424,7 +434,8 @@ def test_rerun_with_other_num_proc_resumes(qwen3_store: Path, tiny_qwen3: Path, 
     store = Path(shutil.copytree(qwen3_store, tmp_path / "copy"))
     before = file_digests(store)
     data = qwen3_store.parent / "data.jsonl"
-    result = cli_extract(tiny_qwen3, data, store, "target.tapped_layers=[0,1,3]", "data.num_proc=2")
+    layers = "target.tapped_layers=[0,1,3]"
+    result = cli_extract(tiny_qwen3, data, store, layers, "data.num_proc=2", BF16)
     assert result.exit_code == 0, result.output
     assert file_digests(store) == before
 
@@ -494,6 +505,7 @@ def test_byte_shuffle_codecs_and_identical_contents(shuffle, tiny_qwen3, tmp_pat
     for flag in (shuffle, not shuffle):
         out = tmp_path / f"store-{flag}"
         extra = ("target.tapped_layers=[0,1,3]", "data.max_samples=3", "target.dtype=float32")
+        extra += (BF16,)  # bf16 hidden states: the 2-byte arrays byte shuffle applies to
         run_extract(
             make_config(tiny_qwen3, data, out, *extra, f"store.byte_shuffle={str(flag).lower()}")
         )

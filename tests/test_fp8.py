@@ -133,7 +133,7 @@ def test_rerun_with_another_hidden_dtype_is_refused(
 ) -> None:
     store = Path(shutil.copytree(fp8_store, tmp_path / "store"))
     data = fp8_store.parent / "data.jsonl"  # the same file: the data path is part of the key
-    result = cli_extract(tiny_qwen3, data, store, LAYERS)  # bfloat16, the default
+    result = cli_extract(tiny_qwen3, data, store, LAYERS, "store.hidden_dtype=bfloat16")
     assert result.exit_code == 2, result.output
     message = " ".join(result.output.split())
     assert "hidden_dtype" in message and "--overwrite" in message

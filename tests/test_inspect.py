@@ -340,7 +340,7 @@ def test_real_store_summary_verify_and_sample(extracted: Path, tiny_qwen3: Path)
 
 def test_real_store_tampering_is_caught(extracted: Path, tmp_path: Path) -> None:
     copy = Path(shutil.copytree(extracted, tmp_path / "store"))
-    write(copy / S0 / "hidden", (0, 1, 1, 5), 0x7FC0)
+    write(copy / S0 / "hidden", (0, 1, 1, 5), 0x7F)  # a NaN's float8_e4m3fn bits (the default)
     write(copy / S0 / "position_ids", (0, 2), 9)
     problems = {(p["array"], p["problem"]) for p in verify_store(copy)["problems"]}
     assert problems == {
