@@ -35,7 +35,7 @@ kill $MON
 t2=$(date +%s)
 cp "$WORK/train/metrics.jsonl" "$OUT/metrics.jsonl"
 dflash evaluate --target .carry/pystd-28m --drafter "$WORK/train/export" --data .carry/dev.jsonl.gz \
-  --device cuda:0 --json-out "$OUT/acceptance.json" | tail -5
+  --no-stop-at-eos --device cuda:0 --json-out "$OUT/acceptance.json" | tail -5
 # offline estimate on the same 12 dev documents (text as context, first 384 tokens each)
 dflash extract --model .carry/pystd-28m --data .carry/dev.jsonl.gz --out "$WORK/dev-store" \
   --devices "${DEVICES%%,*}" --set target.tapped_layers='[1,3,5,7,8]' --set data.max_samples=12 \

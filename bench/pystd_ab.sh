@@ -23,7 +23,7 @@ arm() {  # $1 = a|b, $2 = GPU, the rest: train --set arguments
     --out "$WORK/run-$v" --devices "$gpu" --set run.progress=false "$@" > "$OUT/$v-train.log" 2>&1 \
     || { echo "$v: stopped" >> "$OUT/$v-train.log"; dflash export "$WORK/run-$v" >> "$OUT/$v-train.log" 2>&1; }
   dflash evaluate --target $M --drafter "$WORK/run-$v/export" --data .carry/dev.jsonl.gz \
-    --device "cuda:$gpu" > "$OUT/$v-acceptance.json" 2> "$OUT/$v-evaluate.log"
+    --no-stop-at-eos --device "cuda:$gpu" > "$OUT/$v-acceptance.json" 2> "$OUT/$v-evaluate.log"
   dflash evaluate-offline --drafter "$WORK/run-$v/export" --store "$WORK/dev-store" \
     --device "cuda:$gpu" > "$OUT/$v-offline-dev.json" 2>/dev/null
   python3 -c "import json,sys; a=json.load(open('$OUT/$v-acceptance.json')); o=json.load(open('$OUT/$v-offline-dev.json')); print('$v', a['dflash']['tau'], a['prompt_lookup']['tau'], o['chained_tau'], o['eval_tau'])"

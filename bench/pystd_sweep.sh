@@ -36,7 +36,7 @@ variant() {  # $1 = index = GPU, the rest: train --set arguments
   [ -f "$WORK/v$i/export/model.safetensors" ] || dflash export "$WORK/v$i" >> "$OUT/v$i-train.log" 2>&1
   cp "$WORK/v$i/metrics.jsonl" "$OUT/v$i-metrics.jsonl"
   dflash evaluate --target .carry/pystd-28m --drafter "$WORK/v$i/export" \
-    --data .carry/dev.jsonl.gz --device "cuda:$i" --json-out "$OUT/v$i-acceptance.json" \
+    --data .carry/dev.jsonl.gz --no-stop-at-eos --device "cuda:$i" --json-out "$OUT/v$i-acceptance.json" \
     > "$OUT/v$i-evaluate.log" 2>&1
   dflash evaluate-offline --drafter "$WORK/v$i/export" --store "$WORK/dev-store" \
     --device "cuda:$i" --json-out "$OUT/v$i-offline-dev.json" > /dev/null 2>&1

@@ -95,8 +95,10 @@ variant() {  # $1 = name, $2 = GPU, the rest: train --set arguments
   fi
   if has evaluate; then
     t=$(date +%s)
+    # --no-stop-at-eos: the 12-prompt figure as every session measured it (the shared harness
+    # decodes 128 tokens past a reply's end; dev prompt 9's reply is the end of file alone)
     dflash evaluate --target $M --drafter "$WORK/run-$name/export" --data .carry/dev.jsonl.gz \
-      --device "$eval_device" > "$OUT/$name-acceptance.json" 2> "$OUT/$name-evaluate.log"
+      --no-stop-at-eos --device "$eval_device" > "$OUT/$name-acceptance.json" 2> "$OUT/$name-evaluate.log"
     dflash evaluate-offline --drafter "$WORK/run-$name/export" --store "$WORK/dev-store" \
       --device "$eval_device" --json-out "$OUT/$name-offline-dev.json" > /dev/null 2>&1
     dflash evaluate-offline --drafter "$WORK/run-$name/export" --store "$WORK/dev-all-store" \
@@ -107,7 +109,7 @@ variant() {  # $1 = name, $2 = GPU, the rest: train --set arguments
         "$WORK/run-$name/export/model.safetensors"; then
       cp "$best/best.json" "$OUT/$name-best.json"
       dflash evaluate --target $M --drafter "$best" --data .carry/dev.jsonl.gz \
-        --device "$eval_device" > "$OUT/$name-best-acceptance.json" 2>> "$OUT/$name-evaluate.log"
+        --no-stop-at-eos --device "$eval_device" > "$OUT/$name-best-acceptance.json" 2>> "$OUT/$name-evaluate.log"
     fi
     stamp "$name-evaluate" "$t"
     python3 - "$OUT" "$name" <<'EOF'

@@ -27,6 +27,15 @@ from dflash_offline.options import echo_json
 @click.option(
     "--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"])
 )
+@click.option(
+    "--stop-at-eos/--no-stop-at-eos",
+    default=True,
+    show_default=True,
+    help="end each reply at the target's end of sequence (chat: end of turn), as a server "
+    "does; a reply that is the end alone verifies no draft and is left out of tau. "
+    "--no-stop-at-eos decodes --new-tokens past it (the shared harness's definition; this "
+    "project's pystd figures)",
+)
 @click.option("--json-out", default=None, help="also write the figures to this JSON file")
 @click.option(
     "--plot",

@@ -48,6 +48,8 @@ class AcceptanceResult:
     # tokens for exactly a tokens (a = 0..num_draft); the final, truncated forward included.
     accepted_histogram: list[int] = field(default_factory=list)
     seconds: float = 0.0
+    stopped_at_eos: int = 0  # prompts whose reply ended at a stop token before the budget
+    ended_at_prefill: int = 0  # of those, replies that were the stop token alone (not in tau)
 
     @property
     def tau(self) -> float:
@@ -70,6 +72,8 @@ class AcceptanceResult:
             "acceptance_by_position": self.acceptance_by_position,
             "accepted_histogram": self.accepted_histogram,
             "seconds": self.seconds,
+            "stopped_at_eos": self.stopped_at_eos,
+            "ended_at_prefill": self.ended_at_prefill,
             "tokens_per_s": self.new_tokens / self.seconds if self.seconds else None,
         }
 
@@ -168,15 +172,19 @@ def speculative_generate(
     draft_fn: DraftFn,
     num_new: int,
     progress: tqdm | None = None,
+    stop_ids: frozenset[int] = frozenset(),
 ) -> tuple[list[int], list[int], list[int]]:
     """Greedy speculative decoding; returns (generated tokens, tokens gained per forward,
-    drafted tokens accepted per forward, counted before the last forward's truncation)."""
+    drafted tokens accepted per forward, counted before the last forward's truncation).
+    Decoding ends after `num_new` tokens, or at the first of `stop_ids` the target writes (kept,
+    as a server keeps the end of sequence; drafted tokens accepted past it are dropped)."""
     tokens = [*prompt, target.prefill(prompt, len(prompt) + num_new)]
     if progress is not None:
         progress.update(1)
     gains: list[int] = []
     accepted_counts: list[int] = []
-    while len(tokens) - len(prompt) < num_new:
+    stopped = tokens[-1] in stop_ids
+    while len(tokens) - len(prompt) < num_new and not stopped:
         draft = draft_fn(tokens, target.features)
         greedy_J = target.verify(tokens[-1], draft)  # greedy_J[j]: the token after draft[:j]
         accepted = 0
@@ -184,6 +192,9 @@ def speculative_generate(
             accepted += 1
         room = num_new - (len(tokens) - len(prompt))
         gained = [*draft[:accepted], greedy_J[accepted]][:room]
+        ends = [i for i, token in enumerate(gained) if token in stop_ids]
+        if ends:
+            gained, stopped = gained[: ends[0] + 1], True
         # The newest token and the accepted draft are now context; the bonus is the newest.
         target.commit(len(gained))
         tokens += gained
@@ -201,24 +212,33 @@ def measure_acceptance(
     num_new: int,
     num_draft: int,
     desc: str = "decode",
+    stop_ids: frozenset[int] = frozenset(),
 ) -> AcceptanceResult:
     """tau and acceptance by draft position over `prompts`; `make_draft` gives a fresh
-    draft function per prompt (a drafter may cache its context), `num_draft` its block."""
+    draft function per prompt (a drafter may cache its context), `num_draft` its block.
+    With `stop_ids`, a prompt whose first token (the prefill's) is one of them verified no
+    draft: it is left out of tau and counted in `ended_at_prefill`."""
     import time
 
     taus: list[float] = []
     histogram = [0] * (num_draft + 1)
-    forwards = new = 0
+    forwards = new = ended_at_prefill = stopped = 0
     start = time.perf_counter()
     with tqdm(total=len(prompts) * num_new, desc=desc, unit="tok", dynamic_ncols=True) as bar:
         for prompt in prompts:
             generated, gains, accepted_counts = speculative_generate(
-                target, prompt, make_draft(), num_new, bar
+                target, prompt, make_draft(), num_new, bar, stop_ids
             )
+            bar.update(num_new - len(generated))  # what a stopped reply left of its budget
+            stopped += generated[-1] in stop_ids
+            if not gains:  # the target ended at once: there was nothing to draft
+                ended_at_prefill += 1
+                continue
             taus.append(sum(gains) / len(gains))
             forwards += len(gains)
             new += len(generated)
             for accepted in accepted_counts:
                 histogram[accepted] += 1
             bar.set_postfix(tau=f"{sum(taus) / len(taus):.2f}")
-    return AcceptanceResult(taus, forwards, new, histogram, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    return AcceptanceResult(taus, forwards, new, histogram, seconds, stopped, ended_at_prefill)

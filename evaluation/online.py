@@ -40,6 +40,9 @@ class EvaluateConfig:
     dtype: str = "float32"
     text_field: str = "text"
     plot: str | None = None  # PNG of acceptance by draft position; None: no plot
+    # end a reply at the target's end of sequence (for chat: its end of turn), as a server
+    # does; False decodes new_tokens past it (the shared harness's definition)
+    stop_at_eos: bool = True
 
     def validate(self) -> None:
         problems = [
@@ -104,6 +107,19 @@ def load_prompts(cfg: EvaluateConfig, tokenizer) -> list[list[int]]:
     return prompts
 
 
+def stop_token_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
+    """The ids that end a reply: the generation config's eos_token_id (one id or a list: for
+    chat targets such as Qwen3 it holds the end of turn) and the tokenizer's eos token."""
+    ids: set[int] = set()
+    config = getattr(model, "generation_config", None)
+    for source in (getattr(config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source is not None:
+            ids.update(int(i) for i in source)
+    return frozenset(ids)
+
+
 def run_evaluate(cfg: EvaluateConfig) -> dict:
     """Measure tau for prompt lookup and, when given, the DFlash drafter; return the figures."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -138,10 +154,12 @@ def _evaluate(
     log = get_logger()
     prompts = load_prompts(cfg, tokenizer)
     num_draft = (drafter.shape.block_size if drafter else DEFAULT_BLOCK_SIZE) - 1
+    stop_ids = stop_token_ids(model, tokenizer) if cfg.stop_at_eos else frozenset()
     results: dict = {
         "num_prompts": len(prompts),
         "new_tokens": cfg.new_tokens,
         "num_draft": num_draft,
+        "stop_at_eos": sorted(stop_ids) if cfg.stop_at_eos else False,
     }
 
     def lookup_draft(tokens: list[int], _feats: torch.Tensor | None) -> list[int]:
@@ -154,7 +172,20 @@ def _evaluate(
         cfg.new_tokens,
         num_draft,
         desc="prompt lookup",
+        stop_ids=stop_ids,
     )
+    if not lookup.tau_per_prompt:
+        raise ValueError(
+            f"--data {cfg.data}: the target ended every reply at once (its end-of-sequence "
+            "token first), so no draft was verified; pass prompts it continues, or "
+            "--no-stop-at-eos to decode past the end"
+        )
+    if lookup.ended_at_prefill:
+        log.info(
+            "%d of %d prompts left out of tau: the target's reply was its end of sequence alone",
+            lookup.ended_at_prefill,
+            len(prompts),
+        )
     results["prompt_lookup"] = lookup.to_json()
     log.info(
         "prompt lookup: tau %.3f (%.1f tokens/s)", lookup.tau, lookup.new_tokens / lookup.seconds
@@ -171,6 +202,7 @@ def _evaluate(
             cfg.new_tokens,
             num_draft,
             desc="dflash",
+            stop_ids=stop_ids,
         )
         results["dflash"] = dflash.to_json()
         log.info("dflash: tau %.3f (%.1f tokens/s)", dflash.tau, dflash.new_tokens / dflash.seconds)

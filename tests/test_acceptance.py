@@ -156,6 +156,69 @@ def test_acceptance_by_position_from_histogram(target: torch.nn.Module) -> None:
     assert measured.acceptance_by_position == [1.0, 1.0, 1.0]
 
 
+def test_reply_ends_at_a_stop_token(target: torch.nn.Module) -> None:
+    """With stop ids, decoding ends at the first one the target writes (kept); drafted tokens
+    accepted past it are dropped; a reply that is the stop token alone verifies nothing and is
+    left out of tau (counted apart)."""
+    prompt = PROMPTS[2]
+    expected = greedy_reference(target, prompt, 20)
+    # a token first written at step k >= 2 (a later repeat must not matter)
+    k = next(i for i in range(2, 20) if expected[i] not in expected[:i])
+    stop = frozenset({expected[k]})
+
+    def oracle(tokens: list[int], _feats: torch.Tensor | None) -> list[int]:
+        done = len(tokens) - len(prompt)
+        return expected[done : done + 7]  # always right, past the stop too
+
+    generated, gains, _ = speculative_generate(
+        CachedTarget(target, None), prompt, oracle, 20, stop_ids=stop
+    )
+    assert generated == expected[: k + 1] and sum(gains) == k  # the prefill gave the first
+    at_once = frozenset({expected[0]})
+    generated, gains, _ = speculative_generate(
+        CachedTarget(target, None), prompt, oracle, 20, stop_ids=at_once
+    )
+    assert generated == expected[:1] and gains == []
+    measured = measure_acceptance(
+        CachedTarget(target, None), [prompt, PROMPTS[0]], lambda: oracle, 20, 7, stop_ids=at_once
+    )
+    assert measured.ended_at_prefill == 1 and len(measured.tau_per_prompt) == 1
+    assert measured.stopped_at_eos >= 1
+
+
+def test_stop_ids_from_generation_config_and_tokenizer(tiny_qwen3: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from evaluation.online import stop_token_ids
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    model.generation_config.eos_token_id = [7, 11]  # a chat target's list: end of turn, of text
+    assert stop_token_ids(model, tokenizer) == {7, 11, tokenizer.eos_token_id}
+    model.generation_config.eos_token_id = None
+    assert stop_token_ids(model, tokenizer) == {tokenizer.eos_token_id}
+
+
+def test_every_reply_ending_at_once_is_a_clear_error(tiny_qwen3: Path, tmp_path: Path) -> None:
+    import json
+
+    from transformers import AutoTokenizer
+
+    from evaluation.online import EvaluateConfig, _evaluate, load_prompts
+
+    data = tmp_path / "dev.jsonl"
+    data.write_text(json.dumps({"text": "def f(x):\n    return x\n"}) + "\n")
+    cfg = EvaluateConfig(str(tiny_qwen3), str(data), new_tokens=4)
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    (prompt,) = load_prompts(cfg, tokenizer)
+    model.generation_config.eos_token_id = greedy_reference(model, prompt, 1)  # its first token
+    with pytest.raises(ValueError, match="ended every reply at once.*--no-stop-at-eos"):
+        _evaluate(cfg, model, tokenizer, None)
+    cfg.stop_at_eos = False
+    assert len(_evaluate(cfg, model, tokenizer, None)["prompt_lookup"]["tau_per_prompt"]) == 1
+
+
 def assert_png(path: Path) -> None:
     """A PNG by its magic bytes, that matplotlib decodes into an RGB(A) image."""
     import matplotlib.image
@@ -215,6 +278,14 @@ def test_evaluate_command_reports_both_methods(tiny_qwen3: Path, tmp_path: Path)
     assert result.exit_code == 0, result.output
     figures = json.loads(out.read_text())
     assert figures["num_prompts"] == 2 and figures["num_draft"] == 3  # the drafter's block - 1
+    assert figures["stop_at_eos"] and all(isinstance(i, int) for i in figures["stop_at_eos"])
+    past_end = CliRunner().invoke(
+        main,
+        ["evaluate", "--target", str(tiny_qwen3), "--data", str(data), "--num-prompts", "1"]
+        + ["--new-tokens", "4", "--no-stop-at-eos"],
+    )
+    assert past_end.exit_code == 0, past_end.output
+    assert json.loads(past_end.stdout)["stop_at_eos"] is False
     for method in ("prompt_lookup", "dflash"):
         result = figures[method]
         assert len(result["tau_per_prompt"]) == 2
