@@ -17,7 +17,7 @@ t0=$(date +%s)
 ( while sleep 2; do echo "$(date +%s) $(gpu_mem)"; done ) > "$OUT/gpu_mem_extract.log" &
 MON=$!
 dflash extract --model .carry/pystd-28m --data .carry/train.jsonl.gz --out "$WORK/store" \
-  --devices "$DEVICES" --set target.tapped_layers='[1,3,5,7,8]' --set run.progress=false \
+  --devices "$DEVICES" --set target.tapped_layers='[1,3,5,7,8]' --set store.hidden_dtype=bfloat16 --set run.progress=false \
   --set store.sequences_per_shard=32 --set data.num_proc=8 2>&1 | tee "$OUT/extract.log"
 kill $MON
 t1=$(date +%s)
@@ -38,7 +38,7 @@ dflash evaluate --target .carry/pystd-28m --drafter "$WORK/train/export" --data 
   --no-stop-at-eos --device cuda:0 --json-out "$OUT/acceptance.json" | tail -5
 # offline estimate on the same 12 dev documents (text as context, first 384 tokens each)
 dflash extract --model .carry/pystd-28m --data .carry/dev.jsonl.gz --out "$WORK/dev-store" \
-  --devices "${DEVICES%%,*}" --set target.tapped_layers='[1,3,5,7,8]' --set data.max_samples=12 \
+  --devices "${DEVICES%%,*}" --set target.tapped_layers='[1,3,5,7,8]' --set store.hidden_dtype=bfloat16 --set data.max_samples=12 \
   --set packing.seq_len=384 --set packing.overlong=truncate --set run.progress=false > "$OUT/dev-extract.log" 2>&1
 dflash evaluate-offline --drafter "$WORK/train/export" --store "$WORK/dev-store" \
   --device cuda:0 --json-out "$OUT/offline-dev.json" | grep -E '"eval_tau"'

@@ -10,7 +10,9 @@ OUT=${OUT:-runs/ab}; WORK=${WORK:-/tmp/ab}; CFG=configs/pystd.yaml; M=.carry/pys
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 DEADLINE=${DEADLINE:-$(( $(date +%s) + 3600 ))}
-x() { dflash extract --config "$CFG" --model $M --set run.progress=false "$@"; }
+x() {  # bf16 features: as these rows were measured (the default became fp8 since)
+  dflash extract --config "$CFG" --model $M --set run.progress=false --set store.hidden_dtype=bfloat16 "$@"
+}
 x --data .carry/gen --out "$WORK/store-a" --devices 0 > "$OUT/extract-a.log" 2>&1 &
 x --data .carry/gen-text --out "$WORK/store-b" --devices 1 > "$OUT/extract-b.log" 2>&1 &
 wait

@@ -14,13 +14,13 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARA
 t0=$(date +%s)
 if [ ! -f "$WORK/store/zarr.json" ] || ! dflash inspect "$WORK/store" --json >/dev/null 2>&1; then
   dflash extract --model .carry/pystd-28m --data .carry/train.jsonl.gz --out "$WORK/store" \
-    --devices 0,1 --set target.tapped_layers='[1,3,5,7,8]' --set run.progress=false \
+    --devices 0,1 --set target.tapped_layers='[1,3,5,7,8]' --set store.hidden_dtype=bfloat16 --set run.progress=false \
     --set store.sequences_per_shard=32 --set data.num_proc=8 > "$OUT/extract.log" 2>&1 || {
     tail -20 "$OUT/extract.log"; exit 1; }
 fi
 if [ ! -f "$WORK/dev-store/zarr.json" ]; then  # the 12 online prompts' documents, 384 tokens
   dflash extract --model .carry/pystd-28m --data .carry/dev.jsonl.gz --out "$WORK/dev-store" \
-    --devices 0 --set target.tapped_layers='[1,3,5,7,8]' --set data.max_samples=12 \
+    --devices 0 --set target.tapped_layers='[1,3,5,7,8]' --set store.hidden_dtype=bfloat16 --set data.max_samples=12 \
     --set packing.seq_len=384 --set packing.overlong=truncate --set run.progress=false \
     > "$OUT/dev-extract.log" 2>&1 || { tail -20 "$OUT/dev-extract.log"; exit 1; }
 fi

@@ -19,7 +19,8 @@ option() {  # $1 = name, the rest: extract --set arguments
   dflash extract --model "$MODEL" --data "$DATA" --out "$WORK/$name" --devices "$DEVICES" \
     --overwrite --set data.max_samples="$ROWS" --set target.dtype=float32 \
     --set target.tapped_layers="$LAYERS" --set run.writer_processes=0 --set run.progress=false \
-    --set store.sequences_per_shard=16 "$@" > "$WORK/$name.log" 2>&1 || { tail -3 "$WORK/$name.log"; return; }
+    --set store.sequences_per_shard=16 --set store.hidden_dtype=bfloat16 "$@" \
+    > "$WORK/$name.log" 2>&1 || { tail -3 "$WORK/$name.log"; return; }
   dflash inspect "$WORK/$name" --json | python3 -c "
 import json, sys
 s = json.load(sys.stdin)
