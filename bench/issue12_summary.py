@@ -30,6 +30,8 @@ def parts_lines(parts: list[dict]) -> list[str]:
 
 def attention_lines(sweep: list[dict], yard: list[dict]) -> list[str]:
     lines = ["## Attention at the seed shape (fwd+bwd ms, triton do_bench medians)"]
+    if not sweep and not any("fwdbwd_ms" in y for y in yard):
+        return [*lines, "not run in this call"]
     interval = next((y for y in yard if y.get("v") == "interval_mod bs128"), None)
     variants = [r for r in sweep if r.get("what") == "sweep_variant"]
     base = next((r for r in variants if r.get("name") == "project_region"), None)
