@@ -115,12 +115,12 @@ variant() {  # $1 = name, $2 = GPU, the rest: train --set arguments
     python3 - "$OUT" "$name" <<'EOF'
 import json, sys
 out, name = sys.argv[1], sys.argv[2]
-online = json.load(open(f"{out}/{name}-acceptance.json"))
 def read(path):
     try:
         return json.load(open(path))
     except (OSError, ValueError):
         return {}
+online = read(f"{out}/{name}-acceptance.json")  # {} when evaluate failed (its log says why)
 offline = read(f"{out}/{name}-offline-dev.json")
 offline_all = read(f"{out}/{name}-offline-dev-all.json")
 try:
@@ -129,11 +129,13 @@ try:
 except (OSError, ValueError, KeyError):
     best = best_step = None  # the best export is the final one (or none)
 print(json.dumps({"variant": name, "dflash_tau": online.get("dflash", {}).get("tau"),
-                  "prompt_lookup_tau": online["prompt_lookup"]["tau"],
+                  "prompt_lookup_tau": online.get("prompt_lookup", {}).get("tau"),
                   "chained_dev_tau": offline.get("chained_tau"),
                   "random_anchor_dev_tau": offline.get("eval_tau"),
                   "chained_dev_all_tau": offline_all.get("chained_tau"),
                   "dev_all_responses": offline_all.get("chained_responses"),
+                  # prompt lookup on the same 41 responses, from the stored text alone
+                  "prompt_lookup_dev_all_tau": offline_all.get("prompt_lookup_chained_tau"),
                   "best_export_tau": best, "best_export_step": best_step}))
 EOF
   fi

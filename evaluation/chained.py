@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from common.store import StoreInfo, open_store
+from evaluation.acceptance import prompt_lookup_draft
 from evaluation.heldout import block_acceptance
 from stage2_train.anchors import block_labels, next_token_source
 from stage2_train.data import Batch, StoreSequences
@@ -121,6 +122,37 @@ def chained_acceptance(
     return list(zip(gained_R.tolist(), steps_R.tolist(), strict=True))
 
 
+def prompt_lookup_chains(
+    items: list[dict[str, torch.Tensor]], num_draft: int
+) -> list[tuple[int, int]]:
+    """(tokens gained, steps) of prompt lookup on every response of `items`, followed as
+    `dflash evaluate` follows it online: the draft at anchor p copies from its document's
+    tokens up to p, and a drafted token is accepted while it equals the stored argmax of the
+    position before it (on the target's own greedy text: the token the target writes there).
+    No model runs: prompt lookup's figure on the same responses as `chained_acceptance`."""
+    seq = concat_sequences(items)
+    tokens, docs = seq["tokens"].long().tolist(), seq["document_ids"].tolist()
+    argmax = seq["target_argmax"].long().tolist()
+    chains = []
+    for start, end in response_runs(seq["loss_mask"], seq["document_ids"]).tolist():
+        doc_start = docs.index(docs[start])  # documents are contiguous within a sequence
+        p, last, gained, steps = start, end - 1, 0, 0
+        while p < last:
+            draft = prompt_lookup_draft(tokens[doc_start : p + 1], num_draft)
+            accepted = 0
+            # slot k (position p + k) is accepted while inside the response and equal to
+            # the target's prediction of that position (its argmax at p + k - 1)
+            while accepted < len(draft) and p + accepted + 1 < end:
+                if draft[accepted] != argmax[p + accepted]:
+                    break
+                accepted += 1
+            gained += min(accepted + 1, last - p)
+            steps += 1
+            p += accepted + 1
+        chains.append((gained, steps))
+    return chains
+
+
 def summarize_chains(chains: list[tuple[int, int]]) -> dict[str, Any]:
     """tau per response averaged over responses (as online averages prompts), and pooled."""
     if not chains:
@@ -146,9 +178,11 @@ def chained_tau_on_store(
     backend: str,
     chunk_tokens: int,
     device: torch.device,
+    prompt_lookup: bool = False,
 ) -> dict[str, Any]:
     """`summarize_chains` over the responses of a store's first `max_sequences` sequences
-    (all by default), `batch_sequences` at a time."""
+    (all by default), `batch_sequences` at a time; with `prompt_lookup`, prompt lookup's
+    figures on the same responses too (`prompt_lookup_chained_tau`, ...)."""
     count = int(info.attrs["counts"]["sequences"])
     count = count if max_sequences is None else min(count, max_sequences)
     rows = StoreSequences(
@@ -163,8 +197,11 @@ def chained_tau_on_store(
     was_training = model.training
     model.eval()
     chains: list[tuple[int, int]] = []
+    lookup_chains: list[tuple[int, int]] = []
     for lo in range(0, count, batch_sequences):
         items = [rows.read_row(i) for i in range(lo, min(lo + batch_sequences, count))]
+        if prompt_lookup:
+            lookup_chains += prompt_lookup_chains(items, block_size - 1)
         chains += chained_acceptance(
             model,
             head,
@@ -176,7 +213,8 @@ def chained_tau_on_store(
             device=device,
         )
     model.train(was_training)
-    return summarize_chains(chains)
+    lookup = summarize_chains(lookup_chains).items() if prompt_lookup else ()
+    return {**summarize_chains(chains), **{f"prompt_lookup_{k}": v for k, v in lookup}}
 
 
 def open_dev_store(path: str, train_info: StoreInfo) -> StoreInfo:

@@ -8,7 +8,9 @@ seed stream, labels = the stored target argmax), so the result is deterministic.
 
 Beside it, `chained_tau` follows the online chain of anchors over each response
 (`evaluation/chained.py`): on a store of the target's own greedy continuation of the online
-prompts (`dflash generate`, then `dflash extract`), it is the online tau computed offline.
+prompts (`dflash generate`, then `dflash extract`), it is the online tau computed offline;
+`prompt_lookup_chained_tau` is prompt lookup's on the same responses (no model needed), so a
+dev store of any size gives both sides of `dflash evaluate`'s comparison.
 """
 
 from __future__ import annotations
@@ -110,6 +112,7 @@ def run_offline_eval(cfg: OfflineEvalConfig) -> dict[str, Any]:
         backend="flex" if device.type == "cuda" else "sdpa",
         chunk_tokens=cfg.chunk_tokens,
         device=device,
+        prompt_lookup=True,
     )
     return {
         "store": cfg.store,

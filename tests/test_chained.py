@@ -13,7 +13,7 @@ from store_factory import FactorySpec, target_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.config import build_config
-from evaluation.acceptance import CachedTarget, speculative_generate
+from evaluation.acceptance import CachedTarget, prompt_lookup_draft, speculative_generate
 from evaluation.chained import response_runs
 from evaluation.dflash_draft import dflash_draft_fn
 from evaluation.offline import OfflineEvalConfig, run_offline_eval
@@ -62,6 +62,7 @@ def test_chained_offline_tau_equals_online(tiny_qwen3: Path, tmp_path: Path) -> 
 
     store, run = tmp_path / "store", tmp_path / "run"
     sets = [f"target.model={tiny_qwen3}", f"data.path={data}", f"store.out={store}"]
+    sets += ["store.hidden_dtype=bfloat16"]  # the online side below rounds features to bf16
     run_extract(build_config(ExtractConfig, DEBUG, "extract", [*sets, "run.progress=false"]))
     train_sets = [f"data.store={store}", f"run.out={run}", "optim.max_steps=30"]
     train_sets += ["data.holdout_sequences=0", "run.progress=false", f"data.dev_store={store}"]
@@ -98,6 +99,24 @@ def test_chained_offline_tau_equals_online(tiny_qwen3: Path, tmp_path: Path) -> 
     assert sorted(offline["chained_tau_per_response"]) == pytest.approx(sorted(taus), abs=1e-3)
     assert max(taus) > 2  # the drafter accepts something: the chain is really exercised
     assert offline["chained_tau"] == pytest.approx(sum(taus) / len(taus), abs=1e-3)
+
+    # prompt lookup offline (no model: the stored text and argmax) = prompt lookup online
+    num_draft = drafter.shape.block_size - 1
+    lookup_taus = []
+    for prompt, completion in zip(prompts, completions, strict=True):
+        generated, gains, _ = speculative_generate(
+            CachedTarget(target, None),
+            prompt,
+            lambda tokens, _f: prompt_lookup_draft(tokens, num_draft),
+            len(completion),
+        )
+        assert generated == completion
+        lookup_taus.append(sum(gains) / len(gains))
+    assert offline["prompt_lookup_chained_responses"] == len(rows)
+    assert sorted(offline["prompt_lookup_chained_tau_per_response"]) == pytest.approx(
+        sorted(lookup_taus), abs=1e-3
+    )
+    assert max(lookup_taus) > 1  # some drafted token is accepted: the chain is exercised
 
 
 def test_served_copy_rounds_like_the_export() -> None:
