@@ -49,7 +49,9 @@ class AcceptanceResult:
     accepted_histogram: list[int] = field(default_factory=list)
     seconds: float = 0.0
     stopped_at_eos: int = 0  # prompts whose reply ended at a stop token before the budget
-    ended_at_prefill: int = 0  # of those, replies that were the stop token alone (not in tau)
+    # of those, the prompts (indices) whose reply was the stop token alone: not in
+    # tau_per_prompt, which then lists the other prompts in order
+    ended_at_prefill: list[int] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
@@ -217,22 +219,23 @@ def measure_acceptance(
     """tau and acceptance by draft position over `prompts`; `make_draft` gives a fresh
     draft function per prompt (a drafter may cache its context), `num_draft` its block.
     With `stop_ids`, a prompt whose first token (the prefill's) is one of them verified no
-    draft: it is left out of tau and counted in `ended_at_prefill`."""
+    draft: it is left out of tau and listed in `ended_at_prefill`."""
     import time
 
     taus: list[float] = []
     histogram = [0] * (num_draft + 1)
-    forwards = new = ended_at_prefill = stopped = 0
+    forwards = new = stopped = 0
+    ended_at_prefill: list[int] = []
     start = time.perf_counter()
     with tqdm(total=len(prompts) * num_new, desc=desc, unit="tok", dynamic_ncols=True) as bar:
-        for prompt in prompts:
+        for index, prompt in enumerate(prompts):
             generated, gains, accepted_counts = speculative_generate(
                 target, prompt, make_draft(), num_new, bar, stop_ids
             )
             bar.update(num_new - len(generated))  # what a stopped reply left of its budget
             stopped += generated[-1] in stop_ids
             if not gains:  # the target ended at once: there was nothing to draft
-                ended_at_prefill += 1
+                ended_at_prefill.append(index)
                 continue
             taus.append(sum(gains) / len(gains))
             forwards += len(gains)

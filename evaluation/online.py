@@ -182,9 +182,8 @@ def _evaluate(
         )
     if lookup.ended_at_prefill:
         log.info(
-            "%d of %d prompts left out of tau: the target's reply was its end of sequence alone",
+            "prompts %s left out of tau: the target's reply was its end of sequence alone",
             lookup.ended_at_prefill,
-            len(prompts),
         )
     results["prompt_lookup"] = lookup.to_json()
     log.info(
