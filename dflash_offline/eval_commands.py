@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,18 @@ import click
 from common.errors import cli_errors
 from common.logging import init_logger
 from dflash_offline.options import echo_json
+
+
+def _json_object(value: str) -> dict[str, Any]:
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as err:
+        raise click.BadParameter(
+            f"not JSON ({err}): pass an object such as '{{\"k\": 1}}'"
+        ) from err
+    if not isinstance(parsed, dict):
+        raise click.BadParameter(f"{value!r} is not a JSON object: pass one such as '{{}}'")
+    return parsed
 
 
 @click.command()
@@ -35,6 +48,13 @@ from dflash_offline.options import echo_json
     "does; a reply that is the end alone verifies no draft and is left out of tau. "
     "--no-stop-at-eos decodes --new-tokens past it (the shared harness's definition; this "
     "project's pystd figures)",
+)
+@click.option(
+    "--chat-template-kwargs",
+    default="{}",
+    callback=lambda _ctx, _param, value: _json_object(value),
+    help="JSON object passed to the chat template, e.g. '{\"enable_thinking\": false}' for "
+    "Qwen3: as `dflash generate` wrote the training replies (data.chat_template_kwargs)",
 )
 @click.option("--json-out", default=None, help="also write the figures to this JSON file")
 @click.option(

@@ -9,7 +9,7 @@ and the histogram of accepted tokens per forward; `plot` also draws them (evalua
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +43,9 @@ class EvaluateConfig:
     # end a reply at the target's end of sequence (for chat: its end of turn), as a server
     # does; False decodes new_tokens past it (the shared harness's definition)
     stop_at_eos: bool = True
+    # passed to the chat template (prompts and its end of turn), e.g. {"enable_thinking": False}
+    # for Qwen3: as `dflash generate` wrote the training replies
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
         problems = [
@@ -54,13 +57,17 @@ class EvaluateConfig:
             raise ValueError("invalid evaluate settings: " + "; ".join(problems))
 
 
-def _chat_prompt(tokenizer, messages: list[dict], limit: int) -> list[int]:
+def _chat_prompt(
+    tokenizer, messages: list[dict], limit: int, template_kwargs: dict[str, Any]
+) -> list[int]:
     """The conversation up to its last assistant turn, through the chat template with the
     generation prompt: what a server sees before the model answers. Truncated from the left so
     the generation prompt stays."""
     last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
     history = messages[:last] if last is not None else messages
-    rendered = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+    rendered = tokenizer.apply_chat_template(
+        history, add_generation_prompt=True, tokenize=False, **template_kwargs
+    )
     ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
     return ids[-limit:]
 
@@ -83,7 +90,9 @@ def load_prompts(cfg: EvaluateConfig, tokenizer) -> list[list[int]]:
         prompts = []
         for i, messages in enumerate(rows["messages"]):
             try:
-                prompts.append(_chat_prompt(tokenizer, messages, cfg.prompt_tokens))
+                prompts.append(
+                    _chat_prompt(tokenizer, messages, cfg.prompt_tokens, cfg.chat_template_kwargs)
+                )
             except Exception as err:  # the template's raise_exception, or a Jinja error
                 raise ValueError(
                     f"--data {path} row {i}: the chat template failed ({err}); fix or remove "
@@ -107,17 +116,16 @@ def load_prompts(cfg: EvaluateConfig, tokenizer) -> list[list[int]]:
     return prompts
 
 
-def stop_token_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
-    """The ids that end a reply: the generation config's eos_token_id (one id or a list: for
-    chat targets such as Qwen3 it holds the end of turn) and the tokenizer's eos token."""
-    ids: set[int] = set()
-    config = getattr(model, "generation_config", None)
-    for source in (getattr(config, "eos_token_id", None), tokenizer.eos_token_id):
-        if isinstance(source, int):
-            ids.add(source)
-        elif source is not None:
-            ids.update(int(i) for i in source)
-    return frozenset(ids)
+def reply_stop_ids(model: torch.nn.Module, tokenizer: Any, template_kwargs: dict) -> frozenset[int]:
+    """The ids that end a reply, as `dflash generate` stops: the tokenizer's and the generation
+    config's end of sequence, and the chat template's end-of-turn token."""
+    from stage1_generate.rows import stop_token_ids
+
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    try:
+        return frozenset(stop_token_ids(tokenizer, eos, template_kwargs))
+    except ValueError as err:
+        raise ValueError(f"{err}; or pass --no-stop-at-eos") from err
 
 
 def run_evaluate(cfg: EvaluateConfig) -> dict:
@@ -154,7 +162,11 @@ def _evaluate(
     log = get_logger()
     prompts = load_prompts(cfg, tokenizer)
     num_draft = (drafter.shape.block_size if drafter else DEFAULT_BLOCK_SIZE) - 1
-    stop_ids = stop_token_ids(model, tokenizer) if cfg.stop_at_eos else frozenset()
+    stop_ids = (
+        reply_stop_ids(model, tokenizer, cfg.chat_template_kwargs)
+        if cfg.stop_at_eos
+        else frozenset()
+    )
     results: dict = {
         "num_prompts": len(prompts),
         "new_tokens": cfg.new_tokens,

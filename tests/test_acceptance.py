@@ -186,17 +186,34 @@ def test_reply_ends_at_a_stop_token(target: torch.nn.Module) -> None:
     assert measured.stopped_at_eos >= 1
 
 
-def test_stop_ids_from_generation_config_and_tokenizer(tiny_qwen3: Path) -> None:
+def test_stop_ids_and_template_kwargs(tiny_qwen3: Path, tmp_path: Path) -> None:
+    """A reply ends where `dflash generate` ends one (the generation config's and tokenizer's
+    end of sequence, the template's end of turn); template kwargs reach the prompts."""
+    import json
+
     from transformers import AutoTokenizer
 
-    from evaluation.online import stop_token_ids
+    from evaluation.online import EvaluateConfig, load_prompts, reply_stop_ids
 
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen3)
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
-    model.generation_config.eos_token_id = [7, 11]  # a chat target's list: end of turn, of text
-    assert stop_token_ids(model, tokenizer) == {7, 11, tokenizer.eos_token_id}
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model.generation_config.eos_token_id = [7, 11]  # a chat target's list
+    assert reply_stop_ids(model, tokenizer, {}) == {7, 11, tokenizer.eos_token_id, end_of_turn}
     model.generation_config.eos_token_id = None
-    assert stop_token_ids(model, tokenizer) == {tokenizer.eos_token_id}
+    assert end_of_turn in reply_stop_ids(model, tokenizer, {})
+
+    tokenizer.chat_template = (
+        "{% if enable_thinking is defined and not enable_thinking %}NOTHINK{% endif %}"
+        + tokenizer.chat_template
+    )
+    chat = tmp_path / "chat.jsonl"
+    turns = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
+    chat.write_text(json.dumps({"messages": turns}) + "\n")
+    cfg = EvaluateConfig(str(tiny_qwen3), str(chat))
+    assert "NOTHINK" not in tokenizer.decode(load_prompts(cfg, tokenizer)[0])
+    cfg.chat_template_kwargs = {"enable_thinking": False}
+    assert tokenizer.decode(load_prompts(cfg, tokenizer)[0]).startswith("NOTHINK")
 
 
 def test_every_reply_ending_at_once_is_a_clear_error(tiny_qwen3: Path, tmp_path: Path) -> None:
@@ -286,6 +303,10 @@ def test_evaluate_command_reports_both_methods(tiny_qwen3: Path, tmp_path: Path)
     )
     assert past_end.exit_code == 0, past_end.output
     assert json.loads(past_end.stdout)["stop_at_eos"] is False
+    bad = CliRunner().invoke(
+        main, ["evaluate", "--target", "t", "--data", "d", "--chat-template-kwargs", "[1]"]
+    )
+    assert bad.exit_code == 2 and "is not a JSON object" in bad.output
     for method in ("prompt_lookup", "dflash"):
         result = figures[method]
         assert len(result["tau_per_prompt"]) == 2
