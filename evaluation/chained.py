@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from common.store import StoreInfo, open_store
-from evaluation.acceptance import prompt_lookup_draft
 from evaluation.heldout import block_acceptance
 from stage2_train.anchors import block_labels, next_token_source
 from stage2_train.data import Batch, StoreSequences
@@ -130,6 +129,10 @@ def prompt_lookup_chains(
     tokens up to p, and a drafted token is accepted while it equals the stored argmax of the
     position before it (on the target's own greedy text: the token the target writes there).
     No model runs: prompt lookup's figure on the same responses as `chained_acceptance`."""
+    # here, not at the top: evaluation.acceptance imports transformers, which training (this
+    # module serves its dev evaluation) otherwise never loads
+    from evaluation.acceptance import prompt_lookup_draft
+
     seq = concat_sequences(items)
     tokens, docs = seq["tokens"].long().tolist(), seq["document_ids"].tolist()
     argmax = seq["target_argmax"].long().tolist()
