@@ -133,7 +133,9 @@ def prompt_lookup_chains(
     # module serves its dev evaluation) otherwise never loads
     from evaluation.acceptance import prompt_lookup_draft
 
-    seq = concat_sequences(items)
+    # the token arrays only: the hidden states (most of each row) play no part here
+    text = ("tokens", "document_ids", "loss_mask", "target_argmax")
+    seq = concat_sequences([{name: item[name] for name in text} for item in items])
     tokens, docs = seq["tokens"].long().tolist(), seq["document_ids"].tolist()
     argmax = seq["target_argmax"].long().tolist()
     chains = []
