@@ -3,8 +3,10 @@
 
 Each variant (bench/flex_variants.py: BlockMask tile sizes, ``kernel_options``, compile mode)
 is flex_attention compiled as its own region, like `stage2_train.attention.block_attention`.
-The baseline is the project's own region at 128x128 tiles (`project_region`), then anchor
-orderings under that same compiled region (a new mask is new tensors: no recompile), then one
+The baseline is the project's own region on the project's tiles (`project_region`:
+masks.TILE, 64x64 with stage2_train/flex_tiles.py's kernel tiles, since the fourteenth session;
+`default` is the 128x128 region it replaced), then anchor orderings under that same compiled
+region (a new mask is new tensors: no recompile), then one
 compile per variant.
 
 Every variant's output and input gradients are compared with an fp32 SDPA reference on the
@@ -33,8 +35,9 @@ from flex_variants import COMBO, Variant, combo_variant, forced_bwd_config, regi
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
+from stage2_train import flex_tiles
 from stage2_train.attention import block_attention
-from stage2_train.masks import anchor_block_mask
+from stage2_train.masks import TILE, anchor_block_mask
 
 
 @contextlib.contextmanager
@@ -78,11 +81,13 @@ class Sweep:
         self.ref = reference(problem, backward)
 
     def block_mask(self, tile: tuple[int, int]) -> BlockMask:
-        """128x128: the project's direct builder; other tiles: create_block_mask (eager)."""
+        """Square tiles: the project's direct builder; others: create_block_mask (eager)."""
         if tile not in self.masks:
             p = self.p
-            if tile == (128, 128):
-                mask = anchor_block_mask(p.ctx_lo_A, p.ctx_hi_A, p.context_len, p.block_size)
+            if tile[0] == tile[1]:
+                mask = anchor_block_mask(
+                    p.ctx_lo_A, p.ctx_hi_A, p.context_len, p.block_size, tile=tile[0]
+                )
             else:
                 q_len, kv_len = p.q.size(2), p.k.size(2)
                 mask = create_block_mask(
@@ -153,12 +158,12 @@ class Sweep:
         return record
 
     def run_baseline(self) -> None:
-        """The project's compiled region (block_attention) on the project's 128x128 BlockMask."""
+        """The project's compiled region (block_attention) on the project's BlockMask."""
         record: dict[str, Any] = {"what": "sweep_variant", "name": "project_region"}
         record["idea"] = "stage2_train.attention.block_attention, anchors sorted (the baseline)"
-        record["tile"] = [128, 128]
+        record["tile"] = [TILE, TILE]
         try:
-            mask = self.block_mask((128, 128))
+            mask = self.block_mask((TILE, TILE))
             record["sparsity_pct"] = round(mask.sparsity(), 1)
             record.update(self._measure(block_attention, (self.p.q, self.p.k, self.p.v), mask))
             record["status"] = "ok"
@@ -188,7 +193,7 @@ class Sweep:
         }
         for name, perm_A in orders.items():
             record: dict[str, Any] = {"what": "sweep_variant", "name": name, "idea": ideas[name]}
-            record["tile"] = [128, 128]
+            record["tile"] = [TILE, TILE]
             try:
                 q, k, v = permute_blocks(p, perm_A)
                 mask = anchor_block_mask(p.ctx_lo_A[perm_A], p.ctx_hi_A[perm_A], p.context_len, B)
@@ -225,6 +230,7 @@ class Sweep:
         torch._dynamo.reset()  # a fresh cache: each variant compiles its own graph
         try:
             with (
+                flex_tiles.inductor_defaults(),  # each variant its own tiles, not the project's
                 forced_bwd_config(variant.bwd if self.backward else None),
                 time_limit(self.variant_timeout_s),
             ):

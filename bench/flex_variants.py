@@ -106,7 +106,11 @@ VARIANTS = [
     ),
     Variant("bwd_64x64", "backward kernel tiles 64/64/64/64, 4 warps", bwd=(64, 64, 64, 64, 3, 4)),
     Variant(COMBO, "fastest valid tile/config variant + every flag that beat the baseline"),
-    Variant("default", "the sweep's own region without options (must match project_region)"),
+    Variant(
+        "default",
+        "128x128 tiles, inductor's own kernel tiles: the project's region until the fourteenth "
+        "session (project_region before)",
+    ),
     Variant("fwd_128x128", "forward kernel tiles 128x128, 2 stages, 8 warps", fwd=(128, 128, 2, 8)),
     Variant(
         "bwd_32x128", "backward kernel tiles 32/128/128/32, 4 warps", bwd=(32, 128, 128, 32, 3, 4)

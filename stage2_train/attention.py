@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
 
+from stage2_train import flex_tiles
 from stage2_train.masks import (
     TILE,
     MaskTables,
@@ -69,6 +70,8 @@ def block_attention(
     contiguous because the static graph guards on strides: a caller passing transposed views
     one time and contiguous tensors another would otherwise recompile.
     """
+    if q_1HQE.is_cuda and block_mask.BLOCK_SIZE[0] < 128:
+        flex_tiles.install()  # inductor's default kernel tiles do not divide 64-token tiles
     q_1HQE, k_1GKE, v_1GKE = q_1HQE.contiguous(), k_1GKE.contiguous(), v_1GKE.contiguous()
     return _compiled_flex_region(q_1HQE, k_1GKE, v_1GKE, block_mask)
 

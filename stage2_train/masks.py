@@ -9,10 +9,11 @@ document. Padding blocks (anchor -1) see only their own block, so no row is empt
 
 The mask is written in interval form (per-block ``[lo, hi)`` gathered by the query block
 only): the fastest form measured in notes/performance.md. The BlockMask's tile tables are
-built straight from those intervals at 128x128 tile granularity, never through the dense token
-grid, as plain tensors (`MaskTables`, `anchor_mask_tables`): in training the loader's workers
-build them on CPU (stage2_train/data.py collate: O(A + QT * KT), a few ms of one core at 8 x
-3,072 tokens and 4,096 blocks of 16), and `block_mask_from_tables` assembles the BlockMask on
+built straight from those intervals in tiles of TILE x TILE tokens (64: stage2_train/flex_tiles.py
+says why), never through the dense token grid, as plain tensors (`MaskTables`,
+`anchor_mask_tables`): in training the loader's workers build them on CPU (stage2_train/data.py
+collate: O(A + QT * KT), ~50 ms of one slow core at 8 x 3,072 tokens and 4,096 blocks of 16;
+17 ms at 128-token tiles), and `block_mask_from_tables` assembles the BlockMask on
 the device without launching a kernel.
 
 Legend: S context (= packed sequence) tokens, A anchors/blocks, B block size, Q = A*B query
@@ -21,6 +22,7 @@ tokens, KV = S + Q key tokens, QT/KT query/key tiles of ``TILE`` tokens.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -28,7 +30,17 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-TILE = 128  # the only BlockMask tile size that lowered on the H200 (notes/performance.md)
+
+def _tile_from_env() -> int:
+    """BlockMask tile size: 64 tokens (1.43x faster attention with stage2_train/flex_tiles.py's
+    kernel tiles, H200), or DFLASH_FLEX_TILE=128 for a torch those hooks do not fit."""
+    value = os.environ.get("DFLASH_FLEX_TILE", "64")
+    if value not in ("64", "128"):
+        raise ValueError(f"DFLASH_FLEX_TILE must be 64 or 128, got {value!r}")
+    return int(value)
+
+
+TILE = _tile_from_env()  # the loader's workers inherit the environment, so they agree
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
@@ -81,14 +93,15 @@ def _ordered(flags_QK: Tensor) -> tuple[Tensor, Tensor]:
     create_block_mask's stable argsort gives, here by ranks and one scatter (no sort).
     """
     flags_QK = flags_QK.contiguous()  # the q-side lists come from a transposed view
-    seen_QK = flags_QK.cumsum(-1)  # set tiles at or before each column
+    # int32 throughout: a quarter of the tables' bytes at 64-token tiles go through these ops
+    seen_QK = flags_QK.cumsum(-1, dtype=torch.int32)  # set tiles at or before each column
     num_Q = seen_QK[:, -1]
-    cols_K = torch.arange(flags_QK.size(1), device=flags_QK.device)
+    cols_K = torch.arange(flags_QK.size(1), dtype=torch.int32, device=flags_QK.device)
     # set tile: its rank among set tiles; other tile: num + its rank among the others
     slot_QK = torch.where(flags_QK, seen_QK - 1, num_Q[:, None] + cols_K - seen_QK)
     idx_QK = torch.empty(flags_QK.shape, dtype=torch.int32, device=flags_QK.device)
-    idx_QK.scatter_(-1, slot_QK, cols_K.to(torch.int32).expand_as(idx_QK))
-    return num_Q.to(torch.int32)[None, None], idx_QK[None, None]
+    idx_QK.scatter_(-1, slot_QK.long(), cols_K.expand_as(idx_QK))
+    return num_Q[None, None], idx_QK[None, None]
 
 
 class MaskTables(NamedTuple):
@@ -113,7 +126,7 @@ class MaskTables(NamedTuple):
 
 
 def anchor_mask_tables(
-    ctx_lo_A: Tensor, ctx_hi_A: Tensor, context_len: int, block_size: int
+    ctx_lo_A: Tensor, ctx_hi_A: Tensor, context_len: int, block_size: int, tile: int = TILE
 ) -> MaskTables:
     """The tile tables of the anchor-block mask, built from the intervals on their device.
 
@@ -125,24 +138,24 @@ def anchor_mask_tables(
     of the run's context intervals, or of its own-slot intervals, contains it: a row's two
     intervals never meet (hi = anchor < S <= own_lo, token S-1 seen by none), so one of them
     alone must cover the tile. Tiles are classified exactly like create_block_mask (partial
-    = some but not all allowed; full = all 128x128 allowed, padding rows and keys count as
+    = some but not all allowed; full = all TILE x TILE allowed, padding rows and keys count as
     masked), so the tables equal create_block_mask's for the same mask_mod.
     """
     device = ctx_lo_A.device
     num_blocks = ctx_lo_A.numel()
     q_len = num_blocks * block_size
     kv_len = context_len + q_len
-    n_q_tiles = -(-q_len // TILE)
-    n_kv_tiles = -(-kv_len // TILE)
-    kv_tile_lo_K = torch.arange(n_kv_tiles, device=device) * TILE
-    kv_tile_hi_K = kv_tile_lo_K + TILE
+    n_q_tiles = -(-q_len // tile)
+    n_kv_tiles = -(-kv_len // tile)
+    kv_tile_lo_K = torch.arange(n_kv_tiles, device=device) * tile
+    kv_tile_hi_K = kv_tile_lo_K + tile
 
-    # Query tiles of each block's rows: one when B divides TILE, else up to `span` (clamped
+    # Query tiles of each block's rows: one when B divides tile, else up to `span` (clamped
     # repeats are harmless below: max, min and "touched" are idempotent).
-    span = 1 if TILE % block_size == 0 else (block_size - 1) // TILE + 2
+    span = 1 if tile % block_size == 0 else (block_size - 1) // tile + 2
     block_A = torch.arange(num_blocks, device=device)
-    first_A = block_A * block_size // TILE
-    last_A = ((block_A + 1) * block_size - 1) // TILE
+    first_A = block_A * block_size // tile
+    last_A = ((block_A + 1) * block_size - 1) // tile
     tile_N = torch.minimum(
         first_A[:, None] + torch.arange(span, device=device), last_A[:, None]
     ).flatten()
@@ -152,8 +165,8 @@ def anchor_mask_tables(
     # Context, touched: +1 at the first key tile of each nonempty interval, -1 past its last.
     diff_QK = torch.zeros(n_q_tiles, n_kv_tiles + 1, dtype=torch.int32, device=device)
     one_N = (hi_N > lo_N).to(torch.int32)
-    diff_QK.index_put_((tile_N, lo_N // TILE), one_N, accumulate=True)
-    diff_QK.index_put_((tile_N, (hi_N - 1) // TILE + 1), -one_N, accumulate=True)
+    diff_QK.index_put_((tile_N, lo_N // tile), one_N, accumulate=True)
+    diff_QK.index_put_((tile_N, (hi_N - 1) // tile + 1), -one_N, accumulate=True)
     touch_QK = diff_QK.cumsum(-1)[:, :n_kv_tiles] > 0
     # Context, covered by every row: the intersection [max lo, min hi) of the tile's blocks.
     # (Every query tile holds some block, so include_self=False never keeps the zeros.)
@@ -164,9 +177,9 @@ def anchor_mask_tables(
 
     # Own slots: tile i holds blocks a0..a1, whose slots are [S + a0*B, S + (a1+1)*B) together
     # and [S + a1*B, S + (a0+1)*B) in common (empty unless a0 == a1).
-    q_tile_lo_Q = torch.arange(n_q_tiles, device=device) * TILE
+    q_tile_lo_Q = torch.arange(n_q_tiles, device=device) * tile
     a0_Q = q_tile_lo_Q // block_size
-    a1_Q = (torch.clamp(q_tile_lo_Q + TILE, max=q_len) - 1) // block_size
+    a1_Q = (torch.clamp(q_tile_lo_Q + tile, max=q_len) - 1) // block_size
     union_lo_Q = context_len + a0_Q * block_size
     union_hi_Q = context_len + (a1_Q + 1) * block_size
     touch_QK |= (union_lo_Q[:, None] < kv_tile_hi_K) & (union_hi_Q[:, None] > kv_tile_lo_K)
@@ -174,7 +187,7 @@ def anchor_mask_tables(
     meet_hi_Q = context_len + (a0_Q + 1) * block_size
     cover_QK |= (meet_lo_Q[:, None] <= kv_tile_lo_K) & (meet_hi_Q[:, None] >= kv_tile_hi_K)
 
-    complete_Q = (q_tile_lo_Q + TILE) <= q_len  # padded rows are masked: never a full tile
+    complete_Q = (q_tile_lo_Q + tile) <= q_len  # padded rows are masked: never a full tile
     full_QK = touch_QK & cover_QK & complete_Q[:, None]
     partial_QK = touch_QK & ~full_QK
     return MaskTables(
@@ -187,7 +200,9 @@ def anchor_mask_tables(
     )
 
 
-def block_mask_from_tables(tables: MaskTables, context_len: int, block_size: int) -> BlockMask:
+def block_mask_from_tables(
+    tables: MaskTables, context_len: int, block_size: int, tile: int = TILE
+) -> BlockMask:
     """BlockMask (B=1, H=None) of the anchor-block mask from tables already on its device.
 
     No tensor op runs: the tables are taken as they are (from_kv_blocks would transpose the
@@ -204,14 +219,14 @@ def block_mask_from_tables(tables: MaskTables, context_len: int, block_size: int
         q_indices=tables.q_indices,
         full_q_num_blocks=tables.full_q_num_blocks,
         full_q_indices=tables.full_q_indices,
-        BLOCK_SIZE=(TILE, TILE),
+        BLOCK_SIZE=(tile, tile),
         mask_mod=anchor_block_mask_mod(tables.ctx_lo_A, tables.ctx_hi_A, context_len, block_size),
     )
 
 
 def anchor_block_mask(
-    ctx_lo_A: Tensor, ctx_hi_A: Tensor, context_len: int, block_size: int
+    ctx_lo_A: Tensor, ctx_hi_A: Tensor, context_len: int, block_size: int, tile: int = TILE
 ) -> BlockMask:
     """BlockMask of the anchor-block mask, tables built on the intervals' device."""
-    tables = anchor_mask_tables(ctx_lo_A, ctx_hi_A, context_len, block_size)
-    return block_mask_from_tables(tables, context_len, block_size)
+    tables = anchor_mask_tables(ctx_lo_A, ctx_hi_A, context_len, block_size, tile)
+    return block_mask_from_tables(tables, context_len, block_size, tile)

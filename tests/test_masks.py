@@ -121,34 +121,46 @@ def _tile_flags(bm, n_q_tiles: int, n_kv_tiles: int) -> tuple[torch.Tensor, torc
     return out[0], out[1]
 
 
+def test_default_tile_is_64_and_env_can_choose_128(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stage2_train import masks
+
+    assert TILE == 64  # what flex_tiles' kernel tiles are measured for
+    monkeypatch.setenv("DFLASH_FLEX_TILE", "128")
+    assert masks._tile_from_env() == 128
+    monkeypatch.setenv("DFLASH_FLEX_TILE", "96")
+    with pytest.raises(ValueError, match="DFLASH_FLEX_TILE must be 64 or 128"):
+        masks._tile_from_env()
+
+
+@pytest.mark.parametrize("tile", [64, 128])
 @pytest.mark.parametrize("case", CASES)
-def test_direct_block_mask_equals_create_block_mask(case: str) -> None:
+def test_direct_block_mask_equals_create_block_mask(case: str, tile: int) -> None:
     doc_ids, anchors, bsz = CASES[case]
     lo_A, hi_A, n_ctx = _make(doc_ids, anchors, bsz)
     n_q = len(anchors) * bsz
     n_kv = n_ctx + n_q
-    direct = anchor_block_mask(lo_A, hi_A, n_ctx, bsz)
+    direct = anchor_block_mask(lo_A, hi_A, n_ctx, bsz, tile)
     ref = create_block_mask(
-        anchor_block_mask_mod(lo_A, hi_A, n_ctx, bsz), 1, None, n_q, n_kv, "cpu"
+        anchor_block_mask_mod(lo_A, hi_A, n_ctx, bsz), 1, None, n_q, n_kv, "cpu", BLOCK_SIZE=tile
     )
     assert direct.kv_num_blocks.shape[:2] == (1, 1), "BlockMask must be built with H=None, B=1"
-    assert direct.shape == ref.shape and direct.BLOCK_SIZE == ref.BLOCK_SIZE == (TILE, TILE)
-    qt, kt = -(-n_q // TILE), -(-n_kv // TILE)
+    assert direct.shape == ref.shape and direct.BLOCK_SIZE == ref.BLOCK_SIZE == (tile, tile)
+    qt, kt = -(-n_q // tile), -(-n_kv // tile)
     d_part, d_full = _tile_flags(direct, qt, kt)
     r_part, r_full = _tile_flags(ref, qt, kt)
     assert torch.equal(d_part, r_part) and torch.equal(d_full, r_full)
     assert torch.equal(direct.kv_num_blocks, ref.kv_num_blocks)
     assert torch.equal(direct.full_kv_num_blocks, ref.full_kv_num_blocks)
 
-    _assert_kernel_sees(direct, dense_mask(anchors, doc_ids, bsz))
+    _assert_kernel_sees(direct, dense_mask(anchors, doc_ids, bsz), tile)
 
 
-def _assert_kernel_sees(bm: BlockMask, dense_QK: torch.Tensor) -> None:
+def _assert_kernel_sees(bm: BlockMask, dense_QK: torch.Tensor, tile: int = TILE) -> None:
     """What a kernel would compute, full tiles all True and partial tiles through the
     mask_mod, is exactly the dense mask."""
     n_q, n_kv = dense_QK.shape
-    part, full = _tile_flags(bm, -(-n_q // TILE), -(-n_kv // TILE))
-    tile_q, tile_kv = torch.arange(n_q) // TILE, torch.arange(n_kv) // TILE
+    part, full = _tile_flags(bm, -(-n_q // tile), -(-n_kv // tile))
+    tile_q, tile_kv = torch.arange(n_q) // tile, torch.arange(n_kv) // tile
     full_tok = full[tile_q][:, tile_kv]
     part_tok = part[tile_q][:, tile_kv]
     assert torch.equal(full_tok | (part_tok & dense_QK), dense_QK), "a tile missing or not full"
@@ -156,13 +168,19 @@ def _assert_kernel_sees(bm: BlockMask, dense_QK: torch.Tensor) -> None:
 
 
 def test_full_tiles_exist_on_long_context() -> None:
-    # 16 anchors deep in one 600-token document: context tiles 0..2 are full for all queries.
+    # 16 anchors deep in one 600-token document: at 128-token tiles, context tiles 0..2 are
+    # full for all queries.
     doc_ids = packed([600], 0)
     anchors = list(range(500, 516))
     lo_A, hi_A, n_ctx = _make(doc_ids, anchors, 16)
-    bm = anchor_block_mask(lo_A, hi_A, n_ctx, 16)
+    bm = anchor_block_mask(lo_A, hi_A, n_ctx, 16, tile=128)
     assert bm.full_kv_num_blocks[0, 0].tolist() == [3, 3]
     assert bm.full_kv_indices[0, 0, 0, :3].tolist() == [0, 1, 2]
+    # 64-token tiles: context tiles 0..6 ([0, 448) < 500) are full for all four query tiles,
+    # tile 7 ([448, 512)) too for the last, whose anchors are 512..515
+    bm = anchor_block_mask(lo_A, hi_A, n_ctx, 16, tile=64)
+    assert bm.full_kv_num_blocks[0, 0].tolist() == [7, 7, 7, 8]
+    assert bm.full_kv_indices[0, 0, 0, :7].tolist() == list(range(7))
 
 
 def _items(seed: int, block_size: int, seq_len: int = 400, num_anchors: int = 8) -> list[dict]:
@@ -213,7 +231,7 @@ def test_collate_tables_equal_device_built_and_create_block_mask(bsz: int, seed:
     assert isinstance(tables, MaskTables)
     assert torch.equal(tables.ctx_lo_A, lo_A) and torch.equal(tables.ctx_hi_A, hi_A)
     mask_mod = anchor_block_mask_mod(lo_A, hi_A, n_ctx, bsz)
-    ref = create_block_mask(mask_mod, 1, None, n_q, n_ctx + n_q, "cpu")
+    ref = create_block_mask(mask_mod, 1, None, n_q, n_ctx + n_q, "cpu", BLOCK_SIZE=TILE)
     built_here = BlockAttention(anchors_A, docs_T, bsz, backend="flex").block_mask
     assert built_here is not None
     for name in TABLES:
