@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# What a device call carries for the pystd benches, built here (run from the project root):
+# .whl (zarr, datasets and their pure-Python needs; torchao for run.fp8_linear), .carry (the
+# pystd-28m target as one gzip tar, the pystd train/dev data) and .bench (the shared yardsticks).
+# The model travels packed: unpacked it pushed the working tree past the device's 64 MiB limit
+# (44 MB packed vs 56 MB). Each device command unpacks it first:
+#   tar xzf .carry/pystd-28m.tgz -C .carry || exit 1;
+# after the install line ../shared/tools/device-wheels.sh prints. Carry [".whl", ".carry", ".bench"].
+set -euo pipefail
+SHARED=${SHARED:-../shared}
+# zarr 3 checksums through google_crc32c; numcodecs' crc32c fallback is not needed
+../shared/tools/device-wheels.sh torchao==0.18.0 > /dev/null
+rm -f .whl/crc32c-*.whl
+mkdir -p .carry .bench
+chmod -R u+w .carry
+rm -rf .carry/pystd-28m
+tar czf .carry/pystd-28m.tgz -C "$SHARED/models" pystd-28m
+cp "$SHARED"/data/pystd/*.jsonl.gz .carry/
+cp "$SHARED"/bench/*.py .bench/
+du -sh .whl .carry .bench
