@@ -225,10 +225,11 @@ class TrainRunConfig:
     )
     read_metrics_late: bool = doc(
         True,
-        "one-GPU runs: queue step s+1 before reading step s's metrics back, so the host's "
-        "work between steps (the next batch, logging) overlaps the GPU's; metrics.jsonl and "
-        "the log get each step's line one step later (at once at evaluations, checkpoints and "
-        "the end); several GPUs read at once (their per-step collectives wait anyway)",
+        "queue step s+1 before reading step s's metrics back, so the host's work between "
+        "steps (the next batch, logging) overlaps the GPU's; metrics.jsonl and the log get "
+        "each step's line one step later (at once at evaluations, checkpoints and the end); "
+        "with several GPUs the ranks' stop agreement is read late too (a stop request takes "
+        "effect one step later)",
     )
     log_every: int = doc(10, "steps between log lines")
     eval_every: int = doc(500, "steps between held-out evaluations (0 = only at the end)")

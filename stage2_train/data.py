@@ -35,7 +35,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import zarr
 
 from common.logging import get_logger
@@ -347,16 +346,6 @@ class DamageGuard:
             for line in batch.damaged:
                 get_logger().warning("skipped a damaged sequence: %s", line)
             yield batch
-
-
-def count_damaged(batches: list[Batch], device: torch.device) -> int:
-    """Damaged sequences skipped in `batches`, summed over every rank (all ranks call this)."""
-    count = sum(len(b.damaged) for b in batches)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        total = torch.tensor([count], device=device)
-        dist.all_reduce(total)
-        count = int(total.item())
-    return count
 
 
 def init_loader_worker(worker_id: int) -> None:

@@ -10,7 +10,8 @@ since the last checkpoint.
 
 With several ranks the signal may reach them at different steps (the launcher forwards it), so
 each step the ranks agree on whether to stop (one all-reduce of one number): all of them stop
-after the same step and the checkpoint is whole.
+after the same step and the checkpoint is whole. With run.read_metrics_late that agreement is
+read a step later, like the metrics, and the run stops one step after the request.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from common.errors import Stopped
+from stage2_train.host_copy import HostCopy
 
 TIME_LIMIT_EXIT = 124
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -42,6 +44,7 @@ class StopRequests:
         self.started = time.monotonic()
         self.signal: int | None = None
         self._previous: dict[int, Any] = {}
+        self._agreed: HostCopy | None = None  # due(late=True): the last call's agreement
 
     def __enter__(self) -> StopRequests:
         # signal handlers can only be set from the main thread (a worker thread runs unguarded)
@@ -75,15 +78,21 @@ class StopRequests:
             return TIME_LIMIT_EXIT
         return 0
 
-    def due(self) -> int:
+    def due(self, late: bool = False) -> int:
         """0 to go on, else the exit code to stop with; every rank calls it after every step
-        and all of them get the same answer."""
+        and all of them get the same answer. With several ranks the answer is a collective;
+        `late` takes the one agreed at the previous call (0 at the first) and leaves this
+        call's to the next, so the host need not wait for this step's kernels to learn it:
+        the run stops one step later, still all ranks after the same step."""
         code = self._local_code()
-        if self.world_size > 1 and dist.is_initialized():
-            agreed = torch.tensor([code], device=self.device)
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-            code = int(agreed.item())
-        return code
+        if self.world_size == 1 or not dist.is_initialized():
+            return code
+        agreed = torch.full((1,), code, dtype=torch.int32, device=self.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        if not late:
+            return int(agreed.item())
+        previous, self._agreed = self._agreed, HostCopy(agreed)
+        return int(previous.read().item()) if previous is not None else 0
 
 
 def stopped(code: int, step: int, total_steps: int, checkpoint: str | None) -> Stopped:

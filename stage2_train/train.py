@@ -39,7 +39,7 @@ from stage2_train.anchors import training_slot_weights
 from stage2_train.best import BEST_DIR, best_so_far, record_best
 from stage2_train.checkpoint import TrainState, save_checkpoint, step_dir
 from stage2_train.config import TrainConfig, with_compile_defaults
-from stage2_train.data import StoreSequences, count_damaged, make_loader
+from stage2_train.data import StoreSequences, make_loader
 from stage2_train.export import export_drafter, mask_token_string, served_copy
 from stage2_train.follow import (
     FollowHoldout,
@@ -322,10 +322,10 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
     if isinstance(plan, FollowPlan) and ctx.world_size == 1:
         plan.watch.interrupt = stop.due  # stop while caught up with extraction, too
 
-    # run.read_metrics_late: a step's metrics are read back once the next step is queued (one
-    # GPU; the line is written then). `unread`: that step's pending metrics, the loop's own
-    # fields and its start time
-    late = cfg.run.read_metrics_late and ctx.world_size == 1
+    # run.read_metrics_late: a step's metrics are read back once the next step is queued (the
+    # line is written then; with several ranks the stop agreement too). `unread`: that step's
+    # pending metrics, the loop's own fields and its start time
+    late = cfg.run.read_metrics_late
     unread: tuple[PendingStep, dict[str, Any], float] | None = None
 
     def finish(
@@ -333,8 +333,10 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
     ) -> dict[str, Any]:
         """The step's record: its metrics read back, the loop's fields, and its wall time from
         its start to `ended` (the next step's start, for a line read late; else now)."""
+        nonlocal skipped_damaged
         record = pending.read()
         state.tokens_seen += record.pop("labelled_tokens")
+        skipped_damaged += record.get("skipped_damaged", 0)
         record.update(fields, mem_gb=memory_gb(device))
         # a step read late ends where the next began: counting to its read would count the
         # next step's loader wait and queueing twice (each step_s ~2x in the thirteenth session)
@@ -396,9 +398,6 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
             fetch = functools.partial(prefetcher.fetch, batches) if more else None
             pending = runner.queue(micro, fetch)
             fields: dict[str, Any] = {"data_s": data_s}
-            if skipped := count_damaged(micro, device):
-                fields["skipped_damaged"] = skipped
-                skipped_damaged += skipped
             state.step += 1
             state.step_in_epoch += 1
             if streaming:
@@ -411,7 +410,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
             due = (cfg.run.eval_every and state.step % cfg.run.eval_every == 0) or last
             every = cfg.run.checkpoint_every
             save = (every and state.step % every == 0) or last
-            code = 0 if last else stop.due()  # a signal or the time limit (stop.py)
+            code = 0 if last else stop.due(late)  # a signal or the time limit (stop.py)
             if late and not (due or save or code or streaming):
                 unread = (pending, fields, started)
                 continue

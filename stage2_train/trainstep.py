@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from stage2_train.config import TrainConfig
 from stage2_train.data import Batch
+from stage2_train.host_copy import HostCopy
 from stage2_train.loss import chunked_block_loss
 from stage2_train.schedule import build_optimizer, build_scheduler
 from stage2_train.step import FrozenHead, forward_batch
@@ -149,6 +150,9 @@ class StepRunner:
             while_running()
             fetch_s = round(time.perf_counter() - fetch_started, 4)
 
+        # damaged sequences (data.on_damaged=skip) ride along: summed over ranks, read late
+        damaged = sum(len(b.damaged) for b in micro_batches)
+        sums = torch.cat([sums, torch.full((1,), damaged, dtype=sums.dtype, device=self.device)])
         packed = _all_reduce(torch.cat([sums, correct_B, total_B]))
         packed = torch.cat([packed, grad_norm.detach().double().reshape(1)])
         if self.world == 1:  # the loader's own (host) indices: nothing to wait for
@@ -173,7 +177,7 @@ class StepRunner:
 
 
 class PendingStep:
-    """A queued step's metrics: `packed` (ce, kl, weight, labelled, correct_B, total_B,
+    """A queued step's metrics: `packed` (ce, kl, weight, labelled, damaged, correct_B, total_B,
     grad_norm) and the sequence indices start their copy to host memory behind the step's
     kernels; `read()` waits for that copy only, not for work queued after it."""
 
@@ -189,38 +193,28 @@ class PendingStep:
     ) -> None:
         self.host, self.world = host, world
         self.block_size, self.distill_weight = block_size, distill_weight
-        self.copied: torch.cuda.Event | None = None
-        if packed.device.type == "cuda":
-            self.packed = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            self.packed.copy_(packed, non_blocking=True)
-            if indices.device.type == "cuda":
-                pinned = torch.empty(indices.shape, dtype=indices.dtype, pin_memory=True)
-                indices = pinned.copy_(indices, non_blocking=True)
-            self.copied = torch.cuda.Event()
-            self.copied.record()
-        else:
-            self.packed = packed
-        self.indices = indices
+        # the indices copy is queued second, so its event covers both
+        self.packed, self.indices = HostCopy(packed), HostCopy(indices)
 
     def read(self) -> dict[str, Any]:
         """The step's metrics (waits until the step's own kernels and copies are done)."""
-        if self.copied is not None:
-            self.copied.synchronize()
+        seqs = self.indices.read().reshape(self.world, -1).tolist()
         B = self.block_size
-        values = self.packed.tolist()
-        ce, kl, weight, labelled = values[:4]
-        correct_B, total_B = values[4 : 4 + B], values[4 + B : 4 + 2 * B]
+        values = self.packed.read().tolist()
+        ce, kl, weight, labelled, damaged = values[:5]
+        correct_B, total_B = values[5 : 5 + B], values[5 + B : 5 + 2 * B]
         acc_B = [c / max(n, 1) for c, n in zip(correct_B, total_B, strict=True)][1:]
-        seqs = self.indices.reshape(self.world, -1).tolist()
         weight = max(weight, 1e-12)
         return {
             "loss": (ce + self.distill_weight * kl) / weight,
             "ce": ce / weight,
             **({"distill": kl / weight} if self.distill_weight > 0 else {}),
             "acc": [round(a, 4) for a in acc_B],
-            "grad_norm": values[4 + 2 * B],
+            "grad_norm": values[5 + 2 * B],
             "labelled_tokens": int(labelled),
             "seqs": seqs,
+            # data.on_damaged=skip: sequences read as blank items this step, on every rank
+            **({"skipped_damaged": int(damaged)} if damaged else {}),
             **self.host,  # lr, tokens, queue_s (and fetch_s)
         }
 

@@ -89,12 +89,18 @@ def test_time_limit_stops_after_a_step_with_its_checkpoint_then_resumes(
     assert (out / "export" / "model.safetensors").is_file()
 
 
-def test_two_ranks_stop_after_the_same_step(store: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("late", [True, False])
+def test_two_ranks_stop_after_the_same_step(store: Path, tmp_path: Path, late: bool) -> None:
+    """Read late (the default), the ranks' stop agreement after step 1 is read after step 2
+    was queued: they stop after step 2, together."""
     out = tmp_path / "run"
-    result = train(store, out, "run.time_limit_s=0.001", devices="cpu,cpu")
+    sets = ["run.time_limit_s=0.001", f"run.read_metrics_late={str(late).lower()}"]
+    result = train(store, out, *sets, devices="cpu,cpu")
     assert result.exit_code == 124, result.output
-    assert "stopped after step 1 of " in stopped_line(result.output)
-    meta = json.loads((out / "step-000001" / "meta.json").read_text())
+    stop_step = 2 if late else 1
+    assert f"stopped after step {stop_step} of " in stopped_line(result.output)
+    assert [r["step"] for r in metrics(out)] == list(range(1, stop_step + 1))
+    meta = json.loads((out / f"step-{stop_step:06d}" / "meta.json").read_text())
     prints = meta["replica_fingerprints"]  # (two figures per rank): one set of weights
     assert len(prints) == 4 and prints[:2] == prints[2:]
     result = train(store, out, devices="cpu,cpu")

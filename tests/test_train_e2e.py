@@ -179,6 +179,32 @@ def test_two_gloo_processes_disjoint_data_identical_weights(store: Path, tmp_pat
     assert "eval_tau" in rows[-1] and (out / "export" / "config.json").is_file()
 
 
+def test_two_ranks_read_late_write_what_reading_at_once_writes(store: Path, tmp_path: Path) -> None:
+    """With several ranks run.read_metrics_late reads the metrics (and the stop agreement) a
+    step later; the lines and the checkpoints are those of reading at once."""
+    sets = ["optim.max_steps=5", "run.eval_every=2", "run.checkpoint_every=2", "run.log_every=1"]
+    sets += ["run.progress=false", "data.holdout_sequences=2"]
+    rows = {}
+    for late in (True, False):
+        out = tmp_path / f"late-{late}"
+        args = ["train", "--config", str(DEBUG), "--store", str(store), "--out", str(out)]
+        args += ["--devices", "cpu,cpu"]
+        for s in [*sets, f"run.read_metrics_late={str(late).lower()}"]:
+            args += ["--set", s]
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 0, result.output
+        rows[late] = [{k: v for k, v in r.items() if k not in TIMING} for r in read_metrics(out)]
+    assert [r["step"] for r in rows[True]] == list(range(1, 6))
+    assert rows[True] == rows[False]
+    for step in ("step-000004", "step-000005"):  # the newest two are kept
+        metas = [
+            json.loads((tmp_path / f"late-{late}" / step / "meta.json").read_text())
+            for late in (True, False)
+        ]
+        assert metas[0]["train_state"] == metas[1]["train_state"]
+        assert metas[0]["replica_fingerprints"] == metas[1]["replica_fingerprints"]
+
+
 def test_train_from_a_real_extracted_store(tiny_qwen3: Path, tmp_path: Path) -> None:
     from common.tiny import EXAMPLE_DATA
     from stage1_extract.config import ExtractConfig
