@@ -197,3 +197,41 @@ def shard_pieces(plan: PackingPlan, shard_index: int, sequences_per_shard: int) 
         plan.sequence, [shard_index * sequences_per_shard, (shard_index + 1) * sequences_per_shard]
     )
     return np.arange(lo, hi, dtype=np.int64)
+
+
+def padding_share(plan: PackingPlan) -> float:
+    """Share of the plan's stored positions that are padding."""
+    slots = plan.num_sequences * plan.seq_len
+    return 1.0 - float(plan.length.sum()) / slots if slots else 0.0
+
+
+def padding_hint(
+    lengths: np.ndarray, plan: PackingPlan, overlong: str, strategy: str
+) -> str | None:
+    """A line for the user when packing wastes more than 5% of the store to padding because
+    most documents share one length that `seq_len` is not a multiple of (what `dflash generate`
+    writes: every text row is prompt_tokens + new_tokens long), naming the nearby seq_len that
+    pads least; None when there is nothing to gain."""
+    share = padding_share(plan)
+    if share <= 0.05 or len(plan.length) == 0:
+        return None
+    values, counts = np.unique(plan.length, return_counts=True)
+    common, count = int(values[counts.argmax()]), int(counts.max())
+    if count < len(plan.length) / 2 or common >= plan.seq_len:
+        return None
+    fits = plan.seq_len // common
+    options = {k * common for k in (fits, fits + 1)}
+    padded = {
+        seq_len: padding_share(plan_packing(lengths, seq_len, overlong, strategy))
+        for seq_len in sorted(options)
+    }
+    best = min(padded, key=lambda seq_len: (padded[seq_len], abs(seq_len - plan.seq_len)))
+    if padded[best] > share / 2:
+        return None
+    return (
+        f"{share:.1%} of the stored positions would be padding (disk written and GPU time "
+        f"spent for nothing in extract and train): {count / len(plan.length):.0%} of the "
+        f"documents are {common} tokens and a {plan.seq_len}-token sequence holds {fits} of "
+        f"them. --set packing.seq_len={best} would pad {padded[best]:.1%} "
+        f"({best // common} per sequence)"
+    )

@@ -40,6 +40,7 @@ from common.store import HEAD_FILE, committed_shards
 from stage1_extract.config import ExtractConfig
 from stage1_extract.host_buffers import BufferShape, ShardBuffers, available_memory_bytes
 from stage1_extract.job import ExtractJob, fill_shard, plan_job, tapped_target
+from stage1_extract.packing import padding_hint
 from stage1_extract.shard_writer import ShardWriter
 from stage1_extract.store_root import finalize_store, prepare_store, writer_lock
 from stage1_extract.target import load_target, save_target_head
@@ -166,6 +167,7 @@ def _worker(cfg: ExtractConfig, devices: list[str], error_dir: str | None, ready
             job = plan_job(cfg)
         elif ctx.is_main:  # rank 0 first: it fills the datasets cache the others then reuse
             job = plan_job(cfg)
+            _warn_padding(job)
             check_host_memory(job, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
             lock.enter_context(writer_lock(job.store))
             prepare_store(job.store, job.attrs, cfg.store.overwrite)
@@ -185,6 +187,13 @@ def _worker(cfg: ExtractConfig, devices: list[str], error_dir: str | None, ready
     finally:
         lock.close()
         finish_worker()
+
+
+def _warn_padding(job: ExtractJob) -> None:
+    """Say so before any GPU work when a seq_len near packing.seq_len would pad far less."""
+    packing = job.cfg.packing
+    if hint := padding_hint(job.lengths, job.plan, packing.overlong, packing.strategy):
+        get_logger().warning(hint)
 
 
 def _finalize(job: ExtractJob) -> None:
@@ -216,6 +225,7 @@ def run_extract(cfg: ExtractConfig) -> None:
         return
     # several local processes: validate and prepare here, so user errors stay ValueErrors
     job = plan_job(cfg)
+    _warn_padding(job)
     check_host_memory(job, procs)
     # this process holds the writer lock for its ranks, which never take it
     with writer_lock(job.store):

@@ -538,3 +538,17 @@ def test_chunks_over_blosc_limit_stay_zstd() -> None:
 
     assert names(1024) == ["BloscCodec", "Crc32cCodec"]
     assert names(8192) == ["ZstdCodec"]
+
+
+def test_padding_of_one_length_documents_is_named_before_extraction(
+    tiny_qwen3: Path, tmp_path: Path
+) -> None:
+    """Text rows of one length (what `dflash generate` writes) that seq_len is no multiple of:
+    extract says how much would be padding and which seq_len packs them tight."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text((json.dumps({"text": "one two three four five six seven eight"}) + "\n") * 12)
+    result = cli_extract(tiny_qwen3, data, tmp_path / "store", "packing.seq_len=64")
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.output.splitlines() if "would be padding" in line]
+    assert len(lines) == 1 and "100% of the documents are" in lines[0], result.output
+    assert "--set packing.seq_len=" in lines[0] and "would pad 0.0%" in lines[0]

@@ -8,7 +8,13 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from stage1_extract.packing import num_shards, plan_packing, shard_pieces
+from stage1_extract.packing import (
+    num_shards,
+    padding_hint,
+    padding_share,
+    plan_packing,
+    shard_pieces,
+)
 
 
 def reference_pack(lengths: list[int], seq_len: int, overlong: str) -> list[list[tuple]]:
@@ -162,3 +168,23 @@ def test_many_documents_every_token_once_with_little_padding():
     assert (plan.start + plan.length <= 3072).all()
     padding = plan.num_sequences * 3072 / lengths.sum() - 1
     assert padding < 0.02, padding
+
+
+def test_padding_hint_names_the_seq_len_that_fills_sequences() -> None:
+    """`dflash generate`'s text rows all have one length: 640-token documents fill a 3,072-token
+    sequence with 4 and 512 tokens of padding each (the pystd recipe's store: 16% padding)."""
+    lengths = np.full(1000, 640)
+    plan = plan_packing(lengths, 3072, "split")
+    assert padding_share(plan) == pytest.approx(1 - 4 * 640 / 3072)
+    hint = padding_hint(lengths, plan, "split", "best_fit")
+    assert hint is not None and "100% of the documents are 640 tokens" in hint
+    assert "holds 4 of them" in hint and "--set packing.seq_len=3200 would pad 0.0%" in hint
+    # the hint's seq_len does what it says
+    assert padding_share(plan_packing(lengths, 3200, "split")) == 0.0
+
+
+def test_no_padding_hint_without_a_gain() -> None:
+    mixed = np.random.default_rng(0).integers(200, 4000, 2000)  # best-fit packs these well
+    assert padding_hint(mixed, plan_packing(mixed, 3072, "split"), "split", "best_fit") is None
+    low = np.full(100, 1000)  # 3 x 1,000 in 3,072: 2.3% padding, under the 5% worth a line
+    assert padding_hint(low, plan_packing(low, 3072, "split"), "split", "best_fit") is None
