@@ -53,3 +53,15 @@ def test_train_profile_timings_only(tmp_path: Path) -> None:
 
 def test_issue12_call_script_parses() -> None:
     assert subprocess.run(["bash", "-n", str(ROOT / "bench" / "issue12_call.sh")]).returncode == 0
+
+
+def test_flex_gate_runs_its_forward_checks_on_the_cpu() -> None:
+    """bench/flex_gate.py, which decides a GPU run's mask tiles, works end to end (on the CPU:
+    the forward checks only, against fp32 SDPA on the dense mask)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, str(ROOT / "bench" / "flex_gate.py"), "--device", "cpu"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    record = json.loads(done.stdout.strip().splitlines()[-1])
+    assert record["ok"] and record["tile"] == 64
+    assert record["bf16_err"]["out"] < 1e-2 and record["fp32_err"]["out"] < 1e-4
