@@ -3,7 +3,7 @@
 # .whl (zarr, datasets and their pure-Python needs; torchao for run.fp8_linear), .carry (the
 # pystd-28m target as one gzip tar, the pystd train/dev data) and .bench (the shared yardsticks).
 # The model travels packed: unpacked it pushed the working tree past the device's 64 MiB limit
-# (44 MB packed vs 56 MB). Each device command unpacks it first:
+# (44 MB packed vs 56 MB). bench/recipe_pystd.sh unpacks it; other scripts need it unpacked first:
 #   tar xzf .carry/pystd-28m.tgz -C .carry || exit 1;
 # after the install line ../shared/tools/device-wheels.sh prints. Carry [".whl", ".carry", ".bench"].
 set -euo pipefail
