@@ -53,7 +53,10 @@ def _flex_region(q_1HQE: Tensor, k_1GKE: Tensor, v_1GKE: Tensor, block_mask: Blo
     # Constant-folded to False while Dynamo traces; True only if the frame runs in Python.
     if not torch.compiler.is_compiling():
         raise RuntimeError(_UNFUSED)
-    return flex_attention(q_1HQE, k_1GKE, v_1GKE, block_mask=block_mask, enable_gqa=True)
+    options = flex_tiles.forward_options(q_1HQE, block_mask.BLOCK_SIZE)  # static while tracing
+    return flex_attention(
+        q_1HQE, k_1GKE, v_1GKE, block_mask=block_mask, enable_gqa=True, kernel_options=options
+    )
 
 
 _compiled_flex_region = torch.compile(_flex_region, dynamic=False, fullgraph=True)

@@ -67,6 +67,27 @@ def fitted_configs(
     return fitted
 
 
+def forward_options(q: torch.Tensor, mask_tile: tuple[int, int]) -> dict[str, Any] | None:
+    """The measured forward tiles as flex kernel_options for query `q` under a BlockMask of
+    `mask_tile` tokens, where they apply (`options_for`), else None. `install` offers the same
+    tiles; passing them also puts them in the compiled graph (and inductor's cache key), as the
+    sweep that measured them did."""
+    return options_for(q.device.type, q.dtype, q.size(-1), tuple(mask_tile))
+
+
+def options_for(
+    device_type: str, dtype: torch.dtype, head_dim: int, mask_tile: tuple[int, ...]
+) -> dict[str, Any] | None:
+    """kernel_options of the measured forward tiles: CUDA, bf16/fp16, head dim <= 128, 64-token
+    mask tiles; None elsewhere (inductor's own choices, capped by `install` on CUDA)."""
+    if device_type != "cuda" or torch.version.hip or dtype not in _HALF or head_dim > 128:
+        return None
+    if mask_tile != (64, 64):
+        return None
+    keys = ("BLOCK_M", "BLOCK_N", "num_stages", "num_warps")
+    return {f"fwd_{key}": value for key, value in zip(keys, FWD_TILES, strict=True)}
+
+
 def install() -> None:
     """Make inductor offer flex kernels tiles that fit 64-token mask tiles (idempotent)."""
     if _originals:

@@ -77,3 +77,15 @@ def test_install_is_idempotent_and_suspendable() -> None:
         for name, method in before.items():
             setattr(InductorChoices, name, method)
         flex_tiles._originals.clear()
+
+
+def test_forward_options_only_where_measured() -> None:
+    q = torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16)
+    assert flex_tiles.forward_options(q, (64, 64)) is None  # the CPU: inductor's own choices
+    measured = {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_stages": 3, "fwd_num_warps": 4}
+    assert flex_tiles.options_for("cuda", torch.bfloat16, 64, (64, 64)) == measured
+    assert flex_tiles.options_for("cuda", torch.float16, 128, (64, 64)) == measured
+    assert flex_tiles.options_for("cuda", torch.float32, 64, (64, 64)) is None  # evaluations
+    assert flex_tiles.options_for("cuda", torch.bfloat16, 256, (64, 64)) is None
+    assert flex_tiles.options_for("cuda", torch.bfloat16, 64, (128, 128)) is None  # env 128
+    assert flex_tiles.options_for("cpu", torch.bfloat16, 64, (64, 64)) is None
