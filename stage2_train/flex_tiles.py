@@ -50,15 +50,25 @@ def _capped(config: Any) -> Any:
     return dataclasses.replace(config, **tiles)
 
 
+def _nvidia(device_type: str | None) -> bool:
+    """A CUDA kernel on NVIDIA (inductor's choices default device_type None to CUDA)."""
+    return device_type in (None, "cuda") and not torch.version.hip
+
+
+def _measured_applies(device_type: str | None, dtype: torch.dtype, head_dim: int) -> bool:
+    """Where the measured tiles were measured: NVIDIA CUDA, bf16/fp16, head dim <= 128."""
+    return _nvidia(device_type) and dtype in _HALF and head_dim <= 128
+
+
 def fitted_configs(
     configs: list[Any], measured: Any, head_dim: int, dtype: torch.dtype, device_type: str | None
 ) -> list[Any]:
     """The candidates to offer inductor for one flex kernel: `measured` alone where it was
     measured (CUDA, bf16/fp16, head dim <= 128), else `configs` capped at MAX_TILE (deduplicated,
     order kept); CPU and ROCm keep `configs`."""
-    if device_type not in (None, "cuda") or torch.version.hip:
+    if not _nvidia(device_type):
         return configs
-    if dtype in _HALF and head_dim <= 128:
+    if _measured_applies(device_type, dtype, head_dim):
         return [measured]
     fitted: list[Any] = []
     for config in map(_capped, configs):
@@ -80,9 +90,7 @@ def options_for(
 ) -> dict[str, Any] | None:
     """kernel_options of the measured forward tiles: CUDA, bf16/fp16, head dim <= 128, 64-token
     mask tiles; None elsewhere (inductor's own choices, capped by `install` on CUDA)."""
-    if device_type != "cuda" or torch.version.hip or dtype not in _HALF or head_dim > 128:
-        return None
-    if mask_tile != (64, 64):
+    if not _measured_applies(device_type, dtype, head_dim) or mask_tile != (64, 64):
         return None
     keys = ("BLOCK_M", "BLOCK_N", "num_stages", "num_warps")
     return {f"fwd_{key}": value for key, value in zip(keys, FWD_TILES, strict=True)}

@@ -152,8 +152,8 @@ class StepRunner:
 
         # damaged sequences (data.on_damaged=skip) ride along: summed over ranks, read late
         damaged = sum(len(b.damaged) for b in micro_batches)
-        sums = torch.cat([sums, torch.full((1,), damaged, dtype=sums.dtype, device=self.device)])
-        packed = _all_reduce(torch.cat([sums, correct_B, total_B]))
+        damaged_1 = torch.full((1,), damaged, dtype=sums.dtype, device=self.device)
+        packed = _all_reduce(torch.cat([sums, damaged_1, correct_B, total_B]))
         packed = torch.cat([packed, grad_norm.detach().double().reshape(1)])
         if self.world == 1:  # the loader's own (host) indices: nothing to wait for
             indices = torch.cat([b.indices.reshape(-1) for b in micro_batches]).long()
@@ -193,7 +193,6 @@ class PendingStep:
     ) -> None:
         self.host, self.world = host, world
         self.block_size, self.distill_weight = block_size, distill_weight
-        # the indices copy is queued second, so its event covers both
         self.packed, self.indices = HostCopy(packed), HostCopy(indices)
 
     def read(self) -> dict[str, Any]:
