@@ -122,7 +122,8 @@ class BlockAttention:
             ctx_lo_A, ctx_hi_A = context_intervals(anchors_A, document_ids_S)
         else:  # the same anchors' tables: their tile grid fits these shapes
             grid = (-(-self.num_queries // TILE), -(-kv_len // TILE))
-            assert tuple(tables.kv_indices.shape[-2:]) == grid, (tables.kv_indices.shape, grid)
+            rows, width = tables.kv_indices.shape[-2:]  # narrow tables: width <= key tiles
+            assert rows == grid[0] and width <= grid[1], (tables.kv_indices.shape, grid)
             ctx_lo_A, ctx_hi_A = tables.ctx_lo_A, tables.ctx_hi_A
         self.ctx_lo_A, self.ctx_hi_A = ctx_lo_A, ctx_hi_A
         self.mask_mod = anchor_block_mask_mod(ctx_lo_A, ctx_hi_A, self.context_len, block_size)

@@ -56,7 +56,8 @@ from stage2_train.anchors import (
     pad_anchors,
     sample_anchors,
 )
-from stage2_train.masks import MaskTables, anchor_mask_tables, context_intervals
+from stage2_train.mask_widths import narrow_widths
+from stage2_train.masks import NARROW, TILE, MaskTables, anchor_mask_tables, context_intervals
 from stage2_train.plan import ItemKey
 from stage2_train.stop import ignore_stop_signals
 
@@ -268,11 +269,12 @@ class StoreSequences(torch.utils.data.Dataset):
         return item
 
 
-def collate(items: list[dict[str, Any]], mask_tables: bool = True) -> Batch:
+def collate(items: list[dict[str, Any]], mask_tables: bool = True, narrow: bool = NARROW) -> Batch:
     """Lay the sequences end to end; shift anchors, make document ids batch-unique, and move
     every padding anchor (-1) behind the real ones, as the attention mask expects; then build
     that mask's tile tables (on CPU, in the loader's worker) unless `mask_tables` is False
-    (the dense SDPA path reads no tables: it builds its mask from the anchors)."""
+    (the dense SDPA path reads no tables: it builds its mask from the anchors), cut to the
+    static `narrow_widths` of this layout when `narrow` (DFLASH_NARROW_MASK=1)."""
     S = items[0]["tokens_S"].shape[0]
     doc_parts, anchor_parts, next_doc = [], [], 0
     for i, item in enumerate(items):
@@ -293,7 +295,12 @@ def collate(items: list[dict[str, Any]], mask_tables: bool = True) -> Batch:
     tables = None
     if mask_tables:
         ctx_lo_A, ctx_hi_A = context_intervals(anchors_A, document_ids_T)
-        tables = anchor_mask_tables(ctx_lo_A, ctx_hi_A, document_ids_T.numel(), block_size)
+        widths = None
+        if narrow:  # the bound relies on the layout made above: sequences side by side
+            widths = narrow_widths(len(items), S, items[0]["anchors_A"].numel(), block_size, TILE)
+        tables = anchor_mask_tables(
+            ctx_lo_A, ctx_hi_A, document_ids_T.numel(), block_size, widths=widths
+        )
 
     def blocks(name: str) -> torch.Tensor:
         return torch.cat([item[name] for item in items])[order_A]

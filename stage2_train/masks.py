@@ -16,6 +16,13 @@ collate: O(A + QT * KT), ~50 ms of one slow core at 8 x 3,072 tokens and 4,096 b
 17 ms at 128-token tiles), and `block_mask_from_tables` assembles the BlockMask on
 the device without launching a kernel.
 
+Narrow tables (``DFLASH_NARROW_MASK=1``, off until bench/flex_gate.py's narrow case passes on
+the GPU): the batch is one concatenated sequence, so the index lists are [QT, KT] over the
+whole batch, although a query tile only ever sees key tiles of its own sequences and a key
+tile only query tiles of its own sequence. flex_attention's GPU kernels read only the first
+``num_blocks[row]`` entries of a row, so collate cuts the lists to the static `narrow_widths`
+(23 MB -> 3 MB a batch at 8 x 3,072 tokens, 64-token tiles), each row's tiles then zeros.
+
 Legend: S context (= packed sequence) tokens, A anchors/blocks, B block size, Q = A*B query
 tokens, KV = S + Q key tokens, QT/KT query/key tiles of ``TILE`` tokens.
 """
@@ -30,6 +37,8 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
+from stage2_train.mask_widths import tiles_spanned
+
 
 def _tile_from_env() -> int:
     """BlockMask tile size: 64 tokens (1.43x faster attention with stage2_train/flex_tiles.py's
@@ -40,7 +49,16 @@ def _tile_from_env() -> int:
     return int(value)
 
 
+def _narrow_from_env() -> bool:
+    """DFLASH_NARROW_MASK=1: collate builds the tables at `narrow_widths` (default 0, full)."""
+    value = os.environ.get("DFLASH_NARROW_MASK", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"DFLASH_NARROW_MASK must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 TILE = _tile_from_env()  # the loader's workers inherit the environment, so they agree
+NARROW = _narrow_from_env()
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
@@ -104,6 +122,29 @@ def _ordered(flags_QK: Tensor) -> tuple[Tensor, Tensor]:
     return num_Q[None, None], idx_QK[None, None]
 
 
+def _listed(flags_QK: Tensor, width: int) -> tuple[Tensor, Tensor]:
+    """Tile flags [QT, KT] -> (num_blocks [1, 1, QT], indices [1, 1, QT, width]) int32.
+
+    Each row lists its set tiles, ascending, then zeros: tile 0 is a valid index, and the
+    kernels stop at num_blocks (after loading a row's first entry, whatever num_blocks: hence
+    width >= 1). Only the set tiles are handled (nonzero, not `_ordered`'s [QT, KT] ranks and
+    scatter): the whole build about 2x faster at 64-token tiles (bench/mask_tables.py).
+    """
+    num_Q = flags_QK.sum(-1, dtype=torch.int32)
+    assert width >= 1 and int(num_Q.max()) <= width, ("width", int(num_Q.max()), width)
+    row_N, col_N = flags_QK.nonzero(as_tuple=True)  # lexicographic: row by row, ascending
+    first_Q = num_Q.cumsum(0) - num_Q  # where each row's tiles start in row_N
+    rank_N = torch.arange(row_N.numel(), device=row_N.device) - first_Q[row_N]
+    idx_QW = torch.zeros(flags_QK.size(0), width, dtype=torch.int32, device=flags_QK.device)
+    idx_QW[row_N, rank_N] = col_N.to(torch.int32)
+    return num_Q[None, None], idx_QW[None, None]
+
+
+def _lists(flags_QK: Tensor, width: int) -> tuple[Tensor, Tensor]:
+    """A side's (num_blocks, indices): narrow below the full width, else create_block_mask's."""
+    return _listed(flags_QK, width) if width < flags_QK.size(1) else _ordered(flags_QK)
+
+
 class MaskTables(NamedTuple):
     """The anchor-block mask of one packed sequence as plain int32 tensors, nothing built on
     them: the context intervals the mask_mod reads and the BlockMask's tile lists, kv side
@@ -116,19 +157,26 @@ class MaskTables(NamedTuple):
     ctx_lo_A: Tensor
     ctx_hi_A: Tensor
     kv_num_blocks: Tensor  # [1, 1, QT] partial (mask_mod) key tiles of each query tile
-    kv_indices: Tensor  # [1, 1, QT, KT] those tiles first, ascending
+    kv_indices: Tensor  # [1, 1, QT, KT or narrow kv width] those tiles first, ascending
     full_kv_num_blocks: Tensor  # [1, 1, QT] full (all visible) key tiles
-    full_kv_indices: Tensor  # [1, 1, QT, KT]
+    full_kv_indices: Tensor  # [1, 1, QT, KT or narrow kv width]
     q_num_blocks: Tensor  # [1, 1, KT] the transpose of the partial lists
-    q_indices: Tensor  # [1, 1, KT, QT]
+    q_indices: Tensor  # [1, 1, KT, QT or narrow q width]
     full_q_num_blocks: Tensor  # [1, 1, KT] the transpose of the full lists
-    full_q_indices: Tensor  # [1, 1, KT, QT]
+    full_q_indices: Tensor  # [1, 1, KT, QT or narrow q width]
 
 
 def anchor_mask_tables(
-    ctx_lo_A: Tensor, ctx_hi_A: Tensor, context_len: int, block_size: int, tile: int = TILE
+    ctx_lo_A: Tensor,
+    ctx_hi_A: Tensor,
+    context_len: int,
+    block_size: int,
+    tile: int = TILE,
+    widths: tuple[int, int] | None = None,
 ) -> MaskTables:
-    """The tile tables of the anchor-block mask, built from the intervals on their device.
+    """The tile tables of the anchor-block mask, built from the intervals on their device;
+    with ``widths = (kv, q)`` (`narrow_widths`) the kv-side and q-side index lists keep only
+    their first kv and q entries, asserted to hold every row's partial and full tiles.
 
     O(A + QT * KT), never the token grid nor an [A, KT] table: the rows of query tile i
     belong to a run of consecutive blocks, so what those rows see is summarised per tile.
@@ -190,13 +238,42 @@ def anchor_mask_tables(
     complete_Q = (q_tile_lo_Q + tile) <= q_len  # padded rows are masked: never a full tile
     full_QK = touch_QK & cover_QK & complete_Q[:, None]
     partial_QK = touch_QK & ~full_QK
+    kv_width, q_width = widths or (n_kv_tiles, n_q_tiles)
+    lists = [
+        _lists(partial_QK, kv_width),
+        _lists(full_QK, kv_width),
+        _lists(partial_QK.T, q_width),
+        _lists(full_QK.T, q_width),
+    ]
+    if widths is not None:  # what narrow_widths bounds: a row's tiles, partial and full
+        most = (int((lists[0][0] + lists[1][0]).max()), int((lists[2][0] + lists[3][0]).max()))
+        assert most[0] <= kv_width and most[1] <= q_width, ("width", most, widths)
+    return MaskTables(ctx_lo_A, ctx_hi_A, *(t for pair in lists for t in pair))
+
+
+def _widened(num_1Q: Tensor, idx_1QW: Tensor, n_cols: int) -> tuple[Tensor, Tensor]:
+    """Full-width (num_blocks, indices) from a narrow pair: its first num entries per row."""
+    if idx_1QW.size(-1) == n_cols:
+        return num_1Q, idx_1QW
+    idx_QW = idx_1QW[0, 0].long()
+    listed_QW = torch.arange(idx_QW.size(1), device=idx_QW.device) < num_1Q[0, 0, :, None]
+    flags_QK = torch.zeros(idx_QW.size(0), n_cols + 1, dtype=torch.bool, device=idx_QW.device)
+    flags_QK.scatter_(-1, torch.where(listed_QW, idx_QW, n_cols), True)  # the rest: scratch
+    return _ordered(flags_QK[:, :n_cols])
+
+
+def widen(tables: MaskTables, context_len: int, block_size: int, tile: int = TILE) -> MaskTables:
+    """Tables of full width (equal entry for entry to those built without widths) from narrow
+    ones; full tables come back as they are."""
+    q_tiles = tiles_spanned(0, tables.ctx_lo_A.numel() * block_size, tile)
+    kv_tiles = tiles_spanned(0, context_len + tables.ctx_lo_A.numel() * block_size, tile)
     return MaskTables(
-        ctx_lo_A,
-        ctx_hi_A,
-        *_ordered(partial_QK),
-        *_ordered(full_QK),
-        *_ordered(partial_QK.T),
-        *_ordered(full_QK.T),
+        tables.ctx_lo_A,
+        tables.ctx_hi_A,
+        *_widened(tables.kv_num_blocks, tables.kv_indices, kv_tiles),
+        *_widened(tables.full_kv_num_blocks, tables.full_kv_indices, kv_tiles),
+        *_widened(tables.q_num_blocks, tables.q_indices, q_tiles),
+        *_widened(tables.full_q_num_blocks, tables.full_q_indices, q_tiles),
     )
 
 
@@ -205,9 +282,16 @@ def block_mask_from_tables(
 ) -> BlockMask:
     """BlockMask (B=1, H=None) of the anchor-block mask from tables already on its device.
 
-    No tensor op runs: the tables are taken as they are (from_kv_blocks would transpose the
-    kv lists on the device; the q lists come ready) and the mask_mod only captures tensors.
+    No tensor op runs on CUDA: the tables are taken as they are (from_kv_blocks would
+    transpose the kv lists on the device; the q lists come ready) and the mask_mod only
+    captures tensors. Narrow tables stay narrow there (the Triton kernels read num_blocks
+    entries of a row), and seq_lengths is given because torch would infer the key length from
+    the width; elsewhere they are widened first (flex's CPU lowering asserts the full width).
+    A narrow BlockMask must not be densified, sliced or `_adjust`-ed: torch's to_dense and
+    _transpose_ordered take the index width for the number of tiles.
     """
+    if tables.kv_indices.device.type != "cuda":
+        tables = widen(tables, context_len, block_size, tile)
     q_len = tables.ctx_lo_A.numel() * block_size
     return BlockMask(
         seq_lengths=(q_len, context_len + q_len),

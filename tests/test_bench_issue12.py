@@ -57,7 +57,8 @@ def test_issue12_call_script_parses() -> None:
 
 def test_flex_gate_runs_its_forward_checks_on_the_cpu() -> None:
     """bench/flex_gate.py, which decides a GPU run's mask tiles, works end to end (on the CPU:
-    the forward checks only, against fp32 SDPA on the dense mask)."""
+    the forward checks only, against fp32 SDPA on the dense mask); its narrow-table case runs
+    too, on tables widened back (flex's CPU lowering needs the full width)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     command = [sys.executable, str(ROOT / "bench" / "flex_gate.py"), "--device", "cpu"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
@@ -65,3 +66,7 @@ def test_flex_gate_runs_its_forward_checks_on_the_cpu() -> None:
     record = json.loads(done.stdout.strip().splitlines()[-1])
     assert record["ok"] and record["tile"] == 64
     assert record["bf16_err"]["out"] < 1e-2 and record["fp32_err"]["out"] < 1e-4
+    narrow = record["narrow"]
+    assert record["narrow_ok"] and narrow["max_abs_diff"] == {"out": 0.0}, narrow
+    assert narrow["widths"][0] < narrow["grid"][1] and narrow["err"]["out"] < 1e-2
+    assert "widened back" in narrow["note"]

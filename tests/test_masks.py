@@ -1,8 +1,9 @@
 """The anchor-block mask against a mask built independently with plain loops.
 
 Covers the peer bugs of notes/dflash.md: `<=` anchor leak, cross-block leak when anchors are
-closer than the block size, document leak, padding, H = num_heads BlockMasks; and the tile
-tables the loader builds on CPU (collate) against create_block_mask and the device path.
+closer than the block size, document leak, padding, H = num_heads BlockMasks; the tile
+tables the loader builds on CPU (collate) against create_block_mask and the device path; and
+narrow tables (DFLASH_NARROW_MASK=1) against full ones, with their static width's worst cases.
 
 Legend: S context tokens, A anchors, B block size, Q = A*B queries, KV = S + Q keys.
 """
@@ -16,14 +17,17 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, crea
 from stage2_train.anchors import pad_anchors
 from stage2_train.attention import BlockAttention
 from stage2_train.data import collate
+from stage2_train.mask_widths import narrow_widths
 from stage2_train.masks import (
     TILE,
     MaskTables,
     anchor_block_mask,
     anchor_block_mask_mod,
+    anchor_mask_tables,
     block_mask_from_tables,
     context_intervals,
     document_starts,
+    widen,
 )
 
 
@@ -183,13 +187,15 @@ def test_full_tiles_exist_on_long_context() -> None:
     assert bm.full_kv_indices[0, 0, 0, :7].tolist() == list(range(7))
 
 
-def _items(seed: int, block_size: int, seq_len: int = 400, num_anchors: int = 8) -> list[dict]:
-    """Loader items of three sequences with random documents, padding tokens and fewer real
+def _items(
+    seed: int, block_size: int, seq_len: int = 400, num_anchors: int = 8, num_seqs: int = 3
+) -> list[dict]:
+    """Loader items of `num_seqs` sequences with random documents, padding tokens and fewer real
     anchors than the budget (padding anchors between sequences until collate sorts them);
     sequence 0 is one long document with late anchors, so that some tiles are full."""
     g = torch.Generator().manual_seed(seed)
     items = []
-    for i in range(3):
+    for i in range(num_seqs):
         if i == 0:
             docs_S = torch.zeros(seq_len, dtype=torch.long)
             picks = 300 + torch.randperm(seq_len - 300, generator=g)[:num_anchors]
@@ -223,7 +229,7 @@ TABLES = [name for name in MaskTables._fields if not name.startswith("ctx_")]
 @pytest.mark.parametrize("bsz", [16, 10, 200])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_collate_tables_equal_device_built_and_create_block_mask(bsz: int, seed: int) -> None:
-    batch = collate(_items(seed, bsz))
+    batch = collate(_items(seed, bsz), narrow=False)
     tables = batch.mask_tables
     anchors_A, docs_T = batch.anchors_A, batch.document_ids_T
     n_ctx, n_q = docs_T.numel(), anchors_A.numel() * bsz
@@ -263,3 +269,185 @@ def test_collate_tables_equal_device_built_and_create_block_mask(bsz: int, seed:
     else:  # the loop reference is slow: the mask_mod's (tested equal to it above)
         dense = create_mask(mask_mod, 1, 1, n_q, n_ctx + n_q, "cpu")[0, 0]
     _assert_kernel_sees(assembled, dense)
+
+
+# --- Narrow tables (DFLASH_NARROW_MASK=1): index lists cut to a static width ---
+
+SIDES = (  # (num_blocks, indices) pairs and the side whose width bounds them
+    ("kv_num_blocks", "kv_indices", 0),
+    ("full_kv_num_blocks", "full_kv_indices", 0),
+    ("q_num_blocks", "q_indices", 1),
+    ("full_q_num_blocks", "full_q_indices", 1),
+)
+
+
+def _listed_flags(num_1R: torch.Tensor, idx_1RW: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """[R, n_cols] flags of the tiles each row lists in its first num_blocks entries."""
+    flags = torch.zeros(num_1R.size(-1), n_cols, dtype=torch.bool)
+    for r, n in enumerate(num_1R[0, 0].tolist()):
+        flags[r, idx_1RW[0, 0, r, :n].long()] = True
+    return flags
+
+
+def _assert_narrow_matches_full(narrow: MaskTables, full: MaskTables, widths: tuple[int, int]):
+    """Narrow lists read through num_blocks: the full lists' entries, in their order; the
+    entries past num_blocks: tile 0 (a valid index). A side whose bound is the full width
+    keeps the full lists."""
+    for num_name, idx_name, side in SIDES:
+        n_idx, f_idx = getattr(narrow, idx_name), getattr(full, idx_name)
+        assert n_idx.shape == (*f_idx.shape[:-1], widths[side]), idx_name
+        assert n_idx.is_contiguous() and n_idx.dtype == torch.int32, idx_name
+        num = getattr(narrow, num_name)
+        assert torch.equal(num, getattr(full, num_name)), num_name
+        listed = torch.arange(widths[side]) < num[..., None]
+        assert torch.equal(n_idx[listed], f_idx[..., : widths[side]][listed]), idx_name
+        n_cols = f_idx.size(-1)
+        assert torch.equal(n_idx, f_idx) if widths[side] == n_cols else not n_idx[~listed].any()
+        flags = _listed_flags(num, n_idx, n_cols)
+        assert torch.equal(flags, _listed_flags(num, f_idx, n_cols)), idx_name
+
+
+@pytest.mark.parametrize("tile", [64, 128])
+@pytest.mark.parametrize("num_seqs", [1, 3, 8])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_narrow_tables_equal_full_tables(tile: int, num_seqs: int, seed: int) -> None:
+    # random documents, padding tokens and padding anchors; 400 tokens: sequences straddle
+    # tiles, so both the documents' and the sequences' boundaries fall inside tiles
+    bsz, seq_len, per_seq = 16, 400, 8
+    batch = collate(_items(seed, bsz, seq_len, per_seq, num_seqs), mask_tables=False)
+    # (one sequence: sequence 0, one document with its whole budget of anchors)
+    assert num_seqs == 1 or (batch.anchors_A < 0).any(), "the case must hold padding anchors"
+    lo_A, hi_A = context_intervals(batch.anchors_A, batch.document_ids_T)
+    n_ctx = batch.document_ids_T.numel()
+    widths = narrow_widths(num_seqs, seq_len, per_seq, bsz, tile)
+    full = anchor_mask_tables(lo_A, hi_A, n_ctx, bsz, tile)
+    narrow = anchor_mask_tables(lo_A, hi_A, n_ctx, bsz, tile, widths=widths)
+    _assert_narrow_matches_full(narrow, full, widths)
+    widened = widen(narrow, n_ctx, bsz, tile)
+    for name in MaskTables._fields:
+        assert torch.equal(getattr(widened, name), getattr(full, name)), name
+    if num_seqs == 8:  # the point: far narrower than the grid
+        assert widths[0] < full.kv_indices.size(-1) and widths[1] < full.q_indices.size(-1)
+
+
+def test_collate_builds_narrow_tables_when_asked() -> None:
+    items = _items(0, 16, num_seqs=8)
+    narrow = collate(items, narrow=True).mask_tables
+    full = collate(items, narrow=False).mask_tables
+    assert isinstance(narrow, MaskTables) and isinstance(full, MaskTables)
+    _assert_narrow_matches_full(narrow, full, narrow_widths(8, 400, 8, 16, TILE))
+
+
+def _worst_items(
+    num_seqs: int, seq_len: int, per_seq: int, block_size: int, real: list[int]
+) -> list[dict]:
+    """Sequences of one document each whose `real[j]` anchors are the last eligible positions
+    (p + 1 still in the document), the rest of the budget padding."""
+    items = []
+    for num_real in real[:num_seqs]:
+        anchors = torch.arange(seq_len - 1 - num_real, seq_len - 1)
+        items.append(
+            {
+                "index": 0,
+                "tokens_S": torch.zeros(seq_len, dtype=torch.long),
+                "position_ids_S": torch.arange(seq_len),
+                "document_ids_S": torch.zeros(seq_len, dtype=torch.long),
+                "hidden_SKD": torch.zeros(seq_len, 1, 1),
+                "anchors_A": pad_anchors(anchors, per_seq),
+                "labels_AB": torch.zeros(per_seq, block_size, dtype=torch.long),
+                "weights_AB": torch.zeros(per_seq, block_size),
+            }
+        )
+    return items
+
+
+def _touched(tables: MaskTables) -> tuple[int, int]:
+    """Most tiles (partial + full) any kv-side row and any q-side row lists."""
+    kv = tables.kv_num_blocks + tables.full_kv_num_blocks
+    q = tables.q_num_blocks + tables.full_q_num_blocks
+    return int(kv.max()), int(q.max())
+
+
+@pytest.mark.parametrize("tile", [64, 128])
+@pytest.mark.parametrize("num_seqs", [1, 3, 8])
+def test_static_width_is_reached_and_never_exceeded(tile: int, num_seqs: int) -> None:
+    """The bound at S % TILE == 0 and B | TILE (the recipe's case) is the documented formula,
+    and the worst cases reach it exactly, so a bound one smaller would drop tiles (the build
+    asserts it): a query tile holding one late block of each of min(TILE/B, b) sequences
+    (kv side); a sequence's full budget of late anchors starting mid-tile (q side)."""
+    bsz, seq_len, per_seq = 16, 256, 16
+    kv_w, q_w = narrow_widths(num_seqs, seq_len, per_seq, bsz, tile)
+    assert kv_w == min(tile // bsz, num_seqs) * seq_len // tile + 1
+    assert q_w == per_seq * bsz // tile + (num_seqs > 1)
+
+    one_each = [1] * num_seqs  # every block of query tile 0 from another sequence
+    # sequence 1's run starts at block 1; alone, a sequence's run starts at block 0
+    late_run = [1, *[per_seq] * 7] if num_seqs > 1 else [per_seq]
+    for real, side in ((one_each, 0), (late_run, 1)):
+        items = _worst_items(num_seqs, seq_len, per_seq, bsz, real)
+        batch = collate(items, mask_tables=False)
+        lo_A, hi_A = context_intervals(batch.anchors_A, batch.document_ids_T)
+        args = (lo_A, hi_A, batch.document_ids_T.numel(), bsz, tile)
+        full = anchor_mask_tables(*args)
+        touched = _touched(full)
+        assert touched[side] == (kv_w, q_w)[side], (side, touched)
+        assert touched[0] <= kv_w and touched[1] <= q_w
+        _assert_narrow_matches_full(
+            anchor_mask_tables(*args, widths=(kv_w, q_w)), full, (kv_w, q_w)
+        )
+        smaller = [kv_w, q_w]
+        smaller[side] -= 1
+        with pytest.raises(AssertionError, match="width"):
+            anchor_mask_tables(*args, widths=(smaller[0], smaller[1]))
+
+
+@pytest.mark.parametrize("tile", [64, 128])
+@pytest.mark.parametrize("num_seqs", [1, 3, 8])
+def test_static_width_holds_when_tiles_and_sequences_do_not_align(tile: int, num_seqs: int):
+    """Worst-case anchors at 200-token sequences and blocks of 10 (neither divides a tile)."""
+    bsz, seq_len, per_seq = 10, 200, 12
+    widths = narrow_widths(num_seqs, seq_len, per_seq, bsz, tile)
+    for real in ([1] * 8, [1, 12, 12, 3, 12, 1, 12, 12], [12] * 8):
+        batch = collate(_worst_items(num_seqs, seq_len, per_seq, bsz, real), mask_tables=False)
+        lo_A, hi_A = context_intervals(batch.anchors_A, batch.document_ids_T)
+        args = (lo_A, hi_A, batch.document_ids_T.numel(), bsz, tile)
+        full = anchor_mask_tables(*args)
+        touched = _touched(full)
+        assert touched[0] <= widths[0] and touched[1] <= widths[1], (touched, widths)
+        _assert_narrow_matches_full(anchor_mask_tables(*args, widths=widths), full, widths)
+
+
+def test_narrow_widths_at_the_recipe_shape() -> None:
+    """8 or 16 sequences of 3,072 tokens, 512 anchors of 16, 64-token tiles: 193 of the
+    1,408 / 2,816 key tiles, 129 of the 1,024 / 2,048 query tiles."""
+    assert narrow_widths(8, 3072, 512, 16, 64) == (193, 129)
+    assert narrow_widths(16, 3072, 512, 16, 64) == (193, 129)
+    assert narrow_widths(1, 3072, 512, 16, 64) == (49, 128)
+    assert narrow_widths(8, 3072, 512, 16, 128) == (193, 65)
+
+
+def test_narrow_block_mask_on_cpu_is_widened() -> None:
+    """Flex's CPU lowering asserts the full width: off CUDA the BlockMask gets full tables."""
+    items = _items(2, 16, num_seqs=3)
+    batch = collate(items, narrow=False)
+    narrow = collate(items, narrow=True).mask_tables
+    assert batch.mask_tables is not None and narrow is not None
+    assert narrow.kv_indices.size(-1) < batch.mask_tables.kv_indices.size(-1)
+    n_ctx = batch.document_ids_T.numel()
+    got = block_mask_from_tables(narrow, n_ctx, 16)
+    want = block_mask_from_tables(batch.mask_tables, n_ctx, 16)
+    assert got.shape == want.shape
+    for name in TABLES:
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+def test_narrow_mask_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stage2_train import masks
+
+    monkeypatch.delenv("DFLASH_NARROW_MASK", raising=False)
+    assert masks._narrow_from_env() is False
+    monkeypatch.setenv("DFLASH_NARROW_MASK", "1")
+    assert masks._narrow_from_env() is True
+    monkeypatch.setenv("DFLASH_NARROW_MASK", "yes")
+    with pytest.raises(ValueError, match="DFLASH_NARROW_MASK must be 0 or 1"):
+        masks._narrow_from_env()
