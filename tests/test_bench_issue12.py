@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from store_factory import FactorySpec, build_store
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -70,3 +72,19 @@ def test_flex_gate_runs_its_forward_checks_on_the_cpu() -> None:
     assert record["narrow_ok"] and narrow["max_abs_diff"] == {"out": 0.0}, narrow
     assert narrow["widths"][0] < narrow["grid"][1] and narrow["err"]["out"] < 1e-2
     assert "widened back" in narrow["note"]
+
+
+def test_loader_cost_reads_a_store(tmp_path: Path) -> None:
+    """bench/loader_cost.py times a real store's batch stages (full and narrow tables)."""
+    store = build_store(tmp_path / "store", FactorySpec(hidden_dtype="float8_e4m3fn"))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, str(ROOT / "bench" / "loader_cost.py"), "--store", str(store)]
+    command += ["--sequences", "2", "3", "--batches", "1", "--anchors", "4", "--block-size", "4"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    records = [json.loads(line) for line in done.stdout.strip().splitlines()]
+    assert [r["sequences"] for r in records] == [2, 3]
+    stages = {"read_ms", "item_ms", "collate_ms", "tables_full_ms", "tables_narrow_ms"}
+    for record in records:  # (what each took is the benchmark's report, not asserted)
+        assert stages | {"batch_full_ms", "batch_narrow_ms"} <= record.keys()
+        assert all(isinstance(record[key], (int, float)) for key in stages)
