@@ -122,27 +122,45 @@ def _ordered(flags_QK: Tensor) -> tuple[Tensor, Tensor]:
     return num_Q[None, None], idx_QK[None, None]
 
 
-def _listed(flags_QK: Tensor, width: int) -> tuple[Tensor, Tensor]:
-    """Tile flags [QT, KT] -> (num_blocks [1, 1, QT], indices [1, 1, QT, width]) int32.
-
-    Each row lists its set tiles, ascending, then zeros: tile 0 is a valid index, and the
-    kernels stop at num_blocks (after loading a row's first entry, whatever num_blocks: hence
-    width >= 1). Only the set tiles are handled (nonzero, not `_ordered`'s [QT, KT] ranks and
-    scatter): the whole build about 2x faster at 64-token tiles (bench/mask_tables.py).
-    """
-    num_Q = flags_QK.sum(-1, dtype=torch.int32)
-    assert width >= 1 and int(num_Q.max()) <= width, ("width", int(num_Q.max()), width)
-    row_N, col_N = flags_QK.nonzero(as_tuple=True)  # lexicographic: row by row, ascending
-    first_Q = num_Q.cumsum(0) - num_Q  # where each row's tiles start in row_N
-    rank_N = torch.arange(row_N.numel(), device=row_N.device) - first_Q[row_N]
-    idx_QW = torch.zeros(flags_QK.size(0), width, dtype=torch.int32, device=flags_QK.device)
-    idx_QW[row_N, rank_N] = col_N.to(torch.int32)
-    return num_Q[None, None], idx_QW[None, None]
+def _listed(major_N: Tensor, minor_N: Tensor, rows: int, width: int) -> tuple[Tensor, Tensor]:
+    """Set tiles as entries sorted by (major, minor) -> (num_blocks [1, 1, rows], indices
+    [1, 1, rows, width]) int32: each row lists its tiles, ascending, then zeros. Tile 0 is a
+    valid index, and the kernels stop at num_blocks (after loading a row's first entry,
+    whatever num_blocks: hence width >= 1)."""
+    num_R = torch.bincount(major_N, minlength=rows).to(torch.int32)
+    first_R = num_R.cumsum(0) - num_R  # where each row's entries start
+    rank_N = torch.arange(major_N.numel(), device=major_N.device) - first_R[major_N]
+    idx_RW = torch.zeros(rows, width, dtype=torch.int32, device=major_N.device)
+    idx_RW[major_N, rank_N] = minor_N.to(torch.int32)
+    return num_R[None, None], idx_RW[None, None]
 
 
-def _lists(flags_QK: Tensor, width: int) -> tuple[Tensor, Tensor]:
-    """A side's (num_blocks, indices): narrow below the full width, else create_block_mask's."""
-    return _listed(flags_QK, width) if width < flags_QK.size(1) else _ordered(flags_QK)
+def _narrow_lists(
+    touch_QK: Tensor, full_QK: Tensor, widths: tuple[int, int]
+) -> list[tuple[Tensor, Tensor]]:
+    """The four (num_blocks, indices) pairs (partial and full, kv side then q side) cut to
+    `widths`, from one pass over the grid: the touched tiles as entries (nonzero, row by row),
+    split into partial and full, and sorted by column for the q side, instead of a [QT, KT]
+    rank-and-scatter per list (`_ordered`) or a nonzero per list (2 of 4 on transposed views).
+    A side whose width is the whole grid keeps `_ordered`'s layout. Asserts that every row's
+    tiles, partial and full, fit its width: the bound of `mask_widths.narrow_widths`."""
+    (n_q, n_kv), (kv_width, q_width) = touch_QK.shape, widths
+    assert kv_width >= 1 and q_width >= 1, widths
+    row_N, col_N = touch_QK.nonzero(as_tuple=True)  # row-major: columns ascending in a row
+    most = (int(torch.bincount(row_N).max()), int(torch.bincount(col_N).max()))
+    assert most[0] <= kv_width and most[1] <= q_width, ("width", most, widths)
+    full_N = full_QK[row_N, col_N]
+    by_col_N = torch.sort(col_N, stable=True).indices  # column-major, rows ascending
+    kv_side = (row_N, col_N, full_N, n_q, touch_QK, full_QK, kv_width)
+    q_side = (col_N[by_col_N], row_N[by_col_N], full_N[by_col_N], n_kv, touch_QK.T, full_QK.T)
+    lists = []
+    for rows_N, cols_N, whole_N, n_rows, touch, full, width in (kv_side, (*q_side, q_width)):
+        if width >= touch.size(1):
+            lists += [_ordered(touch & ~full), _ordered(full)]
+        else:
+            lists.append(_listed(rows_N[~whole_N], cols_N[~whole_N], n_rows, width))
+            lists.append(_listed(rows_N[whole_N], cols_N[whole_N], n_rows, width))
+    return lists
 
 
 class MaskTables(NamedTuple):
@@ -237,17 +255,12 @@ def anchor_mask_tables(
 
     complete_Q = (q_tile_lo_Q + tile) <= q_len  # padded rows are masked: never a full tile
     full_QK = touch_QK & cover_QK & complete_Q[:, None]
-    partial_QK = touch_QK & ~full_QK
-    kv_width, q_width = widths or (n_kv_tiles, n_q_tiles)
-    lists = [
-        _lists(partial_QK, kv_width),
-        _lists(full_QK, kv_width),
-        _lists(partial_QK.T, q_width),
-        _lists(full_QK.T, q_width),
-    ]
-    if widths is not None:  # what narrow_widths bounds: a row's tiles, partial and full
-        most = (int((lists[0][0] + lists[1][0]).max()), int((lists[2][0] + lists[3][0]).max()))
-        assert most[0] <= kv_width and most[1] <= q_width, ("width", most, widths)
+    if widths is not None:
+        lists = _narrow_lists(touch_QK, full_QK, widths)
+    else:
+        partial_QK = touch_QK & ~full_QK
+        lists = [_ordered(partial_QK), _ordered(full_QK)]
+        lists += [_ordered(partial_QK.T), _ordered(full_QK.T)]
     return MaskTables(ctx_lo_A, ctx_hi_A, *(t for pair in lists for t in pair))
 
 
