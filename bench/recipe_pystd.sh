@@ -48,6 +48,9 @@ if has extract; then
     || failed+=(extract)
   dflash inspect "$WORK/store" > "$OUT/inspect.txt" || failed+=(extract)
   stamp extract "$t"
+  # what one loader worker spends per batch on this machine's cores (sizes data.num_workers;
+  # ~10 s, outside the stage times)
+  python3 bench/loader_cost.py --store "$WORK/store" --sequences 8 16 > "$OUT/loader_cost.jsonl" 2>&1
 fi
 # the target's own continuation of the dev prompts, the offline twin of `dflash evaluate`:
 # dev-store holds the 12 online prompts (the training log's figure), dev-all-store all DEV_DOCS
