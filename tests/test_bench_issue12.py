@@ -88,3 +88,19 @@ def test_loader_cost_reads_a_store(tmp_path: Path) -> None:
     for record in records:  # (what each took is the benchmark's report, not asserted)
         assert stages | {"batch_full_ms", "batch_narrow_ms"} <= record.keys()
         assert all(isinstance(record[key], (int, float)) for key in stages)
+
+
+def test_fp8_variants_on_a_bf16_store(tmp_path: Path) -> None:
+    """bench/fp8_variants.py requantizes a bf16 store's features: e5m2 (2 mantissa bits) errs
+    more than e4m3 (3), and every variant is smaller than bf16."""
+    store = build_store(tmp_path / "store", FactorySpec(hidden_dtype="bfloat16"))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, str(ROOT / "bench" / "fp8_variants.py"), "--store", str(store)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    bf16, *variants = [json.loads(line) for line in done.stdout.strip().splitlines()]
+    assert bf16["variant"] == "bf16" and len(variants) == 3
+    e4m3, e5m2, per_channel = variants
+    assert e4m3["rel_rms_error"] < e5m2["rel_rms_error"] < 0.2
+    assert per_channel["rel_rms_error"] < 0.1
+    assert all(v["bytes_per_token"] < bf16["bytes_per_token"] for v in variants)
