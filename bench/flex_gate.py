@@ -14,8 +14,8 @@ fails or errs (then train with DFLASH_FLEX_TILE=128):
     python3 bench/flex_gate.py --device cpu   # forward checks only (flex has no CPU backward)
 
 It also runs the narrow tile tables (stage2_train/masks.py, DFLASH_NARROW_MASK=1) on the same
-shapes laid out as a batch of 4 sequences: forward + backward with narrow tables must equal the
-full tables' bitwise, and both are timed. That verdict is `narrow_ok`, apart from the exit
+shapes laid out as a batch of 4 sequences: bf16 forward + backward and an fp32 forward with
+narrow tables must equal the full tables' bitwise, and the bf16 pair is timed. That verdict is `narrow_ok`, apart from the exit
 status (a narrow failure says keep DFLASH_NARROW_MASK=0, not change the tile):
 
     grep -q '"narrow_ok": true' gate.json && export DFLASH_NARROW_MASK=1
@@ -157,15 +157,19 @@ def narrow_check(p: Problem, backward: bool) -> dict:
 
 
 def narrow_verdict(device: torch.device) -> dict:
-    """`narrow_check` on the packed problem (backward on a GPU) and its verdict, `narrow_ok`:
-    bitwise equal to the full tables and within MAX_ERR of fp32; an error is a failed verdict,
-    not a failed gate."""
+    """`narrow_check` on the packed problem, bf16 (backward on a GPU) and an fp32 forward (the
+    evaluations' kernel: other tiles), and its verdict, `narrow_ok`: both bitwise equal to the
+    full tables and within MAX_ERR of fp32; an error is a failed verdict, not a failed gate."""
     try:
         narrow = narrow_check(packed_problem(device, torch.bfloat16), device.type == "cuda")
+        narrow_fp32 = narrow_check(packed_problem(device, torch.float32), False)
     except Exception as err:
         return {"narrow_ok": False, "narrow_error": f"{type(err).__name__}: {str(err)[:300]}"}
-    bitwise = max(narrow["max_abs_diff"].values()) == 0
-    return {"narrow": narrow, "narrow_ok": bitwise and max(narrow["err"].values()) <= MAX_ERR}
+    ok = all(
+        max(r["max_abs_diff"].values()) == 0 and max(r["err"].values()) <= MAX_ERR
+        for r in (narrow, narrow_fp32)
+    )
+    return {"narrow": narrow, "narrow_fp32": narrow_fp32, "narrow_ok": ok}
 
 
 def fwd_bwd_ms(p: Problem, mask: BlockMask) -> float:

@@ -72,6 +72,7 @@ def test_flex_gate_runs_its_forward_checks_on_the_cpu() -> None:
     assert record["narrow_ok"] and narrow["max_abs_diff"] == {"out": 0.0}, narrow
     assert narrow["widths"][0] < narrow["grid"][1] and narrow["err"]["out"] < 1e-2
     assert "widened back" in narrow["note"]
+    assert record["narrow_fp32"]["max_abs_diff"] == {"out": 0.0}
 
 
 def test_loader_cost_reads_a_store(tmp_path: Path) -> None:
