@@ -18,10 +18,10 @@ import json
 
 import numpy as np
 import torch
-import zarr
 from numcodecs import Blosc, Zstd
 
-from common.store import bits_to_bf16, open_store, shard_name, shards_dir
+from common.store import bf16_to_bits, open_store
+from stage2_train.data import StoreSequences
 
 ZSTD = Zstd(level=1)
 # the store's codec for bf16 features (store.byte_shuffle, FORMAT.md): zstd after a byte shuffle
@@ -58,30 +58,32 @@ def main() -> None:
             f"{args.store}: hidden_dtype {info.hidden_dtype}; extract with "
             "--set store.hidden_dtype=bfloat16 for this comparison"
         )
-    rows = []
-    per_shard = int(info.attrs["sequences_per_shard"])
-    for shard in range(info.num_shards):
-        group = zarr.open_group(shards_dir(args.store) / shard_name(shard), mode="r")
-        hidden, tokens = group["hidden"], group["document_ids"]
-        for row in range(min(per_shard, hidden.shape[0])):
-            real_S = np.asarray(tokens[row]) >= 0  # padding positions are left out
-            rows.append((np.asarray(hidden[row]), real_S))
-            if len(rows) == args.sequences:
-                break
-        if len(rows) == args.sequences:
-            break
+    rows = StoreSequences(
+        info,
+        num_anchors=1,
+        per_document=False,
+        block_size=1,
+        label_target="data",
+        distill=False,
+        seed=0,
+    )
+    count = min(int(info.attrs["counts"]["sequences"]), args.sequences)
+    features = []  # (bf16 hidden states of the real tokens [T, K, D]) per sequence
+    for index in range(count):
+        row = rows.read_row(index)
+        features.append(row["hidden"][row["document_ids"] >= 0])  # padding left out
     variants = [
         ("e4m3, per token (the store's fp8)", torch.float8_e4m3fn, "token"),
         ("e5m2, per token", torch.float8_e5m2, "token"),
         ("e4m3, per channel and sequence", torch.float8_e4m3fn, "channel"),
     ]
-    tokens = sum(int(real.sum()) for _, real in rows)
-    bf16 = sum(len(SHUFFLED.encode(np.ascontiguousarray(bits[real]))) for bits, real in rows)
+    tokens = sum(x.shape[0] for x in features)
+    bf16 = sum(len(SHUFFLED.encode(bf16_to_bits(x))) for x in features)
     print(json.dumps({"variant": "bf16", "bytes_per_token": round(bf16 / tokens, 1)}))
     for name, dtype, per in variants:
         size, err_sq, ref_sq, worst_cos = 0, 0.0, 0.0, 0.0
-        for bits, real in rows:
-            x = bits_to_bf16(bits[real]).float()
+        for hidden in features:
+            x = hidden.float()
             q, scale = quantize(x, dtype, per)
             size += packed_bytes(q.view(torch.uint8).numpy(), scale.numpy())
             back = dequantize(q, scale, per)
