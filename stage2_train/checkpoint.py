@@ -92,8 +92,12 @@ class TrainState:
     # streamed_sequences says what it consumed: sequences [0, n) of the store, all ranks.
     stream: bool = False
     streamed_sequences: int = 0
+    # optim.fit_time_limit (stage2_train/time_fit.py): the wsd end a time limit moved earlier,
+    # and its decay's first step; None until then. A resume continues that decay as planned.
+    fit_end: int | None = None
+    fit_decay_from: int | None = None
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, int | None]:
         return dict(self.__dict__)
 
 

@@ -111,6 +111,13 @@ class OptimConfig:
         "then a 1 - sqrt decay to the floor over the last decay_ratio of the steps",
     )
     decay_ratio: float = doc(0.2, "wsd: share of the steps after warmup spent decaying")
+    fit_time_limit: bool = doc(
+        True,
+        "wsd with run.time_limit_s: when the measured step rate says the limit comes before "
+        "the last step, end the schedule at the last step that fits (decay included) and stop "
+        "there, annealed, instead of at the limit mid-schedule; decided once, when the "
+        "shortened decay begins, and kept by checkpoints (stage2_train/time_fit.py)",
+    )
     grad_clip: float = doc(1.0, "max global gradient norm (0 = off)")
     epochs: int = doc(6, "passes over the training sequences")
     max_steps: int | None = doc(None, "stop after this many optimizer steps (null: all epochs)")

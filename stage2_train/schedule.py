@@ -4,6 +4,8 @@ decay (`optim.schedule=cosine`) or warmup-stable-decay (`wsd`: the peak lr until
 matched cosine's final loss in Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training
 Beyond Fixed Training Durations"). Why wsd: on pystd the dev acceptance rose most in cosine's
 low-lr tail (BENCHMARKS.md, eleventh session); wsd gives that tail a set share of the steps.
+Under `run.time_limit_s` the wsd end may be moved earlier once, to the last step the limit
+leaves room for (`ScheduleEnd`, stage2_train/time_fit.py), so a stopped run ends annealed.
 
 Numerics: parameters live in the parameter dtype of `run.dtype`, and AdamW's moment buffers
 take the parameters' dtype. `mixed` (the default) keeps fp32 master weights and fp32 AdamW
@@ -18,6 +20,7 @@ tests use it, for exact resume comparisons).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -52,6 +55,34 @@ def build_optimizer(
     )
 
 
+@dataclass(frozen=True)
+class FittedEnd:
+    """A wsd schedule shortened to a time limit (1-based steps, as metrics.jsonl counts them):
+    the peak lr until step `decay_from` - 1, the floor at step `end`."""
+
+    end: int
+    decay_from: int
+
+
+@dataclass
+class ScheduleEnd:
+    """Where the wsd decay ends, as the lr lambda reads it at every step: `fitted` None is the
+    configured end (optim.max_steps or the epochs). Mutable because LambdaLR keeps the lambda
+    it was built with, and a resume rebuilds that lambda from the config (time_fit.py)."""
+
+    fitted: FittedEnd | None = None
+
+
+def warmup_steps(total_steps: int, warmup_ratio: float) -> int:
+    return math.ceil(warmup_ratio * total_steps)
+
+
+def wsd_decay_steps(end: int, warmup: int, decay_ratio: float) -> int:
+    """Steps of the wsd decay of a run ending at step `end`: `decay_ratio` of its post-warmup
+    steps, at least one."""
+    return max(math.ceil(decay_ratio * (end - warmup)), 1)
+
+
 def lr_factor(
     step: int,
     total_steps: int,
@@ -59,17 +90,23 @@ def lr_factor(
     min_lr_ratio: float,
     schedule: str = "cosine",
     decay_ratio: float = 0.2,
+    fitted: FittedEnd | None = None,
 ) -> float:
-    """Multiplier of the peak lr at optimizer step `step` (0-based) of `total_steps`."""
-    warmup = math.ceil(warmup_ratio * total_steps)
+    """Multiplier of the peak lr at optimizer step `step` (0-based) of `total_steps`; `fitted`
+    (wsd only) moves the decay to end earlier, keeping the warmup of `total_steps`."""
+    warmup = warmup_steps(total_steps, warmup_ratio)
     if step < warmup:
         return (step + 1) / warmup
     if schedule == "wsd":
-        decay = max(math.ceil(decay_ratio * (total_steps - warmup)), 1)
-        stable_end = total_steps - decay
+        if fitted is None:
+            end = total_steps
+            stable_end = end - wsd_decay_steps(end, warmup, decay_ratio)
+        else:
+            end, stable_end = fitted.end, fitted.decay_from - 1
         if step < stable_end:
             return 1.0
-        progress = min((step - stable_end + 1) / decay, 1.0)  # reaches the floor at the last step
+        # reaches the floor at the last step
+        progress = min((step - stable_end + 1) / (end - stable_end), 1.0)
         return min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - math.sqrt(progress))
     span = max(total_steps - warmup, 1)
     progress = min((step - warmup) / span, 1.0)
@@ -77,11 +114,23 @@ def lr_factor(
 
 
 def build_scheduler(
-    optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int
+    optimizer: torch.optim.Optimizer,
+    cfg: OptimConfig,
+    total_steps: int,
+    end: ScheduleEnd | None = None,
 ) -> torch.optim.lr_scheduler.LambdaLR:
+    """The lr schedule of `cfg` over `total_steps`; the wsd decay ends where `end` says when
+    it holds a fitted end (read at every step)."""
+    end = end or ScheduleEnd()
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda step: lr_factor(
-            step, total_steps, cfg.warmup_ratio, cfg.min_lr_ratio, cfg.schedule, cfg.decay_ratio
+            step,
+            total_steps,
+            cfg.warmup_ratio,
+            cfg.min_lr_ratio,
+            cfg.schedule,
+            cfg.decay_ratio,
+            end.fitted,
         ),
     )

@@ -59,6 +59,7 @@ from stage2_train.prefetch import DevicePrefetcher
 from stage2_train.resume import resume_run
 from stage2_train.step import load_frozen_head
 from stage2_train.stop import StopRequests, stopped
+from stage2_train.time_fit import TimeFit, restore_fitted
 from stage2_train.trackers import Trackers, check_trackers
 from stage2_train.trainstep import (
     PendingStep,
@@ -187,6 +188,10 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         device=device,
     ) or TrainState(step=0, epoch=0, step_in_epoch=0, stream=cfg.data.follow)
     check_stream_position(state, plan)
+    # a wsd end fitted to an earlier job's time limit holds on (time_fit.py)
+    total_steps = restore_fitted(
+        state, runner.schedule_end, runner.scheduler, cfg.optim, total_steps
+    )
     metrics = MetricsWriter(out / "metrics.jsonl", enabled=ctx.is_main, keep_until=state.step)
     trackers = Trackers(
         cfg.run.report_to if ctx.is_main else [],
@@ -318,6 +323,17 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
     # SIGTERM, a first Ctrl-C or run.time_limit_s: finish the step, checkpoint, exit (stop.py);
     # the loader's workers ignore those signals, so they are stopped here however the loop ends
     stop = StopRequests(cfg.run.time_limit_s, device, ctx.world_size)
+    # optim.fit_time_limit: the wsd decay moved to end, annealed, before that limit
+    fit = TimeFit(
+        cfg.optim,
+        cfg.run.time_limit_s,
+        total_steps,
+        runner.scheduler,
+        runner.schedule_end,
+        first_step=state.step,
+        device=device,
+        world_size=ctx.world_size,
+    )
     saved_step = state.step  # the newest checkpoint's (or 0)
     if isinstance(plan, FollowPlan) and ctx.world_size == 1:
         plan.watch.interrupt = stop.due  # stop while caught up with extraction, too
@@ -403,6 +419,10 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
             if streaming:
                 state.streamed_sequences = plan.streamed(state.step_in_epoch)
             fields.update(step=state.step, epoch=state.epoch)
+            if (fitted := fit.observe(state.step)) is not None:  # the run now stops at its end
+                total_steps = bar.total = state.fit_end = fitted.end
+                state.fit_decay_from = fitted.decay_from
+                fields.update(schedule_end=fitted.end, decay_from=fitted.decay_from)
             if (gc_s := collector.after_step(state.step)) is not None:
                 fields["gc_s"] = gc_s  # inside step_s: the loop's own time, counted
             write_unread(started)  # the previous step's: its kernels came before this step's

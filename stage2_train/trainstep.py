@@ -23,7 +23,7 @@ from stage2_train.config import TrainConfig
 from stage2_train.data import Batch
 from stage2_train.host_copy import HostCopy
 from stage2_train.loss import chunked_block_loss
-from stage2_train.schedule import build_optimizer, build_scheduler
+from stage2_train.schedule import ScheduleEnd, build_optimizer, build_scheduler
 from stage2_train.step import FrozenHead, forward_batch
 
 
@@ -67,7 +67,9 @@ class StepRunner:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optim, device)
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, total_steps)
+        # where the wsd decay ends: a time limit may move it earlier (time_fit.py)
+        self.schedule_end = ScheduleEnd()
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, total_steps, self.schedule_end)
 
     def step(
         self, micro_batches: list[Batch], while_running: Callable[[], None] | None = None

@@ -1,0 +1,217 @@
+"""Fitting the wsd schedule to `run.time_limit_s`, so a run the limit cuts short still ends
+annealed (`optim.fit_time_limit`, on by default).
+
+Without it, a run the limit stops mid-schedule is exported at the peak lr, undecayed: on pystd a
+run stopped at step 4,387 of 7,500 still trained at 8.5e-4 of 2e-3, and lost acceptance to it.
+With it, after every step the trainer projects the last step it will finish before the limit:
+the seconds left (less `SAFETY` of them) over its seconds per step. That rate is the wall time
+between steps, so evaluations, checkpoints and loader waits count in it, taken as the larger of
+the mean since the first `WARM_STEPS` steps of the job (they compile) and the median of the
+last `WINDOW` steps (a sustained slowdown, which a mean is slow to show; a median ignores the
+isolated evaluation). When that projected end E is before the configured last step, the decay
+is planned to end at E, spanning `optim.decay_ratio` of the post-warmup steps to E; when its
+first step is the next one, E is frozen: logged once, recorded in the step's metrics line
+(`schedule_end`, `decay_from`) and in every later checkpoint (`TrainState.fit_end`), and the
+run stops at E, annealed. E never moves after that, whatever the rate does (a decay that was
+re-planned would jump); a resumed run continues the same decay, with or without a limit. Had
+the limit come before E after all, it stops the run as before, mid-decay.
+
+Cosine is left as it is: its decay spans the whole run, so fitting it to a limit would change
+the lr from the first step on, not once the limit is known. With several ranks the ranks agree
+on E (the earliest any of them proposes, one all-reduce per step until frozen, read a step
+late like the stop agreement), so their lrs stay identical.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from time import monotonic  # a module name, so that tests replace the clock
+
+import torch
+import torch.distributed as dist
+
+from common.logging import get_logger
+from stage2_train.checkpoint import TrainState
+from stage2_train.config import OptimConfig
+from stage2_train.host_copy import HostCopy
+from stage2_train.schedule import FittedEnd, ScheduleEnd, warmup_steps, wsd_decay_steps
+
+WARM_STEPS = 10  # steps of each job left unmeasured: the first ones compile (~10 s on a GPU)
+MIN_STEPS = 20  # measured steps before the first projection
+WINDOW = 50  # recent steps whose median step time catches a slowdown
+SAFETY = 0.02  # share of the remaining time left unplanned, for the rate's noise
+
+log = get_logger()
+
+
+class StepRate:
+    """Seconds per step, from the wall clock at the end of each step."""
+
+    def __init__(self, window: int = WINDOW) -> None:
+        self.first: tuple[int, float] | None = None
+        self.last: tuple[int, float] | None = None
+        self.recent: deque[float] = deque(maxlen=window)
+
+    def add(self, step: int, now: float) -> None:
+        if self.last is None:
+            self.first = (step, now)
+        else:
+            self.recent.append((now - self.last[1]) / (step - self.last[0]))
+        self.last = (step, now)
+
+    @property
+    def steps(self) -> int:
+        """Steps measured so far."""
+        return 0 if self.last is None else self.last[0] - self.first[0]
+
+    def seconds_per_step(self) -> float:
+        mean = (self.last[1] - self.first[1]) / self.steps
+        return max(mean, statistics.median(self.recent))
+
+
+def projected_end(step: int, seconds_left: float, seconds_per_step: float) -> int:
+    """The last step finished before the limit, after step `step`, at this rate."""
+    return step + math.floor(max(seconds_left, 0.0) * (1.0 - SAFETY) / seconds_per_step)
+
+
+def decay_from(end: int, total_steps: int, cfg: OptimConfig) -> int:
+    """The first decayed step of a wsd run ending at `end` (the warmup stays total_steps')."""
+    warmup = warmup_steps(total_steps, cfg.warmup_ratio)
+    return end - wsd_decay_steps(end, warmup, cfg.decay_ratio) + 1
+
+
+def freeze_due(step: int, projected: int, total_steps: int, cfg: OptimConfig) -> bool:
+    """After step `step`: the run, projected to end at `projected`, should decay from the next
+    step on (a projection at or past total_steps changes nothing)."""
+    return projected < total_steps and decay_from(projected, total_steps, cfg) <= step + 1
+
+
+def frozen_end(step: int, projected: int, total_steps: int, cfg: OptimConfig) -> FittedEnd:
+    """The shortened schedule, frozen after step `step`: decay from the next step (or from the
+    planned step, when the projection came late), ending at `projected`. Already decaying
+    toward total_steps, the decay keeps its start and only ends sooner; the lr never rises."""
+    configured = decay_from(total_steps, total_steps, cfg)
+    first = max(
+        decay_from(projected, total_steps, cfg),
+        min(step + 1, configured),
+        warmup_steps(total_steps, cfg.warmup_ratio) + 1,
+    )
+    return FittedEnd(end=max(projected, first, step + 1), decay_from=first)
+
+
+def refresh_lr(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
+    """Set the next step's lr from the lambdas as they read now: LambdaLR computed it at its
+    last step(), before the end moved (the same expression as LambdaLR.get_lr)."""
+    groups = scheduler.optimizer.param_groups
+    factors = zip(groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
+    for group, base, factor in factors:
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in groups]
+
+
+class TimeFit:
+    """Watches the step rate and freezes the wsd end once (see the module docstring); inactive
+    (observe() returns None at once) without wsd, a time limit or optim.fit_time_limit, or once
+    an end is fitted. Built where the time limit starts counting (beside StopRequests)."""
+
+    def __init__(
+        self,
+        cfg: OptimConfig,
+        time_limit_s: float | None,
+        total_steps: int,
+        scheduler: torch.optim.lr_scheduler.LambdaLR,
+        end: ScheduleEnd,
+        *,
+        first_step: int,
+        device: torch.device,
+        world_size: int,
+    ) -> None:
+        self.cfg, self.total_steps, self.scheduler, self.end = cfg, total_steps, scheduler, end
+        self.device, self.world_size = device, world_size
+        self.active = (
+            cfg.schedule == "wsd"
+            and cfg.fit_time_limit
+            and time_limit_s is not None
+            and end.fitted is None
+        )
+        # the limit counts from here, as StopRequests' does (built beside it)
+        self.deadline = monotonic() + time_limit_s if self.active else math.inf
+        self.measure_from = first_step + WARM_STEPS
+        self.rate = StepRate()
+        self._agreed: HostCopy | None = None  # several ranks: the last call's agreement
+
+    def observe(self, step: int) -> FittedEnd | None:
+        """After step `step`, before the next is queued: the end, when frozen now (the lambda
+        and the next step's lr already follow it), else None. Every rank calls it every step."""
+        if not self.active or step < self.measure_from:
+            return None
+        now = monotonic()
+        self.rate.add(step, now)
+        proposed = self.total_steps  # none
+        if self.rate.steps >= MIN_STEPS:
+            seconds_left = self.deadline - now
+            projected = projected_end(step, seconds_left, self.rate.seconds_per_step())
+            if freeze_due(step, projected, self.total_steps, self.cfg):
+                proposed = projected
+        agreed = self._agree(proposed)
+        if agreed >= self.total_steps:
+            return None
+        fitted = frozen_end(step, agreed, self.total_steps, self.cfg)
+        self.end.fitted = fitted
+        refresh_lr(self.scheduler)
+        self.active = False
+        log.info(
+            "time limit: schedule shortened to end at step %d, decay from step %d "
+            "(%.3f s/step, %.0f s left of run.time_limit_s; optim.fit_time_limit)",
+            fitted.end,
+            fitted.decay_from,
+            self.rate.seconds_per_step(),
+            self.deadline - now,
+        )
+        return fitted
+
+    def _agree(self, proposed: int) -> int:
+        """The earliest end any rank proposed, as agreed at the previous call (the ranks'
+        clocks differ; their lrs must not): one all-reduce, read a step late so the host does
+        not wait for the step's kernels. One rank: its own proposal, at once."""
+        if self.world_size == 1 or not dist.is_initialized():
+            return proposed
+        value = torch.full((1,), proposed, dtype=torch.int64, device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+        previous, self._agreed = self._agreed, HostCopy(value)
+        return int(previous.read().item()) if previous is not None else self.total_steps
+
+
+def restore_fitted(
+    state: TrainState,
+    end: ScheduleEnd,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    cfg: OptimConfig,
+    total_steps: int,
+) -> int:
+    """Put a resumed run's frozen end back in force (its checkpoint's train state) and return
+    the run's last step: the frozen end, or total_steps when sooner (a config change).
+    Dropped, with a log line, when the resumed config no longer fits wsd to a limit."""
+    if state.fit_end is None:
+        return total_steps
+    if cfg.schedule != "wsd" or not cfg.fit_time_limit:
+        log.info(
+            "resume: the schedule's end at step %d, fitted to a time limit, is dropped "
+            "(optim.schedule=%s, optim.fit_time_limit=%s)",
+            state.fit_end,
+            cfg.schedule,
+            cfg.fit_time_limit,
+        )
+        state.fit_end = state.fit_decay_from = None
+        refresh_lr(scheduler)
+        return total_steps
+    end.fitted = FittedEnd(end=state.fit_end, decay_from=state.fit_decay_from)
+    refresh_lr(scheduler)  # as saved; a config change applied on resume computed it without
+    log.info(
+        "time limit: schedule ends at step %d, decay from step %d (fitted before this resume)",
+        state.fit_end,
+        state.fit_decay_from,
+    )
+    return min(total_steps, state.fit_end)
