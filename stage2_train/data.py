@@ -277,7 +277,7 @@ def collate(items: list[dict[str, Any]], mask_tables: bool = True, narrow: bool 
     every padding anchor (-1) behind the real ones, as the attention mask expects; then build
     that mask's tile tables (on CPU, in the loader's worker) unless `mask_tables` is False
     (the dense SDPA path reads no tables: it builds its mask from the anchors), cut to the
-    static `narrow_widths` of this layout when `narrow` (DFLASH_NARROW_MASK=1)."""
+    static `narrow_widths` of this layout when `narrow` (default; DFLASH_NARROW_MASK=0: full)."""
     S = items[0]["tokens_S"].shape[0]
     doc_parts, anchor_parts, next_doc = [], [], 0
     for i, item in enumerate(items):

@@ -1,4 +1,4 @@
-"""Static widths of narrow BlockMask index tables (stage2_train/masks.py, DFLASH_NARROW_MASK=1).
+"""Static widths of narrow BlockMask index tables (stage2_train/masks.py, the default).
 
 The loader lays a batch's sequences end to end as one sequence, so a full index table is
 [query tiles x key tiles] of the whole batch, although a query tile sees key tiles of its own

@@ -16,8 +16,8 @@ collate: O(A + QT * KT), ~50 ms of one slow core at 8 x 3,072 tokens and 4,096 b
 17 ms at 128-token tiles), and `block_mask_from_tables` assembles the BlockMask on
 the device without launching a kernel.
 
-Narrow tables (``DFLASH_NARROW_MASK=1``, off until bench/flex_gate.py's narrow case passes on
-the GPU): the batch is one concatenated sequence, so the index lists are [QT, KT] over the
+Narrow tables (the default; ``DFLASH_NARROW_MASK=0`` builds full ones; bench/flex_gate.py's
+narrow case, bitwise equal to full tables on the H200 with torch 2.11, checks a new torch): the batch is one concatenated sequence, so the index lists are [QT, KT] over the
 whole batch, although a query tile only ever sees key tiles of its own sequences and a key
 tile only query tiles of its own sequence. flex_attention's GPU kernels read only the first
 ``num_blocks[row]`` entries of a row, so collate cuts the lists to the static `narrow_widths`
@@ -50,8 +50,9 @@ def _tile_from_env() -> int:
 
 
 def _narrow_from_env() -> bool:
-    """DFLASH_NARROW_MASK=1: collate builds the tables at `narrow_widths` (default 0, full)."""
-    value = os.environ.get("DFLASH_NARROW_MASK", "0")
+    """Collate builds the tables at `narrow_widths` (default, DFLASH_NARROW_MASK=1) or at full
+    width (DFLASH_NARROW_MASK=0, for a torch whose flex kernels bench/flex_gate.py rejects)."""
+    value = os.environ.get("DFLASH_NARROW_MASK", "1")
     if value not in ("0", "1"):
         raise ValueError(f"DFLASH_NARROW_MASK must be 0 or 1, got {value!r}")
     return value == "1"

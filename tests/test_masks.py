@@ -3,7 +3,7 @@
 Covers the peer bugs of notes/dflash.md: `<=` anchor leak, cross-block leak when anchors are
 closer than the block size, document leak, padding, H = num_heads BlockMasks; the tile
 tables the loader builds on CPU (collate) against create_block_mask and the device path; and
-narrow tables (DFLASH_NARROW_MASK=1) against full ones, with their static width's worst cases.
+narrow tables (default; DFLASH_NARROW_MASK=0: full) against full ones, with their static width's worst cases.
 
 Legend: S context tokens, A anchors, B block size, Q = A*B queries, KV = S + Q keys.
 """
@@ -271,7 +271,7 @@ def test_collate_tables_equal_device_built_and_create_block_mask(bsz: int, seed:
     _assert_kernel_sees(assembled, dense)
 
 
-# --- Narrow tables (DFLASH_NARROW_MASK=1): index lists cut to a static width ---
+# --- Narrow tables (default; DFLASH_NARROW_MASK=0: full): index lists cut to a static width ---
 
 SIDES = (  # (num_blocks, indices) pairs and the side whose width bounds them
     ("kv_num_blocks", "kv_indices", 0),
@@ -445,9 +445,9 @@ def test_narrow_mask_env(monkeypatch: pytest.MonkeyPatch) -> None:
     from stage2_train import masks
 
     monkeypatch.delenv("DFLASH_NARROW_MASK", raising=False)
-    assert masks._narrow_from_env() is False
-    monkeypatch.setenv("DFLASH_NARROW_MASK", "1")
     assert masks._narrow_from_env() is True
+    monkeypatch.setenv("DFLASH_NARROW_MASK", "0")
+    assert masks._narrow_from_env() is False
     monkeypatch.setenv("DFLASH_NARROW_MASK", "yes")
     with pytest.raises(ValueError, match="DFLASH_NARROW_MASK must be 0 or 1"):
         masks._narrow_from_env()
