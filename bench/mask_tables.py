@@ -1,8 +1,8 @@
 """CPU cost of one batch's attention-mask tables as the loader's workers build them (collate):
 build time on one thread and bytes, full [QT, KT] index lists against narrow ones
-(`mask_widths.narrow_widths`, the default), at the recipe's shape (sequences of
-3,072 tokens packing documents of 1/8 to 3/10 of a sequence, 512 anchors of 16 each). One JSON line per
-batch size on stdout:
+(`mask_widths.narrow_widths`, the default), at the recipe's shape (sequences of 3,072
+tokens packing documents of 1/8 to 3/10 of a sequence, 512 anchors of 16 each). One JSON
+line per batch size on stdout:
 
     python bench/mask_tables.py                      # 8 and 16 sequences, 64-token tiles
     python bench/mask_tables.py --sequences 8 --tile 128

@@ -3,7 +3,8 @@
 Covers the peer bugs of notes/dflash.md: `<=` anchor leak, cross-block leak when anchors are
 closer than the block size, document leak, padding, H = num_heads BlockMasks; the tile
 tables the loader builds on CPU (collate) against create_block_mask and the device path; and
-narrow tables (default; DFLASH_NARROW_MASK=0: full) against full ones, with their static width's worst cases.
+narrow tables (default; DFLASH_NARROW_MASK=0: full) against full ones, with their static
+width's worst cases.
 
 Legend: S context tokens, A anchors, B block size, Q = A*B queries, KV = S + Q keys.
 """
