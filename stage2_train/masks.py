@@ -18,8 +18,9 @@ the device without launching a kernel.
 
 Narrow tables (the default; ``DFLASH_NARROW_MASK=0`` builds full ones; bench/flex_gate.py's
 narrow case, bitwise equal to full tables on the H200 with torch 2.11, checks a new torch):
-the batch is one concatenated sequence, so the index lists are [QT, KT] over the whole batch, although a query tile only ever sees key tiles of its own sequences and a key
-tile only query tiles of its own sequence. flex_attention's GPU kernels read only the first
+the batch is one concatenated sequence, so the index lists are [QT, KT] over the whole batch,
+although a query tile only ever sees key tiles of its own sequences and a key tile only query
+tiles of its own sequence. flex_attention's GPU kernels read only the first
 ``num_blocks[row]`` entries of a row, so collate cuts the lists to the static `narrow_widths`
 (23 MB -> 3 MB a batch at 8 x 3,072 tokens, 64-token tiles), each row's tiles then zeros.
 
