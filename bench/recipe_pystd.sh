@@ -87,10 +87,16 @@ variant() {  # $1 = name, $2 = GPU, the rest: train --set arguments
     # steps; rerunning with STAGES=train,... resumes), so a device call ends in its limit
     local limit=$TRAIN_LIMIT_S
     [ -n "${TRAIN_DEADLINE:-}" ] && limit=$(( TRAIN_DEADLINE - $(date +%s) ))
+    # the trainer's own limit comes TRAIN_MARGIN_S earlier (its loop starts after the store
+    # and model are set up, and the last evaluation, checkpoint and export follow it): it stops
+    # cleanly, and a wsd schedule ends its decay there (optim.fit_time_limit) instead of the
+    # signal cutting it at peak lr
+    local own_limit=$(( limit - ${TRAIN_MARGIN_S:-150} ))
+    (( own_limit < 60 )) && own_limit=60
     # shellcheck disable=SC2068
     timeout "$limit" dflash train --config "$CFG" --store "$WORK/store" \
       --out "$WORK/run-$name" --devices "$gpu" --set run.progress=false \
-      --set data.dev_store="$WORK/dev-store" $@ \
+      --set run.time_limit_s="$own_limit" --set data.dev_store="$WORK/dev-store" $@ \
       >> "$OUT/$name-train.log" 2>&1 || echo "$name: train stopped (limit or error)" >> "$OUT/$name-train.log"
     if has evaluate && [ ! -f "$WORK/run-$name/export/model.safetensors" ]; then
       dflash export "$WORK/run-$name" >> "$OUT/$name-train.log" 2>&1
