@@ -92,12 +92,14 @@ class TrainState:
     # streamed_sequences says what it consumed: sequences [0, n) of the store, all ranks.
     stream: bool = False
     streamed_sequences: int = 0
-    # optim.fit_time_limit (stage2_train/time_fit.py): the wsd end a time limit moved earlier,
-    # and its decay's first step; None until then. A resume continues that decay as planned.
+    # optim.fit_time_limit (stage2_train/time_fit.py): the end a time limit moved earlier, the
+    # first step of the curve fitted to it, and (cosine only; None for wsd) the cosine's
+    # progress the step before; None until then. A resume continues that curve as planned.
     fit_end: int | None = None
     fit_decay_from: int | None = None
+    fit_progress: float | None = None
 
-    def to_dict(self) -> dict[str, int | None]:
+    def to_dict(self) -> dict[str, int | float | None]:
         return dict(self.__dict__)
 
 

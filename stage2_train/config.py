@@ -113,10 +113,12 @@ class OptimConfig:
     decay_ratio: float = doc(0.2, "wsd: share of the steps after warmup spent decaying")
     fit_time_limit: bool = doc(
         True,
-        "wsd with run.time_limit_s: when the measured step rate says the limit comes before "
-        "the last step, end the schedule at the last step that fits (decay included) and stop "
-        "there, annealed, instead of at the limit mid-schedule; decided once, when the "
-        "shortened decay begins, and kept by checkpoints (stage2_train/time_fit.py)",
+        "with run.time_limit_s: when the measured step rate says the limit comes before "
+        "the last step, end the schedule at the last step that fits and stop there, annealed, "
+        "instead of at the limit mid-schedule. wsd: its decay moved there, decided once, when "
+        "it begins; cosine: the rest of the cosine re-mapped onto the steps left from the "
+        "current lr, at the first projection that falls short and again after a slowdown. "
+        "Kept by checkpoints (stage2_train/time_fit.py)",
     )
     grad_clip: float = doc(1.0, "max global gradient norm (0 = off)")
     epochs: int = doc(6, "passes over the training sequences")

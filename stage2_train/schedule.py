@@ -4,8 +4,9 @@ decay (`optim.schedule=cosine`) or warmup-stable-decay (`wsd`: the peak lr until
 matched cosine's final loss in Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training
 Beyond Fixed Training Durations"). Why wsd: on pystd the dev acceptance rose most in cosine's
 low-lr tail (BENCHMARKS.md, eleventh session); wsd gives that tail a set share of the steps.
-Under `run.time_limit_s` the wsd end may be moved earlier once, to the last step the limit
-leaves room for (`ScheduleEnd`, stage2_train/time_fit.py), so a stopped run ends annealed.
+Under `run.time_limit_s` the end may be moved earlier, to the last step the limit leaves
+room for (`ScheduleEnd`, stage2_train/time_fit.py), so a stopped run ends annealed: wsd's decay
+once, cosine's remaining decay re-mapped onto the steps left.
 
 Numerics: parameters live in the parameter dtype of `run.dtype`, and AdamW's moment buffers
 take the parameters' dtype. `mixed` (the default) keeps fp32 master weights and fp32 AdamW
@@ -57,16 +58,20 @@ def build_optimizer(
 
 @dataclass(frozen=True)
 class FittedEnd:
-    """A wsd schedule shortened to a time limit (1-based steps, as metrics.jsonl counts them):
-    the peak lr until step `decay_from` - 1, the floor at step `end`."""
+    """A schedule shortened to a time limit (1-based steps, as metrics.jsonl counts them): the
+    floor at step `end`, a new curve from step `decay_from` on. wsd (`progress` None): the peak
+    lr until step `decay_from` - 1, then its decay. cosine: from step `decay_from` - 1, where
+    the cosine's progress was `progress`, the progress runs linearly to 1 at `end`; the steps
+    before keep the configured curve."""
 
     end: int
     decay_from: int
+    progress: float | None = None
 
 
 @dataclass
 class ScheduleEnd:
-    """Where the wsd decay ends, as the lr lambda reads it at every step: `fitted` None is the
+    """Where the decay ends, as the lr lambda reads it at every step: `fitted` None is the
     configured end (optim.max_steps or the epochs). Mutable because LambdaLR keeps the lambda
     it was built with, and a resume rebuilds that lambda from the config (time_fit.py)."""
 
@@ -93,7 +98,7 @@ def lr_factor(
     fitted: FittedEnd | None = None,
 ) -> float:
     """Multiplier of the peak lr at optimizer step `step` (0-based) of `total_steps`; `fitted`
-    (wsd only) moves the decay to end earlier, keeping the warmup of `total_steps`."""
+    moves the decay to end earlier, keeping the warmup of `total_steps`."""
     warmup = warmup_steps(total_steps, warmup_ratio)
     if step < warmup:
         return (step + 1) / warmup
@@ -108,9 +113,21 @@ def lr_factor(
         # reaches the floor at the last step
         progress = min((step - stable_end + 1) / (end - stable_end), 1.0)
         return min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - math.sqrt(progress))
-    span = max(total_steps - warmup, 1)
-    progress = min((step - warmup) / span, 1.0)
+    progress = cosine_progress(step, total_steps, warmup, fitted)
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def cosine_progress(step: int, total_steps: int, warmup: int, fitted: FittedEnd | None) -> float:
+    """Share of the cosine decay done at optimizer step `step` (0-based, past the `warmup`
+    steps): 1 at step `total_steps` (one past the last), or, fitted, at the last step."""
+    anchor = None if fitted is None else fitted.decay_from - 1  # 1-based
+    if anchor is not None and step + 1 >= anchor:
+        # linear in the step from the progress at the anchor: the lr is continuous there and
+        # falls at a constant pace in progress, as the configured cosine does, to the floor
+        share = (step + 1 - anchor) / (fitted.end - anchor)
+        return min(fitted.progress + share * (1.0 - fitted.progress), 1.0)
+    span = max(total_steps - warmup, 1)
+    return min((step - warmup) / span, 1.0)
 
 
 def build_scheduler(
@@ -119,8 +136,8 @@ def build_scheduler(
     total_steps: int,
     end: ScheduleEnd | None = None,
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """The lr schedule of `cfg` over `total_steps`; the wsd decay ends where `end` says when
-    it holds a fitted end (read at every step)."""
+    """The lr schedule of `cfg` over `total_steps`; the decay ends where `end` says when it
+    holds a fitted end (read at every step)."""
     end = end or ScheduleEnd()
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer,

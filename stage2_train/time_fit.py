@@ -1,25 +1,34 @@
-"""Fitting the wsd schedule to `run.time_limit_s`, so a run the limit cuts short still ends
-annealed (`optim.fit_time_limit`, on by default).
+"""Fitting the lr schedule to `run.time_limit_s`, so a run the limit cuts short still ends
+annealed (`optim.fit_time_limit`, on by default), under wsd and cosine alike.
 
-Without it, a run the limit stops mid-schedule is exported at the peak lr, undecayed: on pystd a
-run stopped at step 4,387 of 7,500 still trained at 8.5e-4 of 2e-3, and lost acceptance to it.
-With it, after every step the trainer projects the last step it will finish before the limit:
-the seconds left (less `SAFETY` of them) over its seconds per step. That rate is the wall time
-between steps, so evaluations, checkpoints and loader waits count in it, taken as the larger of
-the mean since the first `WARM_STEPS` steps of the job (they compile) and the median of the
-last `WINDOW` steps (a sustained slowdown, which a mean is slow to show; a median ignores the
-isolated evaluation). When that projected end E is before the configured last step, the decay
-is planned to end at E, spanning `optim.decay_ratio` of the post-warmup steps to E; when its
-first step is the next one, E is frozen: logged once, recorded in the step's metrics line
+Without it, a run the limit stops mid-schedule is exported at a high lr, unannealed: on pystd a
+cosine run stopped at step 4,387 of 7,500 still trained at 8.5e-4 of 2e-3, and lost acceptance
+to it. With it, after every step the trainer projects the last step it will finish before the
+limit: the seconds left (less `SAFETY` of them) over its seconds per step. That rate is the
+wall time between steps, so evaluations, checkpoints and loader waits count in it, taken as the
+larger of the mean since the first `WARM_STEPS` steps of the job (they compile) and the median
+of the last `WINDOW` steps (a sustained slowdown, which a mean is slow to show; a median
+ignores the isolated evaluation). When that projected end E is before the schedule's end, the
+schedule is shortened to end at E (`FittedEnd`): logged, recorded in the step's metrics line
 (`schedule_end`, `decay_from`) and in every later checkpoint (`TrainState.fit_end`), and the
-run stops at E, annealed. E never moves after that, whatever the rate does (a decay that was
-re-planned would jump); a resumed run continues the same decay, with or without a limit. Had
-the limit come before E after all, it stops the run as before, mid-decay.
+run stops at E, annealed; a resumed run continues the same curve, with or without a limit.
 
-Cosine is left as it is: its decay spans the whole run, so fitting it to a limit would change
-the lr from the first step on, not once the limit is known. With several ranks the ranks agree
-on E (the earliest any of them proposes, one all-reduce per step until frozen, read a step
-late like the stop agreement), so their lrs stay identical.
+- wsd: the decay is planned over `optim.decay_ratio` of the post-warmup steps to E, and E is
+  frozen when that decay is due to start; it never moves after that (a decay re-planned would
+  jump). Had the limit come before E after all, it stops the run as before, mid-decay.
+- cosine decays from the warmup on, so it is fitted at the first projection that falls short
+  (the first comes after `MIN_STEPS` measured steps): from the step just run, k, where its
+  progress (the share of the decay done) was p, the rest of the cosine is re-mapped onto the
+  steps to E: the progress at step s is p + (s - k) / (E - k) * (1 - p), continuous at k and
+  1 (the floor) at E. Decided during the warmup, the warmup runs as configured and the
+  re-mapped cosine starts at its first step (p = 0, the peak). A later projection that falls
+  short of E by more than `REFIT_MARGIN` of the steps left re-maps again, the same way from
+  the step just run (the lr stays continuous and never rises); one short by less is the
+  rate's noise, and a longer one never moves E later (the decay already done is not undone).
+
+With several ranks the ranks agree on E (the earliest any of them proposes, one all-reduce
+per step while the fit may still move, read a step late like the stop agreement), so their
+lrs stay identical.
 """
 
 from __future__ import annotations
@@ -36,12 +45,19 @@ from common.logging import get_logger
 from stage2_train.checkpoint import TrainState
 from stage2_train.config import OptimConfig
 from stage2_train.host_copy import HostCopy
-from stage2_train.schedule import FittedEnd, ScheduleEnd, warmup_steps, wsd_decay_steps
+from stage2_train.schedule import (
+    FittedEnd,
+    ScheduleEnd,
+    cosine_progress,
+    warmup_steps,
+    wsd_decay_steps,
+)
 
 WARM_STEPS = 10  # steps of each job left unmeasured: the first ones compile (~10 s on a GPU)
 MIN_STEPS = 20  # measured steps before the first projection
 WINDOW = 50  # recent steps whose median step time catches a slowdown
 SAFETY = 0.02  # share of the remaining time left unplanned, for the rate's noise
+REFIT_MARGIN = 0.02  # cosine: share of the steps left a projection must fall short by
 
 log = get_logger()
 
@@ -101,6 +117,34 @@ def frozen_end(step: int, projected: int, total_steps: int, cfg: OptimConfig) ->
     return FittedEnd(end=max(projected, first, step + 1), decay_from=first)
 
 
+def refitted_cosine(
+    step: int,
+    projected: int,
+    total_steps: int,
+    cfg: OptimConfig,
+    current: FittedEnd | None,
+) -> FittedEnd | None:
+    """The cosine re-mapped after step `step` to end at `projected` (from `current`, the curve
+    in force: None is the configured one), or None when that is not short enough of the end in
+    force: the first fit whenever it is sooner, a later one when sooner by more than
+    REFIT_MARGIN of the steps left, so that the rate's noise re-maps nothing. `total_steps` is
+    the configured end; a resumed fitted run passes its fitted end instead, unread then: the
+    fitted curve covers every step from its anchor on, and the anchor only moves later."""
+    if current is None:
+        end, margin = total_steps, 0.0
+        # in the warmup, the cosine's first step: the warmup runs as configured
+        anchor = max(step, warmup_steps(total_steps, cfg.warmup_ratio) + 1)
+    else:
+        end, margin = current.end, REFIT_MARGIN * (current.end - step)
+        anchor = max(step, current.decay_from - 1)
+    fitted_end = max(projected, anchor + 1)  # a step at least, past the limit if need be
+    if fitted_end >= end - margin:
+        return None
+    warmup = warmup_steps(total_steps, cfg.warmup_ratio)
+    progress = cosine_progress(anchor - 1, total_steps, warmup, current)
+    return FittedEnd(end=fitted_end, decay_from=anchor + 1, progress=progress)
+
+
 def refresh_lr(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
     """Set the next step's lr from the lambdas as they read now: LambdaLR computed it at its
     last step(), before the end moved (the same expression as LambdaLR.get_lr)."""
@@ -111,10 +155,21 @@ def refresh_lr(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
     scheduler._last_lr = [group["lr"] for group in groups]
 
 
+def describe(fitted: FittedEnd) -> str:
+    """Where the fitted curve starts, for the log."""
+    if fitted.progress is None:
+        return f"decay from step {fitted.decay_from}"
+    return (
+        f"cosine re-mapped from step {fitted.decay_from} on (progress {fitted.progress:.4f} "
+        f"at step {fitted.decay_from - 1})"
+    )
+
+
 class TimeFit:
-    """Watches the step rate and freezes the wsd end once (see the module docstring); inactive
-    (observe() returns None at once) without wsd, a time limit or optim.fit_time_limit, or once
-    an end is fitted. Built where the time limit starts counting (beside StopRequests)."""
+    """Watches the step rate and moves the schedule's end (see the module docstring); inactive
+    (observe() returns None at once) without a time limit or optim.fit_time_limit, and under
+    wsd once an end is fitted. Built where the time limit starts counting (beside
+    StopRequests); `total_steps` is the run's end as the trainer has it."""
 
     def __init__(
         self,
@@ -131,10 +186,9 @@ class TimeFit:
         self.cfg, self.total_steps, self.scheduler, self.end = cfg, total_steps, scheduler, end
         self.device, self.world_size = device, world_size
         self.active = (
-            cfg.schedule == "wsd"
-            and cfg.fit_time_limit
+            cfg.fit_time_limit
             and time_limit_s is not None
-            and end.fitted is None
+            and not (cfg.schedule == "wsd" and end.fitted is not None)
         )
         # the limit counts from here, as StopRequests' does (built beside it)
         self.deadline = monotonic() + time_limit_s if self.active else math.inf
@@ -142,8 +196,17 @@ class TimeFit:
         self.rate = StepRate()
         self._agreed: HostCopy | None = None  # several ranks: the last call's agreement
 
+    def plan(self, step: int, projected: int) -> FittedEnd | None:
+        """The end to move to after step `step`, the run projected to end at `projected`; None
+        when nothing is due."""
+        if self.cfg.schedule == "wsd":
+            if not freeze_due(step, projected, self.total_steps, self.cfg):
+                return None
+            return frozen_end(step, projected, self.total_steps, self.cfg)
+        return refitted_cosine(step, projected, self.total_steps, self.cfg, self.end.fitted)
+
     def observe(self, step: int) -> FittedEnd | None:
-        """After step `step`, before the next is queued: the end, when frozen now (the lambda
+        """After step `step`, before the next is queued: the end, when moved now (the lambda
         and the next step's lr already follow it), else None. Every rank calls it every step."""
         if not self.active or step < self.measure_from:
             return None
@@ -153,20 +216,24 @@ class TimeFit:
         if self.rate.steps >= MIN_STEPS:
             seconds_left = self.deadline - now
             projected = projected_end(step, seconds_left, self.rate.seconds_per_step())
-            if freeze_due(step, projected, self.total_steps, self.cfg):
+            if self.plan(step, projected) is not None:
                 proposed = projected
         agreed = self._agree(proposed)
-        if agreed >= self.total_steps:
+        # planned again from the agreed end, alike on every rank: a proposal read a step late
+        # and made stale by a move in between plans nothing (one rank: the plan above)
+        fitted = self.plan(step, agreed) if agreed < self.total_steps else None
+        if fitted is None:
             return None
-        fitted = frozen_end(step, agreed, self.total_steps, self.cfg)
+        was = self.end.fitted.end if self.end.fitted is not None else self.total_steps
         self.end.fitted = fitted
         refresh_lr(self.scheduler)
-        self.active = False
+        self.active = self.cfg.schedule != "wsd"  # a wsd decay, once begun, stays
         log.info(
-            "time limit: schedule shortened to end at step %d, decay from step %d "
-            "(%.3f s/step, %.0f s left of run.time_limit_s; optim.fit_time_limit)",
+            "time limit: schedule shortened to end at step %d, %s (was step %d; %.3f s/step, "
+            "%.0f s left of run.time_limit_s; optim.fit_time_limit)",
             fitted.end,
-            fitted.decay_from,
+            describe(fitted),
+            was,
             self.rate.seconds_per_step(),
             self.deadline - now,
         )
@@ -191,27 +258,31 @@ def restore_fitted(
     cfg: OptimConfig,
     total_steps: int,
 ) -> int:
-    """Put a resumed run's frozen end back in force (its checkpoint's train state) and return
-    the run's last step: the frozen end, or total_steps when sooner (a config change).
-    Dropped, with a log line, when the resumed config no longer fits wsd to a limit."""
+    """Put a resumed run's fitted end back in force (its checkpoint's train state) and return
+    the run's last step: the fitted end, or total_steps when sooner (a config change).
+    Dropped, with a log line, when the resumed config no longer fits its schedule to a limit
+    (a cosine fit carries a progress, a wsd one none)."""
     if state.fit_end is None:
         return total_steps
-    if cfg.schedule != "wsd" or not cfg.fit_time_limit:
+    fitted_for = "wsd" if state.fit_progress is None else "cosine"
+    if cfg.schedule != fitted_for or not cfg.fit_time_limit:
         log.info(
-            "resume: the schedule's end at step %d, fitted to a time limit, is dropped "
-            "(optim.schedule=%s, optim.fit_time_limit=%s)",
+            "resume: the schedule's end at step %d, fitted to a time limit under %s, is "
+            "dropped (optim.schedule=%s, optim.fit_time_limit=%s)",
             state.fit_end,
+            fitted_for,
             cfg.schedule,
             cfg.fit_time_limit,
         )
-        state.fit_end = state.fit_decay_from = None
+        state.fit_end = state.fit_decay_from = state.fit_progress = None
         refresh_lr(scheduler)
         return total_steps
-    end.fitted = FittedEnd(end=state.fit_end, decay_from=state.fit_decay_from)
+    fitted = FittedEnd(state.fit_end, state.fit_decay_from, state.fit_progress)
+    end.fitted = fitted
     refresh_lr(scheduler)  # as saved; a config change applied on resume computed it without
     log.info(
-        "time limit: schedule ends at step %d, decay from step %d (fitted before this resume)",
-        state.fit_end,
-        state.fit_decay_from,
+        "time limit: schedule ends at step %d, %s (fitted before this resume)",
+        fitted.end,
+        describe(fitted),
     )
     return min(total_steps, state.fit_end)

@@ -67,7 +67,7 @@ class StepRunner:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optim, device)
-        # where the wsd decay ends: a time limit may move it earlier (time_fit.py)
+        # where the decay ends: a time limit may move it earlier (time_fit.py)
         self.schedule_end = ScheduleEnd()
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, total_steps, self.schedule_end)
 

@@ -1,12 +1,14 @@
-"""optim.fit_time_limit: under run.time_limit_s a wsd run projects the last step it can finish
-and, when that comes before its configured end, decays to it and stops there annealed; the
-decision is frozen once and carried by checkpoints. The clock is a fake one (no timing)."""
+"""optim.fit_time_limit: under run.time_limit_s a run projects the last step it can finish
+and, when that comes before its end, stops there annealed: wsd decays to it (frozen once),
+cosine re-maps the rest of its decay onto the steps left (again when a slowdown shortens it);
+checkpoints carry the decisions. The clock is a fake one (no timing)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,8 @@ from stage2_train.train import run_train
 
 DEBUG = Path(__file__).parents[1] / "configs" / "debug.yaml"
 WSD = OptimConfig(lr=0.1, schedule="wsd", warmup_ratio=0.04, decay_ratio=0.2, min_lr_ratio=0.1)
+# a 10-step warmup at 1000 steps: the rate is known (step 30) after it
+COSINE = OptimConfig(lr=0.1, schedule="cosine", warmup_ratio=0.01, min_lr_ratio=0.1)
 
 
 class FakeClock:
@@ -59,17 +63,22 @@ def old_lr_factor(step, total, warmup_ratio, min_lr_ratio, schedule="cosine", de
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def shape(cfg: OptimConfig) -> tuple[float, float, str, float]:
+    """old_lr_factor's arguments after the step and the total."""
+    return cfg.warmup_ratio, cfg.min_lr_ratio, cfg.schedule, cfg.decay_ratio
+
+
 def fitted_run(
     clock: FakeClock,
     cfg: OptimConfig,
     total: int,
     limit: float | None,
-    s_per_step: float,
+    s_per_step: float | Callable[[int], float],
     world: int = 1,
 ) -> tuple[list[float], TimeFit, dict[int, FittedEnd]]:
-    """Scheduler steps (no model) to the end, the clock moving `s_per_step` a step: the lr of
-    every step (1-based step = list index + 1), the planner, and what observe() returned, by
-    step."""
+    """Scheduler steps (no model) to the end, the clock moving `s_per_step` a step (or
+    `s_per_step(step)`): the lr of every step (1-based step = list index + 1), the planner, and
+    what observe() returned, by step."""
     model = torch.nn.Linear(2, 2)
     optimizer = build_optimizer(list(model.parameters()), cfg, torch.device("cpu"))
     end = ScheduleEnd()
@@ -89,7 +98,7 @@ def fitted_run(
         lrs.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         scheduler.step()
-        clock.now += s_per_step
+        clock.now += s_per_step(step) if callable(s_per_step) else s_per_step
         if (fitted := fit.observe(step)) is not None:
             frozen[step] = fitted
             total = fitted.end
@@ -157,22 +166,25 @@ def test_without_a_limit_the_schedule_is_the_same_as_before(
         lrs, fit, frozen = fitted_run(clock, cfg, 200, limit=None, s_per_step=1.0)
         assert not fit.active and frozen == {}
         assert lrs == [0.1 * old_lr_factor(s, 200, 0.04, 0.05, schedule, 0.3) for s in range(200)]
+    cases = [(0.1, 0.1), (0.04, 0.0, "cosine", 0.2), (0.0, 0.3, "cosine", 0.5)]
+    cases += [(0.04, 0.0, "wsd", 1 / 3), (0.0, 0.2, "wsd", 1.0)]
     for total in (1, 7, 100, 1001):  # the bare factor too, exactly
         for step in range(0, total + 2, max(total // 50, 1)):
-            for args in ((0.1, 0.1), (0.04, 0.0, "wsd", 1 / 3), (0.0, 0.2, "wsd", 1.0)):
+            for args in cases:
                 assert lr_factor(step, total, *args) == old_lr_factor(step, total, *args)
+                assert lr_factor(step, total, *args, None) == old_lr_factor(step, total, *args)
 
 
-def test_a_generous_limit_or_cosine_changes_nothing(clock: FakeClock) -> None:
-    reference, _, _ = fitted_run(clock, WSD, 300, limit=None, s_per_step=1.0)
-    lrs, fit, frozen = fitted_run(clock, WSD, 300, limit=310.0, s_per_step=1.0)  # 303 fit
-    assert frozen == {} and lrs == reference and fit.rate.steps > 0
-    cosine = OptimConfig(lr=0.1, schedule="cosine")
-    lrs, fit, frozen = fitted_run(clock, cosine, 300, limit=30.0, s_per_step=1.0)
-    assert not fit.active and frozen == {} and len(lrs) == 300
-    off = dataclasses.replace(WSD, fit_time_limit=False)
-    lrs, fit, frozen = fitted_run(clock, off, 300, limit=30.0, s_per_step=1.0)
-    assert frozen == {} and lrs == reference
+def test_a_generous_limit_or_the_field_off_changes_nothing(clock: FakeClock) -> None:
+    for cfg in (WSD, COSINE):
+        clock.now = 0.0
+        reference, _, _ = fitted_run(clock, cfg, 300, limit=None, s_per_step=1.0)
+        assert reference == [0.1 * old_lr_factor(s, 300, *shape(cfg)) for s in range(300)]
+        lrs, fit, frozen = fitted_run(clock, cfg, 300, limit=310.0, s_per_step=1.0)  # 303 fit
+        assert frozen == {} and lrs == reference and fit.rate.steps == 290
+        off = dataclasses.replace(cfg, fit_time_limit=False)
+        lrs, fit, frozen = fitted_run(clock, off, 300, limit=30.0, s_per_step=1.0)
+        assert not fit.active and frozen == {} and lrs == reference
 
 
 def test_several_ranks_apply_the_agreed_end_one_step_late(clock: FakeClock) -> None:
@@ -188,6 +200,121 @@ def test_several_ranks_apply_the_agreed_end_one_step_late(clock: FakeClock) -> N
         dist.destroy_process_group()
     assert agreed == {step + 1: FittedEnd(end=fitted.end, decay_from=step + 2)}
     assert lrs[:step] == alone[:step] and lrs[step] == 0.1 and len(lrs) == fitted.end
+
+
+def factor(step: int, cfg: OptimConfig, total: int, fitted: FittedEnd | None) -> float:
+    """lr_factor at 1-based step `step`."""
+    return lr_factor(step - 1, total, *shape(cfg)[:3], cfg.decay_ratio, fitted)
+
+
+def assert_annealed(lrs: list[float], cfg: OptimConfig, total: int) -> None:
+    """Non-increasing after the warmup, the floor exactly at the last step, not before."""
+    warmup = math.ceil(cfg.warmup_ratio * total)
+    assert all(a >= b for a, b in zip(lrs[warmup:], lrs[warmup + 1 :], strict=False))
+    assert lrs[-1] == 0.1 * cfg.min_lr_ratio and lrs[-2] > lrs[-1]
+
+
+def assert_no_jump(lrs: list[float], step: int) -> None:
+    """The lr falls from step `step` (a decision's) to the next about as much as from that one
+    to the one after, not by a step down: the re-mapped curve starts where the lr was."""
+    assert 0 < lrs[step - 1] - lrs[step] <= 1.05 * (lrs[step] - lrs[step + 1])
+
+
+def test_cosine_is_remapped_onto_the_steps_the_limit_leaves(clock: FakeClock) -> None:
+    # 1 s a step and 600 s for 1000 steps: the rate is known after step 30 (10 compile steps,
+    # 20 measured), when 570 s are left: 558 more steps fit
+    lrs, fit, fitted = fitted_run(clock, COSINE, 1000, limit=600.0, s_per_step=1.0)
+    p30 = (30 - 1 - 10) / 990  # the configured progress at step 30
+    assert fitted == {30: FittedEnd(end=588, decay_from=31, progress=p30)}  # a steady rate
+    assert len(lrs) == 588 and fit.active  # stops at the end; would shorten again if slower
+    reference = [0.1 * old_lr_factor(s, 1000, *shape(COSINE)) for s in range(1000)]
+    assert lrs[:30] == reference[:30]
+    # continuous at step 30: the re-mapped curve passes through its lr there
+    assert factor(30, COSINE, 1000, fitted[30]) == reference[29] / 0.1
+    assert_no_jump(lrs, 30)
+    assert_annealed(lrs, COSINE, 1000)
+    # halfway through the re-mapped steps, halfway from p30 to the floor in progress
+    half = lr_factor(30 + 279 - 1, 1000, 0.01, 0.1, "cosine", 0.2, fitted[30])
+    progress = p30 + 0.5 * (1 - p30)
+    assert half == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def test_cosine_fitted_in_the_warmup_finishes_the_warmup_first(clock: FakeClock) -> None:
+    cfg = dataclasses.replace(COSINE, warmup_ratio=0.05)  # 50 steps, the fit after step 30
+    lrs, _, fitted = fitted_run(clock, cfg, 1000, limit=600.0, s_per_step=1.0)
+    assert fitted == {30: FittedEnd(end=588, decay_from=52, progress=0.0)}
+    reference = [0.1 * old_lr_factor(s, 1000, *shape(cfg)) for s in range(1000)]
+    assert lrs[:51] == reference[:51] and lrs[49] == lrs[50] == 0.1  # warmup, then the peak
+    assert_annealed(lrs, cfg, 1000) and len(lrs) == 588
+
+
+def test_a_slowdown_remaps_cosine_again_continuously(clock: FakeClock) -> None:
+    # 1 s a step, then 2 s from step 200: 588 steps planned, 400 fit
+    lrs, _, fitted = fitted_run(clock, COSINE, 1000, 600.0, lambda s: 1.0 if s < 200 else 2.0)
+    assert list(fitted)[0] == 30 and len(fitted) >= 2
+    ends = [f.end for f in fitted.values()]
+    assert ends == sorted(ends, reverse=True) and len(lrs) == ends[-1] <= 400
+    previous = None
+    for step, fit in fitted.items():
+        assert fit.decay_from == step + 1
+        # the lr at the decision step is the same on the old curve and the new
+        assert factor(step, COSINE, 1000, fit) == factor(step, COSINE, 1000, previous)
+        assert_no_jump(lrs, step)
+        previous = fit
+    assert_annealed(lrs, COSINE, 1000)
+    # a 1% slowdown stays within the margin (and the 2% of time held back)
+    clock.now = 0.0
+    lrs, _, fitted = fitted_run(clock, COSINE, 1000, 600.0, lambda s: 1.0 if s < 200 else 1.01)
+    assert list(fitted) == [30] and len(lrs) == 588
+
+
+def test_a_resumed_cosine_fit_only_shortens_under_a_new_limit(clock: FakeClock) -> None:
+    """A job resumed at step 300 of a cosine fitted to end at 588 (the trainer passes the
+    fitted end as the run's end): a new limit that leaves room changes nothing, a short one
+    re-maps from the progress there."""
+    first = FittedEnd(end=588, decay_from=31, progress=(30 - 1 - 10) / 990)
+    for limit, s_per_step in ((1000.0, 1.0), (100.0, 1.0)):
+        model = torch.nn.Linear(2, 2)
+        optimizer = build_optimizer(list(model.parameters()), COSINE, torch.device("cpu"))
+        end = ScheduleEnd(fitted=first)
+        scheduler = build_scheduler(optimizer, COSINE, 1000, end)
+        for _ in range(300):
+            optimizer.step()
+            scheduler.step()
+        time_fit.refresh_lr(scheduler)
+        cpu = torch.device("cpu")
+        fit = TimeFit(COSINE, limit, 588, scheduler, end, first_step=300, device=cpu, world_size=1)
+        moved, lrs = {}, []
+        for step in range(301, 589):
+            lrs.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+            clock.now += s_per_step
+            if (fitted := fit.observe(step)) is not None:
+                moved[step] = fitted
+            if step == end.fitted.end:
+                break
+        if limit == 1000.0:
+            assert moved == {} and len(lrs) == 288
+            continue
+        [(step, fitted)] = moved.items()  # the rate known at step 330, 70 s left
+        assert (step, fitted.end, fitted.decay_from) == (330, 330 + 68, 331)
+        assert factor(330, COSINE, 1000, fitted) == factor(330, COSINE, 1000, first)
+        assert_no_jump(lrs, 330 - 300)
+        assert lrs[-1] == 0.1 * 0.1 and len(lrs) == 398 - 300
+
+
+def test_several_ranks_remap_cosine_one_step_late(clock: FakeClock) -> None:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        lrs, _, agreed = fitted_run(clock, COSINE, 1000, limit=600.0, s_per_step=1.0, world=2)
+    finally:
+        dist.destroy_process_group()
+    p31 = (31 - 1 - 10) / 990
+    assert agreed == {31: FittedEnd(end=588, decay_from=32, progress=p31)}
+    reference = [0.1 * old_lr_factor(s, 1000, *shape(COSINE)) for s in range(1000)]
+    assert lrs[:31] == reference[:31] and len(lrs) == 588
+    assert_annealed(lrs, COSINE, 1000)
 
 
 # The trainer end to end: 60 steps of wsd, the fake clock 100 s a look, a 3600 s limit: the
@@ -234,3 +361,38 @@ def test_train_stops_annealed_at_the_fitted_end_and_resumes_the_same_decay(
     resumed = train(store, out, "run.time_limit_s=null")
     assert [r["step"] for r in resumed] == list(range(1, 45))
     assert [(r["lr"], r["loss"]) for r in resumed] == [(r["lr"], r["loss"]) for r in full]
+
+
+def test_train_stops_a_cosine_run_annealed_and_resumes_the_same_curve(
+    store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cosine (warmup 3 steps): the rate is known after step 30, 1,500 s left: the rest of the
+    cosine re-mapped onto steps 31..44."""
+    monkeypatch.setattr(time_fit, "monotonic", FakeClock(tick=100.0))
+    out = tmp_path / "run"
+    full = train(store, out, "optim.schedule=cosine")
+    assert [r["step"] for r in full] == list(range(1, 45))
+    [event] = [r for r in full if "schedule_end" in r]
+    assert (event["step"], event["schedule_end"], event["decay_from"]) == (30, 44, 31)
+    lrs = [r["lr"] for r in full]
+    assert all(a >= b for a, b in zip(lrs[3:], lrs[4:], strict=False)) and lrs[-1] == 0.0
+    configured = [3e-3 * old_lr_factor(s, 60, 0.04, 0.0) for s in range(60)]
+    assert lrs[:30] == configured[:30]
+    meta = json.loads((out / "step-000040" / "meta.json").read_text())["train_state"]
+    assert (meta["fit_end"], meta["fit_decay_from"]) == (44, 31)
+    assert meta["fit_progress"] == (30 - 1 - 3) / 57
+    before = json.loads((out / "step-000020" / "meta.json").read_text())["train_state"]
+    assert before["fit_end"] is None and before["fit_progress"] is None
+
+    # killed after step 40's checkpoint; rerun with no limit, then with one too short to
+    # measure a rate in (4 steps): the same curve to step 44, the same numbers
+    for sets in (["run.time_limit_s=null"], ["run.time_limit_s=1000"]):
+        for name in ("step-000044", "export"):
+            for path in sorted((out / name).rglob("*"), reverse=True):
+                path.rmdir() if path.is_dir() else path.unlink()
+            (out / name).rmdir()
+        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in full[:40]))
+        monkeypatch.setattr(time_fit, "monotonic", FakeClock(tick=100.0))
+        resumed = train(store, out, "optim.schedule=cosine", *sets)
+        assert [r["step"] for r in resumed] == list(range(1, 45))
+        assert [(r["lr"], r["loss"]) for r in resumed] == [(r["lr"], r["loss"]) for r in full]
