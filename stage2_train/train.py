@@ -188,7 +188,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         device=device,
     ) or TrainState(step=0, epoch=0, step_in_epoch=0, stream=cfg.data.follow)
     check_stream_position(state, plan)
-    # a wsd end fitted to an earlier job's time limit holds on (time_fit.py)
+    # an end fitted to an earlier job's time limit holds on (time_fit.py)
     total_steps = restore_fitted(
         state, runner.schedule_end, runner.scheduler, cfg.optim, total_steps
     )
@@ -323,7 +323,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
     # SIGTERM, a first Ctrl-C or run.time_limit_s: finish the step, checkpoint, exit (stop.py);
     # the loader's workers ignore those signals, so they are stopped here however the loop ends
     stop = StopRequests(cfg.run.time_limit_s, device, ctx.world_size)
-    # optim.fit_time_limit: the wsd decay moved to end, annealed, before that limit
+    # optim.fit_time_limit: the schedule moved to end, annealed, before that limit
     fit = TimeFit(
         cfg.optim,
         cfg.run.time_limit_s,
@@ -421,7 +421,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
             fields.update(step=state.step, epoch=state.epoch)
             if (fitted := fit.observe(state.step)) is not None:  # the run now stops at its end
                 total_steps = bar.total = state.fit_end = fitted.end
-                state.fit_decay_from = fitted.decay_from
+                state.fit_decay_from, state.fit_progress = fitted.decay_from, fitted.progress
                 fields.update(schedule_end=fitted.end, decay_from=fitted.decay_from)
             if (gc_s := collector.after_step(state.step)) is not None:
                 fields["gc_s"] = gc_s  # inside step_s: the loop's own time, counted
