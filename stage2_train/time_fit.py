@@ -23,8 +23,13 @@ run stops at E, annealed; a resumed run continues the same curve, with or withou
   1 (the floor) at E. Decided during the warmup, the warmup runs as configured and the
   re-mapped cosine starts at its first step (p = 0, the peak). A later projection that falls
   short of E by more than `REFIT_MARGIN` of the steps left re-maps again, the same way from
-  the step just run (the lr stays continuous and never rises); one short by less is the
-  rate's noise, and a longer one never moves E later (the decay already done is not undone).
+  the step just run (the lr stays continuous and never rises, whichever way E moves); one
+  short by less is the rate's noise. E also moves later, up to the configured end, when a
+  projection passes it by more than `LENGTHEN_MARGIN` of the steps left within the first third
+  of the fitted decay: the first projection comes early, when the steps still include the
+  loader's start and the first compilations, and a pessimistic one would otherwise cost its
+  steps for good. (Not later in the decay: the time held back, `SAFETY` of what is left,
+  shrinks as the run goes on, so a steady run's projections creep past E near its end.)
 
 With several ranks the ranks agree on E (the earliest any of them proposes, one all-reduce
 per step while the fit may still move, read a step late like the stop agreement), so their
@@ -57,7 +62,9 @@ WARM_STEPS = 10  # steps of each job left unmeasured: the first ones compile (~1
 MIN_STEPS = 20  # measured steps before the first projection
 WINDOW = 50  # recent steps whose median step time catches a slowdown
 SAFETY = 0.02  # share of the remaining time left unplanned, for the rate's noise
-REFIT_MARGIN = 0.02  # cosine: share of the steps left a projection must fall short by
+REFIT_MARGIN = 0.02  # cosine: share of the steps left a projection must differ by
+LENGTHEN_MARGIN = 0.05  # cosine: ... and pass it by, early in the fitted decay
+NO_PROPOSAL = 2**62  # a rank with nothing to propose (the ranks agree on the minimum)
 
 log = get_logger()
 
@@ -125,20 +132,30 @@ def refitted_cosine(
     current: FittedEnd | None,
 ) -> FittedEnd | None:
     """The cosine re-mapped after step `step` to end at `projected` (from `current`, the curve
-    in force: None is the configured one), or None when that is not short enough of the end in
+    in force: None is the configured one), or None when that is not far enough from the end in
     force: the first fit whenever it is sooner, a later one when sooner by more than
-    REFIT_MARGIN of the steps left, so that the rate's noise re-maps nothing. `total_steps` is
-    the configured end; a resumed fitted run passes its fitted end instead, unread then: the
-    fitted curve covers every step from its anchor on, and the anchor only moves later."""
+    REFIT_MARGIN of the steps left (the rate's noise re-maps nothing), or later by more than
+    LENGTHEN_MARGIN of them in the first third of the fitted decay. The end never
+    passes `total_steps`: the configured end (a resumed fitted run passes its fitted end, so a
+    resumed job only shortens; the loader's sampler was sized to it). The fitted curve covers
+    every step from its anchor on, and the anchor only moves later."""
     if current is None:
-        end, margin = total_steps, 0.0
+        end = total_steps
         # in the warmup, the cosine's first step: the warmup runs as configured
         anchor = max(step, warmup_steps(total_steps, cfg.warmup_ratio) + 1)
     else:
-        end, margin = current.end, REFIT_MARGIN * (current.end - step)
-        anchor = max(step, current.decay_from - 1)
-    fitted_end = max(projected, anchor + 1)  # a step at least, past the limit if need be
-    if fitted_end >= end - margin:
+        end, anchor = current.end, max(step, current.decay_from - 1)
+    # a step at least, past the limit if need be; never past the configured end
+    fitted_end = min(max(projected, anchor + 1), total_steps)
+    if current is None:
+        due = fitted_end < end
+    else:
+        left, since = end - step, current.decay_from - 1
+        early = 3 * (step - since) < end - since
+        due = fitted_end < end - REFIT_MARGIN * left or (
+            early and fitted_end > end + LENGTHEN_MARGIN * left
+        )
+    if not due:
         return None
     warmup = warmup_steps(total_steps, cfg.warmup_ratio)
     progress = cosine_progress(anchor - 1, total_steps, warmup, current)
@@ -212,7 +229,7 @@ class TimeFit:
             return None
         now = monotonic()
         self.rate.add(step, now)
-        proposed = self.total_steps  # none
+        proposed = NO_PROPOSAL
         if self.rate.steps >= MIN_STEPS:
             seconds_left = self.deadline - now
             projected = projected_end(step, seconds_left, self.rate.seconds_per_step())
@@ -221,7 +238,7 @@ class TimeFit:
         agreed = self._agree(proposed)
         # planned again from the agreed end, alike on every rank: a proposal read a step late
         # and made stale by a move in between plans nothing (one rank: the plan above)
-        fitted = self.plan(step, agreed) if agreed < self.total_steps else None
+        fitted = self.plan(step, agreed) if agreed != NO_PROPOSAL else None
         if fitted is None:
             return None
         was = self.end.fitted.end if self.end.fitted is not None else self.total_steps
@@ -229,8 +246,9 @@ class TimeFit:
         refresh_lr(self.scheduler)
         self.active = self.cfg.schedule != "wsd"  # a wsd decay, once begun, stays
         log.info(
-            "time limit: schedule shortened to end at step %d, %s (was step %d; %.3f s/step, "
+            "time limit: schedule %s to end at step %d, %s (was step %d; %.3f s/step, "
             "%.0f s left of run.time_limit_s; optim.fit_time_limit)",
+            "lengthened" if fitted.end > was else "shortened",
             fitted.end,
             describe(fitted),
             was,
@@ -248,7 +266,7 @@ class TimeFit:
         value = torch.full((1,), proposed, dtype=torch.int64, device=self.device)
         dist.all_reduce(value, op=dist.ReduceOp.MIN)
         previous, self._agreed = self._agreed, HostCopy(value)
-        return int(previous.read().item()) if previous is not None else self.total_steps
+        return int(previous.read().item()) if previous is not None else NO_PROPOSAL
 
 
 def restore_fitted(

@@ -268,6 +268,31 @@ def test_a_slowdown_remaps_cosine_again_continuously(clock: FakeClock) -> None:
     assert list(fitted) == [30] and len(lrs) == 588
 
 
+def test_a_pessimistic_first_fit_is_lengthened_early_and_stays_continuous(
+    clock: FakeClock,
+) -> None:
+    """The first 30 steps at 3 s (a loader starting, compilations), then 1 s: the first fit,
+    at step 30, is far too short; the faster steps move the end later (up to the configured
+    end, never past it), with the lr continuous and never rising. A steady run (the other
+    tests) is never lengthened: its end is the first fit's."""
+    lrs, _, fitted = fitted_run(clock, COSINE, 1000, 900.0, lambda s: 3.0 if s <= 30 else 1.0)
+    ends = [f.end for f in fitted.values()]
+    assert list(fitted)[0] == 30 and ends[0] < 400, fitted
+    assert max(ends) > ends[0] + 200 and max(ends) <= 1000
+    assert len(lrs) == ends[-1] and 30 * 3 + (len(lrs) - 30) <= 900  # inside the limit
+    previous = None
+    for step, fit in fitted.items():
+        assert factor(step, COSINE, 1000, fit) == factor(step, COSINE, 1000, previous)
+        # no step down at the decision: its fall no larger than the one before or after it
+        drops = [lrs[i - 1] - lrs[i] for i in (step - 1, step, step + 1)]
+        assert 0 < drops[1] <= 1.05 * max(drops[0], drops[2]), (step, drops)
+        previous = fit
+    assert_annealed(lrs, COSINE, 1000)
+    # the lengthening stops once a third of the fitted decay is done
+    last_move = list(fitted)[-1]
+    assert 3 * (last_move - (list(fitted.values())[-2].decay_from - 1)) < ends[-2] - 1
+
+
 def test_a_resumed_cosine_fit_only_shortens_under_a_new_limit(clock: FakeClock) -> None:
     """A job resumed at step 300 of a cosine fitted to end at 588 (the trainer passes the
     fitted end as the run's end): a new limit that leaves room changes nothing, a short one
