@@ -118,6 +118,20 @@ def block_gather(anchors_A: Tensor, source_SX: Tensor, block_size: int) -> Tenso
     return source_SX[pos_AB.clamp(max=source_SX.size(0) - 1)]
 
 
+def next_token_gather(
+    anchors_A: Tensor, verifier_SX: Tensor, block_size: int, out: Tensor | None = None
+) -> Tensor:
+    """``block_gather(anchors_A, next_token_source(verifier_SX), block_size)`` without the
+    shifted copy (slot k of anchor p reads row max(min(p + k, S - 1) - 1, 0)), written into
+    `out` ([A, B, X...] of verifier_SX's dtype, contiguous) when given."""
+    pos_AB = anchors_A.clamp(min=0)[:, None] + torch.arange(block_size, device=anchors_A.device)
+    row_AB = (pos_AB.clamp(max=verifier_SX.size(0) - 1) - 1).clamp(min=0)
+    trailing = verifier_SX.shape[1:]
+    flat = None if out is None else out.view(-1, *trailing)
+    gathered = torch.index_select(verifier_SX, 0, row_AB.flatten(), out=flat)
+    return gathered.view(*row_AB.shape, *trailing)
+
+
 def block_labels(
     anchors_A: Tensor,
     tokens_S: Tensor,

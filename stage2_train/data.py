@@ -11,8 +11,12 @@ item (no anchors, zero weights) that carries one line naming the shard, the arra
 `DamageGuard` turns it into one StoreError in the training process (`data.on_damaged=error`),
 however many loader workers there are, or logs and counts it (`skip`).
 
-fp8 stores (FORMAT.md) travel as their uint8 bits plus the fp32 scales, and are decoded on the
-training device (stage2_train/step.py): half the host-to-device bytes, no host CPU spent on it.
+A worker fetches a batch's keys at once (`__getitems__`): each row's arrays are decoded straight
+from the shard files (stage2_train/shard_rows.py), its hidden states and top-k blocks into one
+buffer of the batch per tensor, in shared memory (stage2_train/batch.py), so neither collate nor
+the hand-over to the training process copies them. fp8 stores (FORMAT.md) travel as their
+uint8 bits plus the fp32 scales, and are decoded on the training device (stage2_train/step.py):
+half the host-to-device bytes, no host CPU spent on it.
 The attention mask goes the other way: collate builds its tile tables here, in the workers
 (a few ms of CPU), so the training stream launches nothing to prepare it (masks.MaskTables).
 
@@ -26,46 +30,36 @@ size, k top-k, A anchors, B block size.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import gc
 import os
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, fields
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import zarr
-from zarr.core.sync import sync as zarr_sync
 
 from common.logging import get_logger
-from common.store import (
-    HIDDEN_DTYPES,
-    REEXTRACT,
-    StoreError,
-    StoreInfo,
-    bits_to_bf16,
-    sequence_array_specs,
-    shard_name,
-    shards_dir,
-)
-from common.store_files import file_problems, recorded_files
+from common.store import HIDDEN_DTYPES, StoreError, StoreInfo, bits_to_bf16, sequence_array_specs
 from stage2_train.anchors import (
-    block_gather,
     block_labels,
+    next_token_gather,
     next_token_source,
     pad_anchors,
     sample_anchors,
 )
-from stage2_train.mask_widths import narrow_widths
-from stage2_train.masks import NARROW, TILE, MaskTables, anchor_mask_tables, context_intervals
+from stage2_train.batch import Batch, shared_empty
+from stage2_train.batch import batch_tensors as batch_tensors  # re-exported
+from stage2_train.batch import collate as collate  # re-exported
 from stage2_train.plan import ItemKey
+from stage2_train.shard_rows import Damaged, ShardRows
 from stage2_train.stop import ignore_stop_signals
 
 SEQUENCE_FIELDS = ("tokens", "loss_mask", "position_ids", "document_ids", "target_argmax", "hidden")
 DISTILL_FIELDS = ("topk_ids", "topk_logits", "logsumexp")
+# the batch buffers of the rows' features, by stored dtype (bf16 bits: viewed as bf16 after)
+BUFFER_DTYPES = {"uint8": torch.uint8, "uint16": torch.int16, "float32": torch.float32}
 
 
 def anchor_generator(seed: int, epoch: int, index: int) -> torch.Generator:
@@ -73,59 +67,6 @@ def anchor_generator(seed: int, epoch: int, index: int) -> torch.Generator:
     tag = [seed, 0, epoch, index] if epoch >= 0 else [seed, 1, index]
     state = np.random.SeedSequence(tag).generate_state(2, np.uint32)
     return torch.Generator().manual_seed(int(state[0]) << 31 | int(state[1]) >> 1)
-
-
-@dataclass
-class Batch:
-    """b packed sequences laid end to end as one context of T = b*S tokens.
-
-    Documents never cross sequence boundaries, and a sequence's padding belongs to no document,
-    so the concatenation is itself a valid packed context. Anchors index into T.
-    """
-
-    indices: torch.Tensor  # [b] global sequence indices (-1 for padding items)
-    tokens_T: torch.Tensor
-    position_ids_T: torch.Tensor
-    document_ids_T: torch.Tensor  # unique per document across the batch, -1 on padding
-    hidden_TKD: torch.Tensor  # bf16, or uint8 float8_e4m3fn bits when hidden_scale_TK is set
-    anchors_A: torch.Tensor
-    labels_AB: torch.Tensor
-    weights_AB: torch.Tensor  # 0/1 validity of each slot's label (0 for padding items)
-    topk_ids_ABk: torch.Tensor | None = None
-    topk_logprobs_ABk: torch.Tensor | None = None
-    hidden_scale_TK: torch.Tensor | None = None  # float32, fp8 stores only
-    mask_tables: MaskTables | None = None  # the attention mask of anchors_A, built by collate
-    damaged: tuple[str, ...] = ()  # one line per unreadable sequence, read as a blank item
-
-    def pin_memory(self) -> Batch:
-        return Batch(**{f.name: _apply(getattr(self, f.name), "pin_memory") for f in fields(self)})
-
-    def to(self, device: torch.device) -> Batch:
-        moved = {
-            f.name: _apply(getattr(self, f.name), "to", device, non_blocking=True)
-            for f in fields(self)
-        }
-        return Batch(**moved)
-
-
-def batch_tensors(batch: Batch) -> Iterator[torch.Tensor]:
-    """Every tensor a batch holds, those of its mask tables included."""
-    for f in fields(batch):
-        value = getattr(batch, f.name)
-        if isinstance(value, MaskTables):
-            yield from value
-        elif isinstance(value, torch.Tensor):
-            yield value
-
-
-def _apply(value: Any, method: str, *args: Any, **kwargs: Any) -> Any:
-    if isinstance(value, MaskTables):
-        return MaskTables(*(_apply(t, method, *args, **kwargs) for t in value))
-    return getattr(value, method)(*args, **kwargs) if isinstance(value, torch.Tensor) else value
-
-
-class Damaged(Exception):
-    """A sequence that cannot be read; the message names the shard, the array and the fix."""
 
 
 class StoreSequences(torch.utils.data.Dataset):
@@ -156,61 +97,30 @@ class StoreSequences(torch.utils.data.Dataset):
             name: (specs[name][0], (info.seq_len, *map(info.dim, specs[name][1])))
             for name in self.names
         }
-        self._shards: dict[int, dict[str, zarr.Array]] = {}
-        self._files: dict[int, dict[str, int]] = {}  # recorded sizes of the files read
+        self._shards: dict[int, ShardRows] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         # Workers open their own shard handles; never ship open ones across processes.
-        return {**self.__dict__, "_shards": {}, "_files": {}}
+        return {**self.__dict__, "_shards": {}}
 
-    def _damaged(self, index: int, array: str, what: str) -> Damaged:
-        folder = shards_dir(self.root) / shard_name(index)
-        return Damaged(f"store {self.root}: {folder.name} array {array}: {what}; {REEXTRACT}")
-
-    def _shard(self, index: int) -> dict[str, zarr.Array]:
+    def _shard(self, index: int) -> ShardRows:
         """The arrays this dataset reads from shard `index`, opened on first use and kept."""
         if index not in self._shards:
-            path = shards_dir(self.root) / shard_name(index)
-            if not path.is_dir():
-                raise self._damaged(index, "-", f"shard folder {path} is missing")
-            try:
-                recorded = recorded_files(path) or {}  # {} for shards from before format v2
-                group = zarr.open_group(path, mode="r", zarr_format=3)
-            except Exception as err:  # zarr raises many types for damaged metadata
-                raise self._damaged(
-                    index, "-", f"unreadable ({type(err).__name__}: {err})"
-                ) from err
-            arrays = {}
-            for name in self.names:
-                try:
-                    arrays[name] = group[name]
-                except Exception as err:
-                    what = f"unreadable ({type(err).__name__}: {err})"
-                    raise self._damaged(index, name, what) from err
-            self._shards[index] = arrays
-            self._files[index] = {
-                rel: size for rel, size in recorded.items() if rel.split("/")[0] in arrays
-            }
+            self._shards[index] = ShardRows.open(self.root, index, self.names)
         return self._shards[index]
 
-    def _read(self, index: int) -> dict[str, np.ndarray]:
-        """Row `index` of every array read; Damaged when its bytes cannot be trusted."""
+    def _read(self, index: int, into: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """Row `index` of every array read, those named in `into` decoded into its arrays (the
+        batch's buffers); Damaged when its bytes cannot be trusted."""
         shard_index, row = divmod(index, self.per_shard)
-        shard = self._shard(shard_index)
-        arrays = {}
-        for name, value in zip(shard, zarr_sync(_read_rows(shard.values(), row)), strict=True):
-            if isinstance(value, Exception):  # checksum, codec, short-file errors: many types
-                what = f"cannot be decoded ({type(value).__name__}: {value})"
-                raise self._damaged(shard_index, name, what) from value
-            arrays[name] = np.asarray(value)
-        # after the read: a file deleted or cut since the pre-check read as zeros, silently
-        folder = shards_dir(self.root) / shard_name(shard_index)
-        if problems := file_problems(folder, self._files[shard_index]):
-            raise self._damaged(shard_index, *problems[0][:2])
-        return arrays
+        rows = {name: np.empty(shape, dtype) for name, (dtype, shape) in self.blank_rows.items()}
+        return self._shard(shard_index).read(row, rows | (into or {}))
 
-    def _blank(self) -> dict[str, np.ndarray]:
+    def _blank(self, into: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         rows = {name: np.zeros(shape, dtype) for name, (dtype, shape) in self.blank_rows.items()}
+        for name, out in into.items():
+            out[...] = 0
+            rows[name] = out
         rows["document_ids"] -= 1  # padding everywhere: no anchors, no labels
         return rows
 
@@ -223,15 +133,39 @@ class StoreSequences(torch.utils.data.Dataset):
         row["hidden"] = torch.from_numpy(hidden) if self.scaled else bits_to_bf16(hidden)
         return row
 
+    def __getitems__(self, keys: list[ItemKey]) -> list[dict[str, Any]]:
+        """The items of `keys` (what a loader worker fetches for one batch), each row's hidden
+        states (and fp8 scales) decoded, and its top-k blocks gathered, straight into one
+        buffer of the batch per tensor, in shared memory in a worker: collate takes them whole
+        (unless padding anchors must move), and the worker's queue ships them as they are."""
+        shapes = {}
+        for name in ("hidden", "hidden_scale")[: 1 + self.scaled]:
+            dtype, shape = self.blank_rows[name]
+            shapes[name] = (BUFFER_DTYPES[dtype], shape)
+        if self.distill:
+            blocks = (self.num_anchors, self.block_size, self.blank_rows["topk_ids"][1][1])
+            shapes["topk_ids_ABk"] = (torch.int64, blocks)
+            shapes["topk_logprobs_ABk"] = (torch.float32, blocks)
+        buffers = {n: shared_empty((len(keys), *shape), t) for n, (t, shape) in shapes.items()}
+        return [
+            self._item(key, {n: b[i] for n, b in buffers.items()}) for i, key in enumerate(keys)
+        ]
+
     def __getitem__(self, key: ItemKey) -> dict[str, Any]:
+        return self.__getitems__([key])[0]
+
+    def _item(self, key: ItemKey, into: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """The item of `key`, its hidden states (and scales) read into `into`'s rows, its top-k
+        blocks gathered into them."""
         index, epoch, is_pad = key
         damaged = None
+        views = {n: into[n].numpy().view(self.blank_rows[n][0]) for n in into if n in self.names}
         try:
-            arrays = self._read(index)
+            arrays = self._read(index, views)
         except Damaged as err:
-            arrays, damaged, is_pad = self._blank(), str(err), True
-        hidden = arrays.pop("hidden")
-        hidden_SKD = torch.from_numpy(hidden) if self.scaled else bits_to_bf16(hidden)
+            arrays, damaged, is_pad = self._blank(views), str(err), True
+        del arrays["hidden"]
+        hidden_SKD = into["hidden"] if self.scaled else into["hidden"].view(torch.bfloat16)
         arrays = {name: torch.from_numpy(a) for name, a in arrays.items()}
         tokens_S = arrays["tokens"].long()
         loss_mask_S = arrays["loss_mask"].bool()
@@ -261,70 +195,13 @@ class StoreSequences(torch.utils.data.Dataset):
             "damaged": damaged,
         }
         if self.scaled:
-            item["hidden_scale_SK"] = arrays["hidden_scale"]
+            item["hidden_scale_SK"] = into["hidden_scale"]
         if self.distill:
             logprobs_Sk = arrays["topk_logits"] - arrays["logsumexp"][:, None]
-            ids_Sk = next_token_source(arrays["topk_ids"].long())
-            item["topk_ids_ABk"] = block_gather(anchors_A, ids_Sk, self.block_size)
-            item["topk_logprobs_ABk"] = block_gather(
-                anchors_A, next_token_source(logprobs_Sk), self.block_size
-            )
+            ids_Sk = arrays["topk_ids"].long()
+            for name, source_Sk in (("topk_ids_ABk", ids_Sk), ("topk_logprobs_ABk", logprobs_Sk)):
+                item[name] = next_token_gather(anchors_A, source_Sk, self.block_size, into[name])
         return item
-
-
-def collate(items: list[dict[str, Any]], mask_tables: bool = True, narrow: bool = NARROW) -> Batch:
-    """Lay the sequences end to end; shift anchors, make document ids batch-unique, and move
-    every padding anchor (-1) behind the real ones, as the attention mask expects; then build
-    that mask's tile tables (on CPU, in the loader's worker) unless `mask_tables` is False
-    (the dense SDPA path reads no tables: it builds its mask from the anchors), cut to the
-    static `narrow_widths` of this layout when `narrow` (default; DFLASH_NARROW_MASK=0: full)."""
-    S = items[0]["tokens_S"].shape[0]
-    doc_parts, anchor_parts, next_doc = [], [], 0
-    for i, item in enumerate(items):
-        docs_S = item["document_ids_S"]
-        real_S = docs_S >= 0
-        _, dense_S = torch.unique(docs_S[real_S], return_inverse=True)
-        renumbered_S = torch.full_like(docs_S, -1)
-        renumbered_S[real_S] = dense_S + next_doc
-        next_doc += int(dense_S.max()) + 1 if real_S.any() else 0
-        doc_parts.append(renumbered_S)
-        anchors_A = item["anchors_A"]
-        anchor_parts.append(torch.where(anchors_A >= 0, anchors_A + i * S, -1))
-    anchors_A = torch.cat(anchor_parts)
-    order_A = torch.argsort((anchors_A < 0).to(torch.int8), stable=True)
-    anchors_A = anchors_A[order_A]
-    document_ids_T = torch.cat(doc_parts)
-    block_size = items[0]["labels_AB"].shape[1]
-    tables = None
-    if mask_tables:
-        ctx_lo_A, ctx_hi_A = context_intervals(anchors_A, document_ids_T)
-        widths = None
-        if narrow:  # the bound relies on the layout made above: sequences side by side
-            widths = narrow_widths(len(items), S, items[0]["anchors_A"].numel(), block_size, TILE)
-        tables = anchor_mask_tables(
-            ctx_lo_A, ctx_hi_A, document_ids_T.numel(), block_size, widths=widths
-        )
-
-    def blocks(name: str) -> torch.Tensor:
-        return torch.cat([item[name] for item in items])[order_A]
-
-    distill = "topk_ids_ABk" in items[0]
-    scaled = "hidden_scale_SK" in items[0]
-    return Batch(
-        indices=torch.tensor([item["index"] for item in items]),
-        tokens_T=torch.cat([item["tokens_S"] for item in items]),
-        position_ids_T=torch.cat([item["position_ids_S"] for item in items]),
-        document_ids_T=document_ids_T,
-        hidden_TKD=torch.cat([item["hidden_SKD"] for item in items]),
-        anchors_A=anchors_A,
-        labels_AB=blocks("labels_AB"),
-        weights_AB=blocks("weights_AB"),
-        topk_ids_ABk=blocks("topk_ids_ABk") if distill else None,
-        topk_logprobs_ABk=blocks("topk_logprobs_ABk") if distill else None,
-        hidden_scale_TK=torch.cat([item["hidden_scale_SK"] for item in items]) if scaled else None,
-        mask_tables=tables,
-        damaged=tuple(item["damaged"] for item in items if item.get("damaged")),
-    )
 
 
 class DamageGuard:
@@ -356,14 +233,6 @@ class DamageGuard:
             for line in batch.damaged:
                 get_logger().warning("skipped a damaged sequence: %s", line)
             yield batch
-
-
-async def _read_rows(arrays: Iterable[zarr.Array], row: int) -> list[Any]:
-    """Row `row` of each array, read concurrently in one trip to zarr's event loop (a row's
-    ~10 arrays cost ~1-2 ms each in zarr's per-read overhead, one `array[row]` at a time: 23
-    vs 29 ms a pystd row, bench/loader_cost.py); an array's error comes back as its value."""
-    reads = (array.async_array.getitem(row) for array in arrays)
-    return await asyncio.gather(*reads, return_exceptions=True)
 
 
 def init_loader_worker(worker_id: int) -> None:

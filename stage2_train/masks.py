@@ -11,10 +11,10 @@ The mask is written in interval form (per-block ``[lo, hi)`` gathered by the que
 only): the fastest form measured in notes/performance.md. The BlockMask's tile tables are
 built straight from those intervals in tiles of TILE x TILE tokens (64: stage2_train/flex_tiles.py
 says why), never through the dense token grid, as plain tensors (`MaskTables`,
-`anchor_mask_tables`): in training the loader's workers build them on CPU (stage2_train/data.py
-collate: O(A + QT * KT), ~50 ms of one slow core at 8 x 3,072 tokens and 4,096 blocks of 16;
-17 ms at 128-token tiles), and `block_mask_from_tables` assembles the BlockMask on
-the device without launching a kernel.
+`anchor_mask_tables`): in training the loader's workers build them on CPU (stage2_train/batch.py
+collate; narrow ones from the touched tiles alone, ~12-18 ms of one core at 16 x 3,072 tokens
+and 8,192 blocks of 16, full ones through the [QT, KT] grid, ~200-300 ms), and
+`block_mask_from_tables` assembles the BlockMask on the device without launching a kernel.
 
 Narrow tables (the default; ``DFLASH_NARROW_MASK=0`` builds full ones; bench/flex_gate.py's
 narrow case, bitwise equal to full tables on the H200 with torch 2.11, checks a new torch):
@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
+from stage2_train.mask_lists import narrow_lists, ordered_lists, touched_tiles
 from stage2_train.mask_widths import tiles_spanned
 
 
@@ -106,65 +107,6 @@ def anchor_block_mask_mod(
     return dflash_anchor_block
 
 
-def _ordered(flags_QK: Tensor) -> tuple[Tensor, Tensor]:
-    """Tile flags [QT, KT] -> (num_blocks [1, 1, QT], indices [1, 1, QT, KT]) int32.
-
-    Each row lists its set tiles first, ascending, then the others, ascending: what
-    create_block_mask's stable argsort gives, here by ranks and one scatter (no sort).
-    """
-    flags_QK = flags_QK.contiguous()  # the q-side lists come from a transposed view
-    # int32 throughout: a quarter of the tables' bytes at 64-token tiles go through these ops
-    seen_QK = flags_QK.cumsum(-1, dtype=torch.int32)  # set tiles at or before each column
-    num_Q = seen_QK[:, -1]
-    cols_K = torch.arange(flags_QK.size(1), dtype=torch.int32, device=flags_QK.device)
-    # set tile: its rank among set tiles; other tile: num + its rank among the others
-    slot_QK = torch.where(flags_QK, seen_QK - 1, num_Q[:, None] + cols_K - seen_QK)
-    idx_QK = torch.empty(flags_QK.shape, dtype=torch.int32, device=flags_QK.device)
-    idx_QK.scatter_(-1, slot_QK.long(), cols_K.expand_as(idx_QK))
-    return num_Q[None, None], idx_QK[None, None]
-
-
-def _listed(major_N: Tensor, minor_N: Tensor, rows: int, width: int) -> tuple[Tensor, Tensor]:
-    """Set tiles as entries sorted by (major, minor) -> (num_blocks [1, 1, rows], indices
-    [1, 1, rows, width]) int32: each row lists its tiles, ascending, then zeros. Tile 0 is a
-    valid index, and the kernels stop at num_blocks (after loading a row's first entry,
-    whatever num_blocks: hence width >= 1)."""
-    num_R = torch.bincount(major_N, minlength=rows).to(torch.int32)
-    first_R = num_R.cumsum(0) - num_R  # where each row's entries start
-    rank_N = torch.arange(major_N.numel(), device=major_N.device) - first_R[major_N]
-    idx_RW = torch.zeros(rows, width, dtype=torch.int32, device=major_N.device)
-    idx_RW[major_N, rank_N] = minor_N.to(torch.int32)
-    return num_R[None, None], idx_RW[None, None]
-
-
-def _narrow_lists(
-    touch_QK: Tensor, full_QK: Tensor, widths: tuple[int, int]
-) -> list[tuple[Tensor, Tensor]]:
-    """The four (num_blocks, indices) pairs (partial and full, kv side then q side) cut to
-    `widths`, from one pass over the grid: the touched tiles as entries (nonzero, row by row),
-    split into partial and full, and sorted by column for the q side, instead of a [QT, KT]
-    rank-and-scatter per list (`_ordered`) or a nonzero per list (2 of 4 on transposed views).
-    A side whose width is the whole grid keeps `_ordered`'s layout. Asserts that every row's
-    tiles, partial and full, fit its width: the bound of `mask_widths.narrow_widths`."""
-    (n_q, n_kv), (kv_width, q_width) = touch_QK.shape, widths
-    assert kv_width >= 1 and q_width >= 1, widths
-    row_N, col_N = touch_QK.nonzero(as_tuple=True)  # row-major: columns ascending in a row
-    most = (int(torch.bincount(row_N).max()), int(torch.bincount(col_N).max()))
-    assert most[0] <= kv_width and most[1] <= q_width, ("width", most, widths)
-    full_N = full_QK[row_N, col_N]
-    by_col_N = torch.sort(col_N, stable=True).indices  # column-major, rows ascending
-    kv_side = (row_N, col_N, full_N, n_q, touch_QK, full_QK, kv_width)
-    q_side = (col_N[by_col_N], row_N[by_col_N], full_N[by_col_N], n_kv, touch_QK.T, full_QK.T)
-    lists = []
-    for rows_N, cols_N, whole_N, n_rows, touch, full, width in (kv_side, (*q_side, q_width)):
-        if width >= touch.size(1):
-            lists += [_ordered(touch & ~full), _ordered(full)]
-        else:
-            lists.append(_listed(rows_N[~whole_N], cols_N[~whole_N], n_rows, width))
-            lists.append(_listed(rows_N[whole_N], cols_N[whole_N], n_rows, width))
-    return lists
-
-
 class MaskTables(NamedTuple):
     """The anchor-block mask of one packed sequence as plain int32 tensors, nothing built on
     them: the context intervals the mask_mod reads and the BlockMask's tile lists, kv side
@@ -198,11 +140,12 @@ def anchor_mask_tables(
     with ``widths = (kv, q)`` (`narrow_widths`) the kv-side and q-side index lists keep only
     their first kv and q entries, asserted to hold every row's partial and full tiles.
 
-    O(A + QT * KT), never the token grid nor an [A, KT] table: the rows of query tile i
-    belong to a run of consecutive blocks, so what those rows see is summarised per tile.
-    Tile (i, k) is touched if some block's context or own slots share a token with key tile
-    k (the context intervals by a difference array over key tiles, the own slots of a run
-    being one interval). It is full if every row sees all of it, i.e. if the intersection
+    Never the token grid nor an [A, KT] table: the rows of query tile i belong to a run of
+    consecutive blocks, so what those rows see is summarised per tile. Tile (i, k) is
+    touched if some block's context or own slots share a token with key tile k (the own slots
+    of a run being one interval): full tables mark them on the [QT, KT] grid (O(A + QT * KT),
+    a difference array over key tiles), narrow ones list them from the intervals' sorted ends
+    (O(A log A + touched tiles), mask_lists.touched_tiles). It is full if every row sees all of it, i.e. if the intersection
     of the run's context intervals, or of its own-slot intervals, contains it: a row's two
     intervals never meet (hi = anchor < S <= own_lo, token S-1 seen by none), so one of them
     alone must cover the tile. Tiles are classified exactly like create_block_mask (partial
@@ -230,19 +173,11 @@ def anchor_mask_tables(
     lo_N = ctx_lo_A.long().repeat_interleave(span)
     hi_N = ctx_hi_A.long().repeat_interleave(span)
 
-    # Context, touched: +1 at the first key tile of each nonempty interval, -1 past its last.
-    diff_QK = torch.zeros(n_q_tiles, n_kv_tiles + 1, dtype=torch.int32, device=device)
-    one_N = (hi_N > lo_N).to(torch.int32)
-    diff_QK.index_put_((tile_N, lo_N // tile), one_N, accumulate=True)
-    diff_QK.index_put_((tile_N, (hi_N - 1) // tile + 1), -one_N, accumulate=True)
-    touch_QK = diff_QK.cumsum(-1)[:, :n_kv_tiles] > 0
     # Context, covered by every row: the intersection [max lo, min hi) of the tile's blocks.
     # (Every query tile holds some block, so include_self=False never keeps the zeros.)
     zeros_Q = torch.zeros(n_q_tiles, dtype=torch.long, device=device)
-    meet_lo_Q = zeros_Q.scatter_reduce(0, tile_N, lo_N, "amax", include_self=False)
-    meet_hi_Q = zeros_Q.scatter_reduce(0, tile_N, hi_N, "amin", include_self=False)
-    cover_QK = (meet_lo_Q[:, None] <= kv_tile_lo_K) & (meet_hi_Q[:, None] >= kv_tile_hi_K)
-
+    ctx_lo_Q = zeros_Q.scatter_reduce(0, tile_N, lo_N, "amax", include_self=False)
+    ctx_hi_Q = zeros_Q.scatter_reduce(0, tile_N, hi_N, "amin", include_self=False)
     # Own slots: tile i holds blocks a0..a1, whose slots are [S + a0*B, S + (a1+1)*B) together
     # and [S + a1*B, S + (a0+1)*B) in common (empty unless a0 == a1).
     q_tile_lo_Q = torch.arange(n_q_tiles, device=device) * tile
@@ -250,19 +185,38 @@ def anchor_mask_tables(
     a1_Q = (torch.clamp(q_tile_lo_Q + tile, max=q_len) - 1) // block_size
     union_lo_Q = context_len + a0_Q * block_size
     union_hi_Q = context_len + (a1_Q + 1) * block_size
-    touch_QK |= (union_lo_Q[:, None] < kv_tile_hi_K) & (union_hi_Q[:, None] > kv_tile_lo_K)
-    meet_lo_Q = context_len + a1_Q * block_size
-    meet_hi_Q = context_len + (a0_Q + 1) * block_size
-    cover_QK |= (meet_lo_Q[:, None] <= kv_tile_lo_K) & (meet_hi_Q[:, None] >= kv_tile_hi_K)
-
+    own_lo_Q = context_len + a1_Q * block_size
+    own_hi_Q = context_len + (a0_Q + 1) * block_size
     complete_Q = (q_tile_lo_Q + tile) <= q_len  # padded rows are masked: never a full tile
+
+    if widths is not None:  # the touched tiles as entries (E), never the [QT, KT] grid
+        # a context [lo, hi) touches key tiles lo // tile .. (hi - 1) // tile (none if empty),
+        # the own slots of a query tile those of their union
+        row_M = torch.cat([tile_N, torch.arange(n_q_tiles, device=device)])
+        first_M = torch.cat([lo_N // tile, union_lo_Q // tile])
+        last_N = torch.where(hi_N > lo_N, (hi_N - 1) // tile, -1)
+        last_M = torch.cat([last_N, (union_hi_Q - 1) // tile])
+        row_E, col_E = touched_tiles(row_M, first_M, last_M, n_kv_tiles)
+        key_lo_E, key_hi_E = col_E * tile, col_E * tile + tile
+        full_E = (ctx_lo_Q[row_E] <= key_lo_E) & (ctx_hi_Q[row_E] >= key_hi_E)
+        full_E |= (own_lo_Q[row_E] <= key_lo_E) & (own_hi_Q[row_E] >= key_hi_E)
+        full_E &= complete_Q[row_E]
+        lists = narrow_lists(row_E, col_E, full_E, (n_q_tiles, n_kv_tiles), widths)
+        return MaskTables(ctx_lo_A, ctx_hi_A, *(t for pair in lists for t in pair))
+
+    # Context, touched: +1 at the first key tile of each nonempty interval, -1 past its last.
+    diff_QK = torch.zeros(n_q_tiles, n_kv_tiles + 1, dtype=torch.int32, device=device)
+    one_N = (hi_N > lo_N).to(torch.int32)
+    diff_QK.index_put_((tile_N, lo_N // tile), one_N, accumulate=True)
+    diff_QK.index_put_((tile_N, (hi_N - 1) // tile + 1), -one_N, accumulate=True)
+    touch_QK = diff_QK.cumsum(-1)[:, :n_kv_tiles] > 0
+    cover_QK = (ctx_lo_Q[:, None] <= kv_tile_lo_K) & (ctx_hi_Q[:, None] >= kv_tile_hi_K)
+    touch_QK |= (union_lo_Q[:, None] < kv_tile_hi_K) & (union_hi_Q[:, None] > kv_tile_lo_K)
+    cover_QK |= (own_lo_Q[:, None] <= kv_tile_lo_K) & (own_hi_Q[:, None] >= kv_tile_hi_K)
     full_QK = touch_QK & cover_QK & complete_Q[:, None]
-    if widths is not None:
-        lists = _narrow_lists(touch_QK, full_QK, widths)
-    else:
-        partial_QK = touch_QK & ~full_QK
-        lists = [_ordered(partial_QK), _ordered(full_QK)]
-        lists += [_ordered(partial_QK.T), _ordered(full_QK.T)]
+    partial_QK = touch_QK & ~full_QK
+    lists = [ordered_lists(partial_QK), ordered_lists(full_QK)]
+    lists += [ordered_lists(partial_QK.T), ordered_lists(full_QK.T)]
     return MaskTables(ctx_lo_A, ctx_hi_A, *(t for pair in lists for t in pair))
 
 
@@ -274,7 +228,7 @@ def _widened(num_1Q: Tensor, idx_1QW: Tensor, n_cols: int) -> tuple[Tensor, Tens
     listed_QW = torch.arange(idx_QW.size(1), device=idx_QW.device) < num_1Q[0, 0, :, None]
     flags_QK = torch.zeros(idx_QW.size(0), n_cols + 1, dtype=torch.bool, device=idx_QW.device)
     flags_QK.scatter_(-1, torch.where(listed_QW, idx_QW, n_cols), True)  # the rest: scratch
-    return _ordered(flags_QK[:, :n_cols])
+    return ordered_lists(flags_QK[:, :n_cols])
 
 
 def widen(tables: MaskTables, context_len: int, block_size: int, tile: int = TILE) -> MaskTables:
