@@ -94,9 +94,9 @@ class ShardRows:
                 what = f"cannot be decoded ({type(err).__name__}: {err})"
                 raise damaged(self.root, self.index, name, what) from err
         # after the read: a file deleted or cut since the pre-check read as zeros, silently
-        if any(_size(path) != size for path, size in self.sizes):
-            (array, what, _), *_ = file_problems(self.folder, self.files)
-            raise damaged(self.root, self.index, array, what)
+        changed = any(_size(path) != size for path, size in self.sizes)  # the cheap check
+        if changed and (problems := file_problems(self.folder, self.files)):
+            raise damaged(self.root, self.index, *problems[0][:2])
         return {name: into[name] for name in self.readers}
 
 

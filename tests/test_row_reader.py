@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from zarr.codecs import BloscCodec, Crc32cCodec, TransposeCodec, ZstdCodec
+from numcodecs import Zstd
+from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, TransposeCodec, ZstdCodec
 
 from stage2_train.anchors import block_gather, next_token_gather, next_token_source
-from stage2_train.row_reader import RowReader
+from stage2_train.row_reader import RowReader, _decoder, _frame_size
 
 CODECS = {
     "zstd": [ZstdCodec(level=1, checksum=True)],
@@ -96,6 +97,21 @@ def test_damaged_bytes_raise_with_a_checksum_message(tmp_path: Path) -> None:
     path.unlink()  # missing: the fill value, as zarr reads it (the recorded sizes catch it)
     reader.read_into(1, out)
     assert not out.any() and not array[1].any()
+
+
+@pytest.mark.parametrize("size", [1, 10, 255, 256, 300, 70_000, 5_898_240])
+def test_a_frame_of_another_size_never_fills_part_of_the_row(size: int) -> None:
+    """numcodecs decodes a smaller frame into the start of a larger buffer without a word;
+    the reader reads the size the frame declares and refuses it, as zarr does."""
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    frame = np.frombuffer(Zstd(level=1).encode(data), np.uint8)
+    assert _frame_size(frame) == size
+    decode = _decoder((BytesCodec(), ZstdCodec(level=1)))
+    out = np.empty(size, np.uint8)
+    decode(frame, out)
+    assert np.array_equal(out, data)
+    with pytest.raises(ValueError, match="expected"):
+        decode(frame, np.empty(size + 1, np.uint8))
 
 
 def test_other_layouts_are_declined(tmp_path: Path) -> None:
