@@ -12,8 +12,9 @@ stream wait for that copy.
 Nothing changes in what is read or in which order: `fetch` pulls exactly the batches the next
 `take` would have pulled, an exception raised while pulling (a damaged sequence under
 `data.on_damaged=error`, a follow-mode timeout) is raised by that next `take`, where it used to
-surface, and the end of an epoch's iterator is left for the loop's own epoch logic. On the CPU
-the batches are pulled early and not moved (the step moves them, as before).
+surface. The loop's one iterator runs across epoch ends (plan.py's PlanSampler), so the step
+that ends an epoch fetches the next epoch's first batches; the last step of the run fetches
+nothing. On the CPU the batches are pulled early and not moved (the step moves them, as before).
 """
 
 from __future__ import annotations
@@ -35,10 +36,6 @@ class DevicePrefetcher:
         self.ready: list[Batch] | None = None
         self.copied: torch.cuda.Event | None = None
         self.error: BaseException | None = None
-
-    def reset(self) -> None:
-        """Forget what was fetched (a new epoch's iterator starts)."""
-        self.ready, self.copied, self.error = None, None, None
 
     def take(self, batches: Iterator[Batch]) -> list[Batch]:
         """The next step's micro-batches: the fetched ones, else pulled now (on the host)."""

@@ -397,11 +397,9 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
             try:
                 if plan.epoch_done(state.epoch, state.step_in_epoch):  # --follow: may wait
                     state.epoch, state.step_in_epoch = state.epoch + 1, 0
-                    batches = None  # the epoch's iterator is exhausted
-                if batches is None:
-                    sampler.set_position(state.epoch, state.step_in_epoch)
+                if batches is None:  # one iterator for the run: workers read on past epoch ends
+                    sampler.set_position(state.epoch, state.step_in_epoch, total_steps - state.step)
                     batches = iter(loader)
-                    prefetcher.reset()
                 started = time.perf_counter()
                 micro = prefetcher.take(batches)
                 data_s = time.perf_counter() - started  # the wait for the loader

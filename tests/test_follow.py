@@ -27,7 +27,7 @@ from stage1_extract.store_root import LOCK_FILE
 from stage2_train.checkpoint import TrainState
 from stage2_train.config import TrainDataConfig
 from stage2_train.follow import ExtractionWatch, FollowPlan, check_stream_position
-from stage2_train.plan import EpochPlan
+from stage2_train.plan import EpochPlan, PlanSampler
 
 REPO = Path(__file__).parents[1]
 REAL_SLEEP = time.sleep
@@ -89,6 +89,24 @@ def test_streamed_epoch_reads_each_committed_sequence_once(growing, world, batch
     for rank, plan in enumerate(plans):
         want = EpochPlan(11, world, rank, batch, accum, 0).micro_batches(1)
         assert list(plan.micro_batches(1)) == list(want)
+
+
+def test_one_loader_iterator_streams_then_shuffles(growing):
+    """The run's one loader iterator (PlanSampler with `steps`) streams epoch 0 as its shards
+    commit and goes on into the shuffled epochs, as the per-epoch iterators did."""
+    store, waited = growing
+    plan = FollowPlan(open_store(store), data_cfg(store), 1, 0, 2, 1)
+    sampler = PlanSampler(plan)
+    sampler.set_position(0, 0, steps=plan.steps_per_epoch * 2)  # 7 x 2: the schedule's bound
+    got = []
+    for keys in sampler:
+        for index, epoch, pad in keys:  # never a sequence of an uncommitted shard
+            assert epoch > 0 or pad or (shards_dir(store) / shard_name(index // 3)).is_dir()
+        got.append(keys)
+    assert waited[:4] == [0, 1, 2, 3]
+    shuffled = EpochPlan(11, 1, 0, 2, 1, 0)  # 6 steps an epoch: two more steps of epoch 2
+    want = [*plan.micro_batches(0), *shuffled.micro_batches(1), *shuffled.micro_batches(2)]
+    assert got == want[:14] and [k[0][1] for k in got] == [0] * 6 + [1] * 6 + [2] * 2
 
 
 def test_streamed_epoch_waits_for_the_last_shard_to_place_the_held_out_split(growing):

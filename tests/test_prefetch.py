@@ -31,7 +31,7 @@ def test_same_batches_in_the_same_order(micro: int) -> None:
     assert [b for step in steps_through(items, micro, True) for b in step] == items
 
 
-def test_end_of_an_epoch_leaves_nothing_fetched() -> None:
+def test_end_of_the_iterator_leaves_nothing_fetched() -> None:
     it = iter([1, 2])
     prefetcher = DevicePrefetcher(CPU, 2)
     assert prefetcher.take(it) == [1, 2]
@@ -61,10 +61,3 @@ def test_a_loader_ending_inside_a_step_is_named() -> None:
     prefetcher.fetch(it)
     with pytest.raises(RuntimeError, match="1 of a step's 2 micro-batches"):
         prefetcher.take(it)
-
-
-def test_reset_forgets_a_fetched_step() -> None:
-    prefetcher = DevicePrefetcher(CPU, 1)
-    prefetcher.fetch(iter([5]))
-    prefetcher.reset()
-    assert prefetcher.take(iter([9])) == [9]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,10 @@ from common.config import build_config
 from common.store import HEAD_FILE, open_store
 from dflash_offline.cli import main as cli
 from stage2_train.config import TrainConfig
+from stage2_train.data import Batch, DamageGuard
 from stage2_train.export import export_checkpoint, load_export
 from stage2_train.model import DFlashDrafter, DrafterShape
+from stage2_train.plan import PlanSampler
 from stage2_train.train import run_train
 from stage2_train.trainstep import StepRunner
 
@@ -392,10 +395,21 @@ def test_evaluate_offline_on_a_store(store: Path, tmp_path: Path) -> None:
     assert result.exit_code == 2 and "config.json, model.safetensors missing" in result.output
 
 
-def test_prefetching_the_next_step_changes_nothing(store: Path, tmp_path: Path) -> None:
+def test_prefetching_the_next_step_changes_nothing(
+    store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Fetching the next step's batches while a step runs (stage2_train/prefetch.py) reads the
     same sequences in the same steps, across epoch ends, with loader workers, as pulling them
-    at the top of each step: same metrics, same weights."""
+    at the top of each step: same metrics, same weights. Each run opens one loader iterator
+    (its workers read on across the epoch ends)."""
+    opened = []  # the training loader's iterators (torch's own asks its sampler for two)
+    iterate = DamageGuard.__iter__
+
+    def counted(guard: DamageGuard) -> Iterator[Batch]:
+        opened.extend([1] if isinstance(guard.loader.batch_sampler, PlanSampler) else [])
+        return iterate(guard)
+
+    monkeypatch.setattr(DamageGuard, "__iter__", counted)
     sets = [
         "optim.max_steps=8",
         "optim.grad_accum=2",
@@ -410,6 +424,7 @@ def test_prefetching_the_next_step_changes_nothing(store: Path, tmp_path: Path) 
         return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
 
     assert in_turn[-1]["epoch"] == 2  # both epoch ends are inside the run
+    assert len(opened) == 2  # one iterator a run
     assert strip(prefetched) == strip(in_turn)
     weights = [load_file(tmp_path / run / "export" / "model.safetensors") for run in
                ("prefetched", "in-turn")]  # fmt: skip
