@@ -5,7 +5,7 @@
 # (bench/loader_cost.py), then `dflash train` at 16 sequences a step for TRAIN_S seconds per
 # worker count in WORKERS, with configs/pystd.yaml's loader (whole-sequence chunks); the
 # summary (bench/fed_step_summary.py) gives the step time, the loader wait and sequences/s.
-#   DFLASH_NARROW_MASK=1 WORKERS="12 6" bash bench/fed_step_call.sh
+#   WORKERS="12 6" bash bench/fed_step_call.sh
 set -uo pipefail
 OUT=${OUT:-runs/fed_step}
 WORK=${WORK:-/tmp/fed_step}

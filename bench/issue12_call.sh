@@ -156,14 +156,15 @@ train_8b_compiled() {
 }
 # run.fp8_linear (torchao float8) at the 8B drafter shape, compiled layers (which fuse the
 # casts): only when torchao imports (carry its wheel: ../shared/tools/device-wheels.sh
-# torchao==0.18.0); compare with train_8b_compiled's step
+# torchao==0.18.0); compare with train_8b_compiled's step. FP8_RECIPE=tensorwise for one scale
+# per tensor (rowwise: 141.9 vs 135.4 ms bf16 at 8B, sixteenth session: the casts cost it)
 train_8b_fp8() {
   if ! python3 -c 'import torchao' > /dev/null 2>&1; then
     record '{"part": "train_8b_fp8", "status": "skipped", "reason": "torchao not installed"}'
     return 0
   fi
   part train_8b_fp8 150 python3 bench/profile_train_step.py "${EIGHT_B[@]}" \
-    --compile-layers true --set run.fp8_linear=rowwise
+    --compile-layers true --set run.fp8_linear="${FP8_RECIPE:-rowwise}"
 }
 # variant PART CAP SHAPE_ARGS -- ARGS...: profile_train_step.py with ARGS, its records tagged
 # "variant" in train_profile.jsonl (the summary shows it), since the shape and compile_layers
