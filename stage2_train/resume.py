@@ -24,6 +24,7 @@ import torch
 from common.logging import get_logger
 from stage2_train.checkpoint import TrainState, resume_latest
 from stage2_train.config import OptimConfig, TrainConfig
+from stage2_train.schedule import refresh_lr
 
 # The drafter's weights, and the data position's meaning (order, split, batch layout).
 FIXED_ON_RESUME = (
@@ -136,15 +137,13 @@ def apply_optim_config(
     """Make a restored optimizer and schedule follow `cfg`: a restored state carries the old
     peak lr, betas and weight decay (the schedule's shape is its lambda, built from `cfg`)."""
     scheduler.base_lrs = [cfg.lr for _ in optimizer.param_groups]
-    step = scheduler.last_epoch
-    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+    for group in optimizer.param_groups:
         group.update(
             initial_lr=cfg.lr,
             betas=(cfg.betas[0], cfg.betas[1]),
             weight_decay=cfg.weight_decay if group.get("decay", True) else 0.0,
-            lr=cfg.lr * factor(step),
         )
-    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    refresh_lr(scheduler)  # each group's lr: the new peak times the schedule's factor now
 
 
 def resume_run(

@@ -151,3 +151,13 @@ def build_scheduler(
             end.fitted,
         ),
     )
+
+
+def refresh_lr(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
+    """Set the next step's lr from the lambdas as they read now: LambdaLR computed it at its
+    last step(), before its base lr or its end moved (the same expression as LambdaLR.get_lr)."""
+    groups = scheduler.optimizer.param_groups
+    factors = zip(groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
+    for group, base, factor in factors:
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in groups]

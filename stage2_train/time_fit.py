@@ -54,6 +54,7 @@ from stage2_train.schedule import (
     FittedEnd,
     ScheduleEnd,
     cosine_progress,
+    refresh_lr,
     warmup_steps,
     wsd_decay_steps,
 )
@@ -160,16 +161,6 @@ def refitted_cosine(
     warmup = warmup_steps(total_steps, cfg.warmup_ratio)
     progress = cosine_progress(anchor - 1, total_steps, warmup, current)
     return FittedEnd(end=fitted_end, decay_from=anchor + 1, progress=progress)
-
-
-def refresh_lr(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
-    """Set the next step's lr from the lambdas as they read now: LambdaLR computed it at its
-    last step(), before the end moved (the same expression as LambdaLR.get_lr)."""
-    groups = scheduler.optimizer.param_groups
-    factors = zip(groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
-    for group, base, factor in factors:
-        group["lr"] = base * factor(scheduler.last_epoch)
-    scheduler._last_lr = [group["lr"] for group in groups]
 
 
 def describe(fitted: FittedEnd) -> str:

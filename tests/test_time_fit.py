@@ -25,6 +25,7 @@ from stage2_train.schedule import (
     build_optimizer,
     build_scheduler,
     lr_factor,
+    refresh_lr,
 )
 from stage2_train.time_fit import TimeFit
 from stage2_train.train import run_train
@@ -306,7 +307,7 @@ def test_a_resumed_cosine_fit_only_shortens_under_a_new_limit(clock: FakeClock) 
         for _ in range(300):
             optimizer.step()
             scheduler.step()
-        time_fit.refresh_lr(scheduler)
+        refresh_lr(scheduler)
         cpu = torch.device("cpu")
         fit = TimeFit(COSINE, limit, 588, scheduler, end, first_step=300, device=cpu, world_size=1)
         moved, lrs = {}, []
