@@ -11,11 +11,13 @@ import json
 import statistics
 from pathlib import Path
 
+from jsonl import read_jsonl  # bench/ is on sys.path: scripts run as bench/x.py
+
 
 def summarize(metrics_path: Path, skip: int) -> dict[str, float | int]:
     """The steady-state figures of one run: medians, quantiles and totals after `skip` steps."""
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    steps = [r for r in rows if "step_s" in r and r.get("step", 0) > skip]
+    # a line the run's timeout cut is left out; a missing file has no steps
+    steps = [r for r in read_jsonl(metrics_path) if "step_s" in r and r.get("step", 0) > skip]
     if not steps:
         raise SystemExit(f"{metrics_path}: no training steps after step {skip}")
     step_s = [r["step_s"] for r in steps]
