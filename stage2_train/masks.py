@@ -148,9 +148,10 @@ def anchor_mask_tables(
     (O(A log A + touched tiles), mask_lists.touched_tiles). It is full if every row sees all
     of it, i.e. if the intersection of the run's context intervals, or of its own-slot
     intervals, contains it: a row's two intervals never meet (hi = anchor < S <= own_lo,
-    token S-1 seen by none), so one of them alone must cover the tile. Tiles are classified exactly like create_block_mask (partial
-    = some but not all allowed; full = all TILE x TILE allowed, padding rows and keys count as
-    masked), so the tables equal create_block_mask's for the same mask_mod.
+    token S-1 seen by none), so one of them alone must cover the tile. Tiles are classified
+    exactly like create_block_mask (partial = some but not all allowed; full = all TILE x TILE
+    allowed, padding rows and keys count as masked), so the tables equal create_block_mask's
+    for the same mask_mod.
     """
     device = ctx_lo_A.device
     num_blocks = ctx_lo_A.numel()
