@@ -39,7 +39,7 @@ class Batch:
     anchors_A: torch.Tensor
     labels_AB: torch.Tensor
     weights_AB: torch.Tensor  # 0/1 validity of each slot's label (0 for padding items)
-    topk_ids_ABk: torch.Tensor | None = None
+    topk_ids_ABk: torch.Tensor | None = None  # int32 (the store's), widened where used
     topk_logprobs_ABk: torch.Tensor | None = None
     hidden_scale_TK: torch.Tensor | None = None  # float32, fp8 stores only
     mask_tables: MaskTables | None = None  # the attention mask of anchors_A, built by collate

@@ -16,7 +16,8 @@ from the shard files (stage2_train/shard_rows.py), its hidden states and top-k b
 buffer of the batch per tensor, in shared memory (stage2_train/batch.py), so neither collate nor
 the hand-over to the training process copies them. fp8 stores (FORMAT.md) travel as their
 uint8 bits plus the fp32 scales, and are decoded on the training device (stage2_train/step.py):
-half the host-to-device bytes, no host CPU spent on it.
+half the host-to-device bytes, no host CPU spent on it. Top-k ids likewise stay the store's
+int32 (the loss widens them on the device).
 The attention mask goes the other way: collate builds its tile tables here, in the workers
 (a few ms of CPU), so the training stream launches nothing to prepare it (masks.MaskTables).
 
@@ -144,7 +145,9 @@ class StoreSequences(torch.utils.data.Dataset):
             shapes[name] = (BUFFER_DTYPES[dtype], shape)
         if self.distill:
             blocks = (self.num_anchors, self.block_size, self.blank_rows["topk_ids"][1][1])
-            shapes["topk_ids_ABk"] = (torch.int64, blocks)
+            # ids stay the store's int32 up to the device (half the bytes of int64 in the
+            # shared buffers and the copy); the loss widens them there
+            shapes["topk_ids_ABk"] = (torch.int32, blocks)
             shapes["topk_logprobs_ABk"] = (torch.float32, blocks)
         buffers = {n: shared_empty((len(keys), *shape), t) for n, (t, shape) in shapes.items()}
         return [
@@ -198,7 +201,7 @@ class StoreSequences(torch.utils.data.Dataset):
             item["hidden_scale_SK"] = into["hidden_scale"]
         if self.distill:
             logprobs_Sk = arrays["topk_logits"] - arrays["logsumexp"][:, None]
-            ids_Sk = arrays["topk_ids"].long()
+            ids_Sk = arrays["topk_ids"]  # int32
             for name, source_Sk in (("topk_ids_ABk", ids_Sk), ("topk_logprobs_ABk", logprobs_Sk)):
                 item[name] = next_token_gather(anchors_A, source_Sk, self.block_size, into[name])
         return item

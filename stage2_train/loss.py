@@ -209,7 +209,8 @@ def chunked_block_loss(
             (statistics as one slot). weights = slot weight * label mask (0 = no loss).
         chunk_tokens: rows per head + loss chunk.
         topk_ids_Qk, topk_logprobs_Qk: the target's top-k ids and log-probabilities for the
-            same positions as the labels (anchors.next_token_source + block_gather).
+            same positions as the labels (anchors.next_token_source + block_gather); ids of
+            any integer dtype (the loader's are int32), widened to int64 here, on their device.
         distill_weight, temperature: weight and temperature of the KL term (0 = off).
         dpace_alpha: D-PACE smoothing a (0 = off; needs [A, B] labels). The loss to
             differentiate then carries the D-PACE multipliers; the stats do not.
