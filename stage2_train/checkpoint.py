@@ -2,9 +2,10 @@
 
 A checkpoint folder holds `model.pt` (the drafter's trainable state dict), `optimizer.pt`,
 `scheduler.pt`, `rng-rank{r}.pt` (every rank's torch/numpy/python RNG states) and `meta.json`
-(step, data position, the config, the store it trained on). It is written under
-`OUT/.tmp-step-000123/` and renamed when every rank has finished writing, so a folder named
-`step-*` is always complete; rerunning the same command resumes from the newest one.
+(step, data position, the schedule's end fitted to a time limit, the config, the store it
+trained on). It is written under `OUT/.tmp-step-000123/` and renamed when every rank has
+finished writing, so a folder named `step-*` is always complete; rerunning the same command
+resumes from the newest one.
 
 Under data parallelism the model and optimizer are identical on every rank, so rank 0 writes
 them; each rank writes its own RNG state.
@@ -35,9 +36,16 @@ import torch.distributed as dist
 from common.distributed import barrier
 from common.durable import commit_folder, space_checked
 from common.logging import get_logger
+from stage2_train.schedule import FittedEnd
 
 STEP_RE = re.compile(r"^step-(\d{6,})$")
 TMP_PREFIX = ".tmp-"
+# optim.fit_time_limit (stage2_train/time_fit.py): the schedule's end fitted to a time limit,
+# flat in meta.json's train_state beside TrainState's fields (the run holds it in its
+# ScheduleEnd alone): the end, the first step of the fitted curve, and (cosine only; None for
+# wsd) the cosine's progress the step before; all None when no end is fitted. A resume
+# continues that curve as planned.
+FIT_KEYS = ("fit_end", "fit_decay_from", "fit_progress")
 
 
 def step_dir(out: str | Path, step: int) -> Path:
@@ -92,15 +100,19 @@ class TrainState:
     # streamed_sequences says what it consumed: sequences [0, n) of the store, all ranks.
     stream: bool = False
     streamed_sequences: int = 0
-    # optim.fit_time_limit (stage2_train/time_fit.py): the end a time limit moved earlier, the
-    # first step of the curve fitted to it, and (cosine only; None for wsd) the cosine's
-    # progress the step before; None until then. A resume continues that curve as planned.
-    fit_end: int | None = None
-    fit_decay_from: int | None = None
-    fit_progress: float | None = None
 
-    def to_dict(self) -> dict[str, int | float | None]:
-        return dict(self.__dict__)
+    def to_dict(self, fitted: FittedEnd | None = None) -> dict[str, int | float | None]:
+        """meta.json's train_state: these fields, then `fitted` as FIT_KEYS."""
+        values = (None,) * 3 if fitted is None else (fitted.end, fitted.decay_from, fitted.progress)
+        return {**self.__dict__, **dict(zip(FIT_KEYS, values, strict=True))}
+
+
+def fitted_end(train_state: dict[str, Any]) -> FittedEnd | None:
+    """The fitted end a checkpoint's train_state records (`TrainState.to_dict`); None when
+    none was fitted, or the checkpoint predates fitting."""
+    if train_state.get("fit_end") is None:
+        return None
+    return FittedEnd(*(train_state.get(key) for key in FIT_KEYS))
 
 
 def state_bytes(obj: Any) -> int:
@@ -125,8 +137,10 @@ def save_checkpoint(
     rank: int,
     keep: int,
     extra_meta: dict[str, Any] | None = None,
+    fitted: FittedEnd | None = None,
 ) -> Path:
-    """Write `step-NNNNNN/` atomically from every rank (collective), prune to `keep`."""
+    """Write `step-NNNNNN/` atomically from every rank (collective), prune to `keep`;
+    `fitted`: the schedule's end fitted to a time limit, if any (ScheduleEnd.fitted)."""
     final = step_dir(out, state.step)
     tmp = final.with_name(TMP_PREFIX + final.name)
     if rank == 0:
@@ -147,7 +161,8 @@ def save_checkpoint(
                 torch.save(model_state, tmp / "model.pt")
                 torch.save(optim_state, tmp / "optimizer.pt")
                 torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-                meta = {"train_state": state.to_dict(), "config": config, **(extra_meta or {})}
+                train_state = state.to_dict(fitted)
+                meta = {"train_state": train_state, "config": config, **(extra_meta or {})}
                 (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
             barrier()
             if rank == 0:
@@ -213,7 +228,8 @@ def load_checkpoint(
     rank: int,
     device: torch.device,
 ) -> tuple[TrainState, dict[str, Any]]:
-    """Restore everything saved by `save_checkpoint`; returns the train state and meta.
+    """Restore everything saved by `save_checkpoint`; returns the train state and meta (its
+    fitted end: `fitted_end(meta["train_state"])`).
     DamagedCheckpoint when a file is missing or does not read back (nothing is applied then:
     every file is read before any state is set)."""
     meta = read_meta(path)
@@ -233,8 +249,9 @@ def load_checkpoint(
     # ByteTensors (mapped to the GPU, resuming a GPU run failed with a TypeError)
     rng = tensors(rng_file.name, weights_only=False, to="cpu") if rng_file.exists() else None
     try:
-        state = TrainState(**meta["train_state"])
-    except TypeError as err:
+        saved = meta["train_state"]
+        state = TrainState(**{key: v for key, v in saved.items() if key not in FIT_KEYS})
+    except (TypeError, AttributeError) as err:  # not a dict, or not TrainState's fields
         raise DamagedCheckpoint(f"meta.json train_state is malformed ({err})") from err
     model.load_state_dict(model_state)
     optimizer.load_state_dict(regroup_optimizer_state(optim_state, optimizer, model))

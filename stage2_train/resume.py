@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from common.logging import get_logger
-from stage2_train.checkpoint import TrainState, resume_latest
+from stage2_train.checkpoint import TrainState, fitted_end, resume_latest
 from stage2_train.config import OptimConfig, TrainConfig
-from stage2_train.schedule import refresh_lr
+from stage2_train.schedule import FittedEnd, refresh_lr
 
 # The drafter's weights, and the data position's meaning (order, split, batch layout).
 FIXED_ON_RESUME = (
@@ -156,8 +156,10 @@ def resume_run(
     scheduler: torch.optim.lr_scheduler.LambdaLR,
     rank: int,
     device: torch.device,
-) -> TrainState | None:
-    """Resume from the newest readable checkpoint of `cfg.run.out` (None: a fresh run)."""
+) -> tuple[TrainState, FittedEnd | None] | None:
+    """Resume from the newest readable checkpoint of `cfg.run.out`: its train state and the
+    schedule's end it had fitted to a time limit (time_fit.restore_fitted puts it back in
+    force); None: a fresh run."""
     current = dataclasses.asdict(cfg)
     changes: list[str] = []
 
@@ -176,11 +178,11 @@ def resume_run(
     )
     if resumed is None:
         return None
-    state, _, path = resumed
+    state, meta, path = resumed
     log = get_logger()
     if changes:
         apply_optim_config(optimizer, scheduler, cfg.optim)
         for line in changes:
             log.info("resume: config change applied from step %d: %s", state.step, line)
     log.info("resumed from %s (step %d, epoch %d)", path, state.step, state.epoch)
-    return state
+    return state, fitted_end(meta["train_state"])

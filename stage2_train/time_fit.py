@@ -9,9 +9,10 @@ wall time between steps, so evaluations, checkpoints and loader waits count in i
 larger of the mean since the first `WARM_STEPS` steps of the job (they compile) and the median
 of the last `WINDOW` steps (a sustained slowdown, which a mean is slow to show; a median
 ignores the isolated evaluation). When that projected end E is before the schedule's end, the
-schedule is shortened to end at E (`FittedEnd`): logged, recorded in the step's metrics line
-(`schedule_end`, `decay_from`) and in every later checkpoint (`TrainState.fit_end`), and the
-run stops at E, annealed; a resumed run continues the same curve, with or without a limit.
+schedule is shortened to end at E (`FittedEnd`, the runner's `ScheduleEnd.fitted`): logged,
+recorded in the step's metrics line (`schedule_end`, `decay_from`) and in every later
+checkpoint (`fit_end` of its train_state), and the run stops at E, annealed; a resumed run
+continues the same curve, with or without a limit.
 
 - wsd: the decay is planned over `optim.decay_ratio` of the post-warmup steps to E, and E is
   frozen when that decay is due to start; it never moves after that (a decay re-planned would
@@ -47,7 +48,6 @@ import torch
 import torch.distributed as dist
 
 from common.logging import get_logger
-from stage2_train.checkpoint import TrainState
 from stage2_train.config import OptimConfig
 from stage2_train.host_copy import HostCopy
 from stage2_train.schedule import (
@@ -261,32 +261,30 @@ class TimeFit:
 
 
 def restore_fitted(
-    state: TrainState,
+    fitted: FittedEnd | None,
     end: ScheduleEnd,
     scheduler: torch.optim.lr_scheduler.LambdaLR,
     cfg: OptimConfig,
     total_steps: int,
 ) -> int:
-    """Put a resumed run's fitted end back in force (its checkpoint's train state) and return
+    """Put a resumed run's fitted end back in force (`fitted`, its checkpoint's) and return
     the run's last step: the fitted end, or total_steps when sooner (a config change).
     Dropped, with a log line, when the resumed config no longer fits its schedule to a limit
     (a cosine fit carries a progress, a wsd one none)."""
-    if state.fit_end is None:
+    if fitted is None:
         return total_steps
-    fitted_for = "wsd" if state.fit_progress is None else "cosine"
+    fitted_for = "wsd" if fitted.progress is None else "cosine"
     if cfg.schedule != fitted_for or not cfg.fit_time_limit:
         log.info(
             "resume: the schedule's end at step %d, fitted to a time limit under %s, is "
             "dropped (optim.schedule=%s, optim.fit_time_limit=%s)",
-            state.fit_end,
+            fitted.end,
             fitted_for,
             cfg.schedule,
             cfg.fit_time_limit,
         )
-        state.fit_end = state.fit_decay_from = state.fit_progress = None
-        refresh_lr(scheduler)
+        refresh_lr(scheduler)  # as loaded, the lr followed the fitted end; checkpoints drop it
         return total_steps
-    fitted = FittedEnd(state.fit_end, state.fit_decay_from, state.fit_progress)
     end.fitted = fitted
     refresh_lr(scheduler)  # as saved; a config change applied on resume computed it without
     log.info(
@@ -294,4 +292,4 @@ def restore_fitted(
         fitted.end,
         describe(fitted),
     )
-    return min(total_steps, state.fit_end)
+    return min(total_steps, fitted.end)

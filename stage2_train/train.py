@@ -177,7 +177,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
     runner = StepRunner(model, ddp, head, cfg, slot_w_B, backend, device, total_steps)
     config_dict = dataclasses.asdict(cfg)
     # the newest checkpoint that reads back whole, under the same (or an allowed) config
-    state = resume_run(
+    state, saved_end = resume_run(
         cfg,
         ctx.world_size,
         info.attrs["content_key"],
@@ -186,11 +186,11 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         scheduler=runner.scheduler,
         rank=ctx.rank,
         device=device,
-    ) or TrainState(step=0, epoch=0, step_in_epoch=0, stream=cfg.data.follow)
+    ) or (TrainState(step=0, epoch=0, step_in_epoch=0, stream=cfg.data.follow), None)
     check_stream_position(state, plan)
     # an end fitted to an earlier job's time limit holds on (time_fit.py)
     total_steps = restore_fitted(
-        state, runner.schedule_end, runner.scheduler, cfg.optim, total_steps
+        saved_end, runner.schedule_end, runner.scheduler, cfg.optim, total_steps
     )
     metrics = MetricsWriter(out / "metrics.jsonl", enabled=ctx.is_main, keep_until=state.step)
     trackers = Trackers(
@@ -297,6 +297,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
             rank=ctx.rank,
             keep=cfg.run.keep_checkpoints,
             extra_meta=extra_meta,
+            fitted=runner.schedule_end.fitted,
         )
 
     log.info(
@@ -418,8 +419,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
                 state.streamed_sequences = plan.streamed(state.step_in_epoch)
             fields.update(step=state.step, epoch=state.epoch)
             if (fitted := fit.observe(state.step)) is not None:  # the run now stops at its end
-                total_steps = bar.total = state.fit_end = fitted.end
-                state.fit_decay_from, state.fit_progress = fitted.decay_from, fitted.progress
+                total_steps = bar.total = fitted.end
                 fields.update(schedule_end=fitted.end, decay_from=fitted.decay_from)
             if (gc_s := collector.after_step(state.step)) is not None:
                 fields["gc_s"] = gc_s  # inside step_s: the loop's own time, counted

@@ -12,15 +12,17 @@ from safetensors import safe_open
 from stage2_train.attention import BlockAttention
 from stage2_train.checkpoint import (
     TrainState,
+    fitted_end,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    read_meta,
     save_checkpoint,
 )
 from stage2_train.config import DrafterConfig, OptimConfig
 from stage2_train.export import expected_keys, export_drafter, load_export
 from stage2_train.model import DFlashDrafter, drafter_shape
-from stage2_train.schedule import build_optimizer, build_scheduler, lr_factor
+from stage2_train.schedule import FittedEnd, build_optimizer, build_scheduler, lr_factor
 
 
 def _training_objects(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
@@ -75,6 +77,39 @@ def test_checkpoint_restores_training_exactly_and_prunes(tmp_path: Path) -> None
     )
     assert (state.step, state.step_in_epoch, meta["config"]) == (5, 5, {"x": 1})
     assert _train(model2, opt2, sched2, 4) == expected
+
+
+def test_train_state_holds_the_fitted_end_flat_as_before(tmp_path: Path) -> None:
+    """meta.json's train_state: TrainState's fields, then the schedule's end fitted to a time
+    limit as the flat keys (in the order) TrainState wrote when it mirrored them; a checkpoint
+    so written loads back to both, and one from before fitting existed to none."""
+    model, opt, sched = _training_objects(0)
+    objects = dict(model=model, optimizer=opt, scheduler=sched, config={}, rank=0, keep=2)
+    fitted = FittedEnd(end=44, decay_from=31, progress=(30 - 1 - 3) / 57)
+    save_checkpoint(tmp_path, TrainState(40, 1, 7, tokens_seen=9), fitted=fitted, **objects)
+    save_checkpoint(tmp_path, TrainState(41, 1, 8), **objects)
+    older, newer = list_checkpoints(tmp_path)
+    written = read_meta(older)["train_state"]
+    assert list(written.items()) == [
+        ("step", 40), ("epoch", 1), ("step_in_epoch", 7), ("tokens_seen", 9), ("stream", False),
+        ("streamed_sequences", 0), ("fit_end", 44), ("fit_decay_from", 31),
+        ("fit_progress", (30 - 1 - 3) / 57),
+    ]  # fmt: skip
+    fields = ("fit_end", "fit_decay_from", "fit_progress")
+    assert [read_meta(newer)["train_state"][key] for key in fields] == [None] * 3
+    load = dict(model=model, optimizer=opt, scheduler=sched, rank=0, device=torch.device("cpu"))
+    state, meta = load_checkpoint(older, **load)
+    assert state == TrainState(40, 1, 7, tokens_seen=9)
+    assert fitted_end(meta["train_state"]) == fitted
+    assert fitted_end(read_meta(newer)["train_state"]) is None
+    wsd = {**written, "fit_decay_from": 36, "fit_progress": None}
+    assert fitted_end(wsd) == FittedEnd(end=44, decay_from=36)
+    meta = read_meta(older)
+    meta["train_state"] = {key: v for key, v in written.items() if key not in fields}
+    (older / "meta.json").write_text(json.dumps(meta))  # before fitting existed
+    state, meta = load_checkpoint(older, **load)
+    assert state == TrainState(40, 1, 7, tokens_seen=9)
+    assert fitted_end(meta["train_state"]) is None
 
 
 def test_lr_schedule_warms_up_then_decays_to_floor() -> None:
