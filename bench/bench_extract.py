@@ -7,10 +7,12 @@ extraction's own forward (hooks, LM head, top-k, log-sum-exp) over them without 
 writes, and (2) the real `run_extract` into a fresh store. Reports tokens/s of both and their ratio, bytes
 per token on disk, the store's compression ratio, and peak GPU memory; (3) the disk's ceiling:
 plain sequential writes of 4 GB to the same folder, fsync'd like a shard commit, to say
-whether extraction is bound by the disk itself or by the write path above it. JSON lines to
-stdout and $OUT/bench_extract.jsonl.
+whether extraction is bound by the disk itself or by the write path above it; (4) the LM
+head's per-chunk post-processing (argmax, top-k, log-sum-exp) eager vs compiled at the
+configured chunk, ms per batch (bench/head_post.py; `--head-only` runs just that, in about a
+minute, no target built). JSON lines to stdout and $OUT/bench_extract.jsonl.
 
-    python bench/bench_extract.py [--tokens 300000] [--work /tmp/bench-extract]
+    python bench/bench_extract.py [--tokens 300000] [--work /tmp/bench-extract] [--head-only]
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from shapes import QWEN3_8B  # bench/ is on sys.path: scripts run as bench/x.py
+from head_post import time_head_post  # bench/ is on sys.path: scripts run as bench/x.py
+from shapes import QWEN3_8B
 
 from common.config import build_config
 from common.logging import init_logger
@@ -256,11 +259,14 @@ def main() -> None:
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], help="extra config key=value"
     )
+    parser.add_argument(
+        "--head-only",
+        action="store_true",
+        help="only part (4): the LM head's post-processing, eager vs compiled",
+    )
     args = parser.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    build_target(work / "target")
-    build_data(work / "data.jsonl", args.tokens)
     store = work / "store"
     cfg = build_config(
         ExtractConfig,
@@ -280,6 +286,15 @@ def main() -> None:
             *args.overrides,
         ],
     )
+    # a batch's valid tokens: the budget less half a chunk, so it ends on a short chunk as
+    # most batches do (the compiled tail graph is part of what is timed)
+    chunk = cfg.verifier.head_chunk_tokens
+    head_tokens = max(cfg.run.batch_tokens - chunk // 2, 1)
+    emit(time_head_post(torch.device("cuda:0"), head_tokens, chunk, cfg.verifier.topk))
+    if args.head_only:
+        return
+    build_target(work / "target")
+    build_data(work / "data.jsonl", args.tokens)
     emit(disk_ceiling(work))
     bare, causal_lm, tapped, profile = forward_ceilings(cfg)
     emit(profile)

@@ -245,6 +245,7 @@ def tapped_target(job: ExtractJob, model: torch.nn.Module) -> TappedTarget:
         cfg.verifier.head_chunk_tokens,
         cfg.verifier.store_full_logits,
         cfg.store.hidden_dtype,
+        cfg.verifier.compile_head,
     )
 
 

@@ -5,7 +5,7 @@ unreachable hub id is a ValueError naming the fix); `resolve_tapped_layers` turn
 layer choice into ids; `TappedTarget` runs the base model (no full-vocabulary logits) with
 forward hooks that keep only the tapped layers' outputs (bf16, or fp8 with a scale per token and
 layer), then applies the LM head in chunks and keeps per token the argmax, the top-k and the
-log-sum-exp of the full row.
+log-sum-exp of the full row (stage1_extract/head_stats.py; compiled on GPUs).
 
 Legend: B batch rows, T padded length, N valid (non-padding) tokens of a batch, K tapped
 layers, D hidden size, V vocabulary, k top-k, C tokens of one LM-head chunk.
@@ -26,6 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from common.store import quantize_fp8
 from stage1_extract.config import TargetConfig
+from stage1_extract.head_stats import head_chunk_stats
 
 
 def _looks_local(name: str) -> bool:
@@ -172,6 +173,7 @@ class TappedTarget:
         head_chunk: int,
         full_logits: bool,
         hidden_dtype: str,
+        compile_head: bool | None = None,
     ) -> None:
         self.model = model
         self.base = model.get_decoder()
@@ -182,6 +184,10 @@ class TappedTarget:
         self.full_logits = full_logits
         self.fp8 = hidden_dtype == "float8_e4m3fn"
         self.device = self.base.get_input_embeddings().weight.device
+        # null: compiled where the head runs on a GPU; eager on the CPU, whose runs (tests,
+        # the tiny example) are shorter than inductor's C++ builds
+        head_on_gpu = self.head.weight.device.type == "cuda"
+        self.compile_head = head_on_gpu if compile_head is None else compile_head
         # device-to-host copies of the outputs overlap the next batch on this stream (fill_shard)
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._valid_idx: torch.Tensor | None = None
@@ -278,11 +284,12 @@ class TappedTarget:
             raw_CV = self.head(final_ND[lo:hi])
             # top-k and argmax on the head's own dtype: the same values and ids as on an fp32
             # copy (the cast is exact and monotonic) at a fraction of the memory traffic; only
-            # the log-sum-exp needs fp32 accumulation
-            argmax_N[lo:hi] = raw_CV.argmax(-1).to(dev)
-            vals, ids = raw_CV.topk(k, dim=-1)
-            vals_Nk[lo:hi], ids_Nk[lo:hi] = vals.to(dev, torch.float32), ids.to(dev, torch.int32)
-            lse_N[lo:hi] = torch.logsumexp(raw_CV.float(), dim=-1).to(dev)
+            # the log-sum-exp accumulates in fp32
+            argmax_C, ids_Ck, vals_Ck, lse_C = head_chunk_stats(
+                raw_CV, k, self.head_chunk, self.compile_head
+            )
+            argmax_N[lo:hi], lse_N[lo:hi] = argmax_C.to(dev), lse_C.to(dev)
+            vals_Nk[lo:hi], ids_Nk[lo:hi] = vals_Ck.to(dev), ids_Ck.to(dev, torch.int32)
             if logits_NV is not None:
                 logits_NV[lo:hi] = raw_CV.to(dev, torch.bfloat16)
         return BatchOutput(hidden_NKD, scale_NK, argmax_N, ids_Nk, vals_Nk, lse_N, logits_NV)
