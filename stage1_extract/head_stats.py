@@ -12,10 +12,11 @@ Eager (the default; verifier.compile_head=false) the results are bit for bit tho
   the row (on a GPU it stays torch.argmax: see `chunk_stats`).
 
 Compiled (`compiled_chunk_stats`, `verifier.compile_head=true`, not yet measured on a GPU)
-inductor fuses the fp32 shift, exp and sum and the argmax into one reduction that reads the
-bf16 row once and never writes an fp32 copy; topk stays ATen's kernel (inductor calls it), so ids and values are eager's; the argmax is
-inductor's reduction (the first maximal index, as torch.argmax); the log-sum-exp sums in
-inductor's order, within fp32 rounding of eager's (tests/test_head_stats.py).
+inductor fuses the fp32 shift, exp and sum and the argmax into one reduction that reads the bf16
+row once and never writes an fp32 copy; topk stays ATen's kernel (inductor calls it), so ids and
+values are eager's; the argmax is inductor's reduction (the first maximal index, as
+torch.argmax); the log-sum-exp sums in inductor's order, within fp32 rounding of eager's
+(tests/test_head_stats.py).
 
 Legend: C rows of one chunk, V vocabulary, k top-k.
 """
