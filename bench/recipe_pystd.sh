@@ -57,7 +57,8 @@ fi
 # documents of dev.jsonl.gz (41): the same figure over 3.4x the prompts, for comparisons. Two
 # generations: generate leaves out a document whose reply is empty, so the first 12 rows of
 # the larger one are not the 12 online prompts. The dev stores keep bf16 features (the store
-# default is fp8): with them the offline figure matched the online one to 4 decimals
+# default is fp8): with them the offline figure matched the online one to 4 decimals. They take
+# EXTRACT_SETS first (the tapped layers must match the training store's), then their own sets
 DEV_DOCS=${DEV_DOCS:-41}
 if has dev; then
   t=$(date +%s)
@@ -68,7 +69,8 @@ if has dev; then
       --set text.stride=1000000 --set text.loss_on_prompt=false --set run.progress=false \
       >> "$OUT/dev-generate.log" 2>&1 || failed+=(dev)  # {prompt, completion}: chains start there
     dflash extract --config "$CFG" --model $M --data "$WORK/$name-gen" --out "$WORK/$name-store" \
-      --devices "${DEVICE%%,*}" --set packing.seq_len=384 --set store.sequences_per_shard=12 \
+      --devices "${DEVICE%%,*}" "${EXTRACT_SETS[@]}" --set packing.seq_len=384 \
+      --set store.sequences_per_shard=12 \
       --set run.writer_processes=0 --set run.progress=false --set store.hidden_dtype=bfloat16 \
       >> "$OUT/dev-extract.log" 2>&1 \
       || failed+=(dev)
