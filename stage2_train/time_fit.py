@@ -8,11 +8,15 @@ limit: the seconds left (less `SAFETY` of them) over its seconds per step. That 
 wall time between steps, so evaluations, checkpoints and loader waits count in it, taken as the
 larger of the mean since the first `WARM_STEPS` steps of the job (they compile) and the median
 of the last `WINDOW` steps (a sustained slowdown, which a mean is slow to show; a median
-ignores the isolated evaluation). When that projected end E is before the schedule's end, the
-schedule is shortened to end at E (`FittedEnd`, the runner's `ScheduleEnd.fitted`): logged,
-recorded in the step's metrics line (`schedule_end`, `decay_from`) and in every later
-checkpoint (`fit_end` of its train_state), and the run stops at E, annealed; a resumed run
-continues the same curve, with or without a limit.
+ignores the isolated evaluation). That window is 300 steps (fewer until that many are
+measured), so a slowdown counts once it has lasted 150. At 50 the loader's noise moved it too
+much: on an H200 (pystd, cosine, 9,025 steps in ~880 s, steps of 0.083-0.110 s) runs of ~100
+slow steps took the median from 0.095 to 0.110 s/step and back, and the fit made ~80
+decisions, seven shortenings within 4 s, then lengthenings. When the projected end E is
+before the schedule's end, the schedule is shortened to end at E (`FittedEnd`, the runner's
+`ScheduleEnd.fitted`): logged, recorded in the step's metrics line (`schedule_end`,
+`decay_from`) and in every later checkpoint (`fit_end` of its train_state), and the run stops
+at E, annealed; a resumed run continues the same curve, with or without a limit.
 
 - wsd: the decay is planned over `optim.decay_ratio` of the post-warmup steps to E, and E is
   frozen when that decay is due to start; it never moves after that (a decay re-planned would
@@ -31,6 +35,14 @@ continues the same curve, with or without a limit.
   loader's start and the first compilations, and a pessimistic one would otherwise cost its
   steps for good. (Not later in the decay: the time held back, `SAFETY` of what is left,
   shrinks as the run goes on, so a steady run's projections creep past E near its end.)
+  After a re-map the next waits `COOLDOWN` of the run's steps (5%: ~450 at pystd's 9,000; at
+  most 20 a job) unless the projection falls short by more than `URGENT_MARGIN` of the steps
+  left (10%, past the 300-step median's noise): a real slowdown re-maps at once. 5% still lets
+  a first fit three times too short (E at 30% of the run) lengthen in the first third of its
+  decay. A replayed trace like the H200's (tests/test_time_fit.py) makes 6 decisions, where a
+  50-step window and no cooldown made 34; a step time that doubles re-maps within 150 steps.
+  The price: a slowdown in the last ~150 steps shows too late, and the limit stops the run in
+  the last ~2% of its decay, where the cosine is ~0.1% of the peak above its floor.
 
 With several ranks the ranks agree on E (the earliest any of them proposes, one all-reduce
 per step while the fit may still move, read a step late like the stop agreement), so their
@@ -61,10 +73,12 @@ from stage2_train.schedule import (
 
 WARM_STEPS = 10  # steps of each job left unmeasured: the first ones compile (~10 s on a GPU)
 MIN_STEPS = 20  # measured steps before the first projection
-WINDOW = 50  # recent steps whose median step time catches a slowdown
+WINDOW = 300  # recent steps whose median step time catches a sustained slowdown
 SAFETY = 0.02  # share of the remaining time left unplanned, for the rate's noise
-REFIT_MARGIN = 0.02  # cosine: share of the steps left a projection must differ by
-LENGTHEN_MARGIN = 0.05  # cosine: ... and pass it by, early in the fitted decay
+REFIT_MARGIN = 0.02  # cosine: share of the steps left a projection must fall short by
+LENGTHEN_MARGIN = 0.05  # cosine: ... or pass it by, early in the fitted decay
+URGENT_MARGIN = 0.10  # cosine: ... fall short by to re-map within the cooldown
+COOLDOWN = 0.05  # cosine: share of the run's steps from a re-map to the next (not urgent)
 NO_PROPOSAL = 2**62  # a rank with nothing to propose (the ranks agree on the minimum)
 
 log = get_logger()
@@ -136,10 +150,12 @@ def refitted_cosine(
     in force: None is the configured one), or None when that is not far enough from the end in
     force: the first fit whenever it is sooner, a later one when sooner by more than
     REFIT_MARGIN of the steps left (the rate's noise re-maps nothing), or later by more than
-    LENGTHEN_MARGIN of them in the first third of the fitted decay. The end never
-    passes `total_steps`: the configured end (a resumed fitted run passes its fitted end, so a
-    resumed job only shortens; the loader's sampler was sized to it). The fitted curve covers
-    every step from its anchor on, and the anchor only moves later."""
+    LENGTHEN_MARGIN of them in the first third of the fitted decay; either only COOLDOWN of
+    total_steps after the last re-map (its anchor), unless sooner by more than URGENT_MARGIN
+    of the steps left. The end never passes `total_steps`: the configured end (a resumed
+    fitted run passes its fitted end, so a resumed job only shortens; the loader's sampler was
+    sized to it). The fitted curve covers every step from its anchor on, and the anchor only
+    moves later."""
     if current is None:
         end = total_steps
         # in the warmup, the cosine's first step: the warmup runs as configured
@@ -153,9 +169,10 @@ def refitted_cosine(
     else:
         left, since = end - step, current.decay_from - 1
         early = 3 * (step - since) < end - since
-        due = fitted_end < end - REFIT_MARGIN * left or (
-            early and fitted_end > end + LENGTHEN_MARGIN * left
-        )
+        cooled = step - since >= COOLDOWN * total_steps
+        shorter = fitted_end < end - REFIT_MARGIN * left
+        longer = early and fitted_end > end + LENGTHEN_MARGIN * left
+        due = fitted_end < end - URGENT_MARGIN * left or (cooled and (shorter or longer))
     if not due:
         return None
     warmup = warmup_steps(total_steps, cfg.warmup_ratio)

@@ -6,8 +6,10 @@ checkpoints carry the decisions. The clock is a fake one (no timing)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
+import random
 from collections.abc import Callable
 from pathlib import Path
 
@@ -292,6 +294,80 @@ def test_a_pessimistic_first_fit_is_lengthened_early_and_stays_continuous(
     # the lengthening stops once a third of the fitted decay is done
     last_move = list(fitted)[-1]
     assert 3 * (last_move - (list(fitted.values())[-2].decay_from - 1)) < ends[-2] - 1
+
+
+def h200_step_times(doubled_from: int | None = None) -> list[float]:
+    """Seconds per step of a pystd-like run on an H200 (10,000 steps configured, ~8,800 fit in
+    900 s), after the log that made ~80 decisions: 1 s for the 10 compiling steps, then
+    0.083-0.100 s, with five stretches of ~100 steps at 0.100-0.120 s (the loader's noise: a
+    50-step median rising from 0.095 to 0.110 and back) and an evaluation every 1,500 steps
+    (5 s, 30 s the first: it compiles). From step `doubled_from` on, every step twice as long."""
+    rng = random.Random(0)
+    slow = [(150, 250), (2150, 2270), (4000, 4100), (6000, 6120), (7700, 7800)]
+    times = []
+    for step in range(1, 10_001):
+        if step <= 10:
+            seconds = 1.0
+        elif any(start <= step < stop for start, stop in slow):
+            seconds = rng.uniform(0.100, 0.120)
+        else:
+            seconds = rng.uniform(0.083, 0.100)
+        if step % 1500 == 0:
+            seconds += 30.0 if step == 1500 else 5.0
+        times.append(seconds if doubled_from is None or step < doubled_from else 2 * seconds)
+    return times
+
+
+def assert_cooled_down(fitted: dict[int, FittedEnd]) -> None:
+    """Each re-map COOLDOWN of the run's steps after the one before, unless urgent: sooner by
+    more than URGENT_MARGIN of the steps left."""
+    steps = list(fitted)
+    for before, step in zip(steps, steps[1:], strict=False):
+        end, new = fitted[before].end, fitted[step].end
+        urgent = new < end - time_fit.URGENT_MARGIN * (end - step)
+        assert urgent or step - before >= time_fit.COOLDOWN * 10_000, (before, step)
+
+
+def test_a_noisy_step_time_moves_the_cosine_a_few_times(
+    clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loader's noise re-maps the cosine a handful of times, not at every twitch of the
+    rate: the first fit, the first evaluation's compile (an urgent shortening) and the
+    lengthenings as the mean forgets it; the run ends annealed, inside the limit, having used
+    most of it."""
+    times = h200_step_times()
+    lrs, _, fitted = fitted_run(clock, COSINE, 10_000, 900.0, lambda s: times[s - 1])
+    ends = [f.end for f in fitted.values()]
+    assert len(fitted) <= 6, fitted
+    directions = [b > a for a, b in zip([10_000, *ends], ends, strict=False)]
+    assert sum(a != b for a, b in zip(directions, directions[1:], strict=False)) <= 1
+    assert_cooled_down(fitted)
+    assert len(lrs) == ends[-1] and 0.97 * 900 < clock.now <= 900.0
+    assert_annealed(lrs, COSINE, 10_000)
+    # the same trace through a 50-step median and no cooldown: it flip-flops
+    clock.now = 0.0
+    monkeypatch.setattr(time_fit, "COOLDOWN", 0.0)
+    monkeypatch.setattr(time_fit, "StepRate", functools.partial(time_fit.StepRate, 50))
+    _, _, twitchy = fitted_run(clock, COSINE, 10_000, 900.0, lambda s: times[s - 1])
+    assert len(twitchy) > 30
+
+
+def test_a_step_time_that_doubles_shortens_the_cosine_at_once(clock: FakeClock) -> None:
+    """Twice as slow from step 5,000: re-mapped once the 300-step median shows it, at once (no
+    cooldown) however often; the run still ends annealed inside the limit."""
+    times = h200_step_times(doubled_from=5000)
+    lrs, _, fitted = fitted_run(clock, COSINE, 10_000, 900.0, lambda s: times[s - 1])
+    before = [f.end for step, f in fitted.items() if step < 5000][-1]
+    assert before > 8500
+    final = list(fitted.values())[-1].end
+    assert len(lrs) == final < 7100 and clock.now <= 900.0
+    # within 150 steps, the end in force is most of the way to where it settles
+    by_5150 = [f.end for step, f in fitted.items() if step <= 5150][-1]
+    assert by_5150 - final < 0.2 * (before - final)
+    assert_cooled_down(fitted)
+    steps = list(fitted)  # the urgent ones came sooner
+    assert any(b - a < time_fit.COOLDOWN * 10_000 for a, b in zip(steps, steps[1:], strict=False))
+    assert_annealed(lrs, COSINE, 10_000)
 
 
 def test_a_resumed_cosine_fit_only_shortens_under_a_new_limit(clock: FakeClock) -> None:
