@@ -114,8 +114,14 @@ class StoreSequences(torch.utils.data.Dataset):
         """Row `index` of every array read, those named in `into` decoded into its arrays (the
         batch's buffers); Damaged when its bytes cannot be trusted."""
         shard_index, row = divmod(index, self.per_shard)
-        rows = {name: np.empty(shape, dtype) for name, (dtype, shape) in self.blank_rows.items()}
-        return self._shard(shard_index).read(row, rows | (into or {}))
+        into = into or {}
+        # a row buffer only for the arrays `into` does not hold (not a second hidden row a read)
+        rows = {
+            name: np.empty(shape, dtype)
+            for name, (dtype, shape) in self.blank_rows.items()
+            if name not in into
+        }
+        return self._shard(shard_index).read(row, rows | into)
 
     def _blank(self, into: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         rows = {name: np.zeros(shape, dtype) for name, (dtype, shape) in self.blank_rows.items()}
