@@ -35,8 +35,8 @@ at E, annealed; a resumed run continues the same curve, with or without a limit.
   loader's start and the first compilations, and a pessimistic one would otherwise cost its
   steps for good. (Not later in the decay: the time held back, `SAFETY` of what is left,
   shrinks as the run goes on, so a steady run's projections creep past E near its end.)
-  After a re-map the next waits `COOLDOWN` of the run's steps (5%: ~450 at pystd's 9,000; at
-  most 20 a job) unless the projection falls short by more than `URGENT_MARGIN` of the steps
+  After a re-map the next waits `COOLDOWN` of the run's steps (5%: ~450 at pystd's 9,000, so at
+  most 20 such re-maps a run) unless the projection falls short by more than `URGENT_MARGIN` of the steps
   left (10%, past the 300-step median's noise): a real slowdown re-maps at once. 5% still lets
   a first fit three times too short (E at 30% of the run) lengthen in the first third of its
   decay. A replayed trace like the H200's (tests/test_time_fit.py) makes 6 decisions, where a
