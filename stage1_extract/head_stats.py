@@ -3,7 +3,7 @@
 `TappedTarget._head` applies the LM head in chunks of C rows and hands each chunk's logits
 (the head's dtype: bf16 for a bf16 target) to `head_chunk_stats`.
 
-Eager (the default; verifier.compile_head=false) the results are bit for bit those of
+Eager (the CPU's default; verifier.compile_head=false) the results are bit for bit those of
 `argmax`, `topk` and `logsumexp(logits.float())`, with fewer passes over the [C, V] logits:
 - the log-sum-exp shifts by topk's first value, which is amax's, masked as torch.logsumexp
   masks an infinite max, and subtracts it from the bf16 logits in fp32 by type promotion: one
@@ -11,7 +11,7 @@ Eager (the default; verifier.compile_head=false) the results are bit for bit tho
 - on the CPU the argmax comes from the top-k (`argmax_from_topk`), not from another pass over
   the row (on a GPU it stays torch.argmax: see `chunk_stats`).
 
-Compiled (`compiled_chunk_stats`, `verifier.compile_head=true`, not yet measured on a GPU)
+Compiled (`compiled_chunk_stats`, `verifier.compile_head=true`, a CUDA target's default)
 inductor fuses the fp32 shift, exp and sum and the argmax into one reduction that reads the bf16
 row once and never writes an fp32 copy; topk stays ATen's kernel (inductor calls it), so ids and
 values are eager's; the argmax is inductor's reduction (the first maximal index, as

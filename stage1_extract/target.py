@@ -173,7 +173,7 @@ class TappedTarget:
         head_chunk: int,
         full_logits: bool,
         hidden_dtype: str,
-        compile_head: bool = False,
+        compile_head: bool | None = None,
     ) -> None:
         self.model = model
         self.base = model.get_decoder()
@@ -184,7 +184,9 @@ class TappedTarget:
         self.full_logits = full_logits
         self.fp8 = hidden_dtype == "float8_e4m3fn"
         self.device = self.base.get_input_embeddings().weight.device
-        self.compile_head = compile_head
+        # unset: compiled on a GPU (measured faster, same bits but the log-sum-exp's rounding),
+        # eager on the CPU (inductor's C++ builds cost more than short CPU runs gain)
+        self.compile_head = self.device.type == "cuda" if compile_head is None else compile_head
         # device-to-host copies of the outputs overlap the next batch on this stream (fill_shard)
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._valid_idx: torch.Tensor | None = None

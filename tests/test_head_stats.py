@@ -183,7 +183,7 @@ def legacy_head(
 
 @pytest.mark.slow
 def test_tapped_target_compiled_head(tiny_qwen3: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """verifier.compile_head: off by default; true runs the compiled graphs in
+    """verifier.compile_head: unset, off for a CPU target; true runs the compiled graphs in
     TappedTarget and stores what the replaced code stored (log-sum-exp to fp32 rounding)."""
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.bfloat16).eval()
     assert TappedTarget(model, [0], K, 50, False, "bfloat16").compile_head is False
