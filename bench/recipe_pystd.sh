@@ -32,7 +32,52 @@ has() { [[ ",$STAGES," == *",$1,"* ]]; }
 # a data stage whose command fails makes the script exit 1 at its end (bench/recipe_call.sh
 # marks a stage done on exit 0 only)
 failed=()
+started=$(date +%s)
 stamp() { echo "\"$1_s\": $(( $(date +%s) - $2 ))" >> "$OUT/timings.txt"; }
+
+# the target's own continuation of the dev prompts, the offline twin of `dflash evaluate`:
+# dev-store holds the 12 online prompts (the training log's figure), dev-all-store all DEV_DOCS
+# documents of dev.jsonl.gz (41): the same figure over 3.4x the prompts, for comparisons. Two
+# generations: generate leaves out a document whose reply is empty, so the first 12 rows of
+# the larger one are not the 12 online prompts. The dev stores keep bf16 features (the store
+# default is fp8): with them the offline figure matched the online one to 4 decimals. They take
+# EXTRACT_SETS first (the tapped layers must match the training store's), then their own sets.
+# The stage runs beside generate and extract (train waits for it): its four processes are
+# almost all start-up (91 s for 6,272 new tokens, eighteenth session), time the deadline-bound
+# training would otherwise lose. Its failure is a file, as a background job cannot add to
+# `failed`.
+DEV_DOCS=${DEV_DOCS:-41}
+dev_stage() {
+  local t; t=$(date +%s)
+  rm -f "$WORK/dev.failed"
+  for dev in dev:12 dev-all:"$DEV_DOCS"; do
+    name=${dev%%:*} docs=${dev#*:}
+    dflash generate --config "$CFG" --model $M --data .carry/dev.jsonl.gz --out "$WORK/$name-gen" \
+      --devices "${DEVICE%%,*}" --set data.max_samples="$docs" --set text.new_tokens=128 \
+      --set text.stride=1000000 --set text.loss_on_prompt=false --set run.progress=false \
+      >> "$OUT/dev-generate.log" 2>&1 || touch "$WORK/dev.failed"  # {prompt, completion}
+    dflash extract --config "$CFG" --model $M --data "$WORK/$name-gen" --out "$WORK/$name-store" \
+      --devices "${DEVICE%%,*}" "${EXTRACT_SETS[@]}" --set packing.seq_len=384 \
+      --set store.sequences_per_shard=12 \
+      --set run.writer_processes=0 --set run.progress=false --set store.hidden_dtype=bfloat16 \
+      >> "$OUT/dev-extract.log" 2>&1 \
+      || touch "$WORK/dev.failed"
+  done
+  stamp dev "$t"
+}
+dev_pid=
+if has dev; then
+  dev_stage &
+  dev_pid=$!
+fi
+# the dev stores must be complete before training reads them (or before the script ends)
+wait_dev() {
+  [ -n "$dev_pid" ] || return 0
+  wait "$dev_pid"
+  dev_pid=
+  [ -f "$WORK/dev.failed" ] && failed+=(dev)
+  return 0
+}
 
 if has generate; then
   t=$(date +%s)
@@ -52,32 +97,6 @@ if has extract; then
   # ~10 s, outside the stage times)
   python3 bench/loader_cost.py --store "$WORK/store" --sequences 8 16 > "$OUT/loader_cost.jsonl" 2>&1
 fi
-# the target's own continuation of the dev prompts, the offline twin of `dflash evaluate`:
-# dev-store holds the 12 online prompts (the training log's figure), dev-all-store all DEV_DOCS
-# documents of dev.jsonl.gz (41): the same figure over 3.4x the prompts, for comparisons. Two
-# generations: generate leaves out a document whose reply is empty, so the first 12 rows of
-# the larger one are not the 12 online prompts. The dev stores keep bf16 features (the store
-# default is fp8): with them the offline figure matched the online one to 4 decimals. They take
-# EXTRACT_SETS first (the tapped layers must match the training store's), then their own sets
-DEV_DOCS=${DEV_DOCS:-41}
-if has dev; then
-  t=$(date +%s)
-  for dev in dev:12 dev-all:"$DEV_DOCS"; do
-    name=${dev%%:*} docs=${dev#*:}
-    dflash generate --config "$CFG" --model $M --data .carry/dev.jsonl.gz --out "$WORK/$name-gen" \
-      --devices "${DEVICE%%,*}" --set data.max_samples="$docs" --set text.new_tokens=128 \
-      --set text.stride=1000000 --set text.loss_on_prompt=false --set run.progress=false \
-      >> "$OUT/dev-generate.log" 2>&1 || failed+=(dev)  # {prompt, completion}: chains start there
-    dflash extract --config "$CFG" --model $M --data "$WORK/$name-gen" --out "$WORK/$name-store" \
-      --devices "${DEVICE%%,*}" "${EXTRACT_SETS[@]}" --set packing.seq_len=384 \
-      --set store.sequences_per_shard=12 \
-      --set run.writer_processes=0 --set run.progress=false --set store.hidden_dtype=bfloat16 \
-      >> "$OUT/dev-extract.log" 2>&1 \
-      || failed+=(dev)
-  done
-  stamp dev "$t"
-fi
-
 variant() {  # $1 = name, $2 = GPU, the rest: train --set arguments
   local name=$1 gpu=$2; shift 2
   local eval_device; eval_device=$([ "$gpu" = cpu ] && echo cpu || echo "cuda:$gpu")
@@ -108,22 +127,27 @@ variant() {  # $1 = name, $2 = GPU, the rest: train --set arguments
   fi
   if has evaluate; then
     t=$(date +%s)
+    # the four evaluations at once (each is mostly start-up and a small model's decoding: 151 s
+    # one after another in the eighteenth session); tokens/s in their JSON are then shared-GPU
+    # figures, tau is not affected.
     # --no-stop-at-eos: the 12-prompt figure as every session measured it (the shared harness
     # decodes 128 tokens past a reply's end; dev prompt 9's reply is the end of file alone)
     dflash evaluate --target $M --drafter "$WORK/run-$name/export" --data .carry/dev.jsonl.gz \
-      --no-stop-at-eos --device "$eval_device" > "$OUT/$name-acceptance.json" 2> "$OUT/$name-evaluate.log"
+      --no-stop-at-eos --device "$eval_device" > "$OUT/$name-acceptance.json" 2> "$OUT/$name-evaluate.log" &
     dflash evaluate-offline --drafter "$WORK/run-$name/export" --store "$WORK/dev-store" \
-      --device "$eval_device" --json-out "$OUT/$name-offline-dev.json" > /dev/null 2>&1
+      --device "$eval_device" --json-out "$OUT/$name-offline-dev.json" > /dev/null 2>&1 &
     dflash evaluate-offline --drafter "$WORK/run-$name/export" --store "$WORK/dev-all-store" \
-      --device "$eval_device" --json-out "$OUT/$name-offline-dev-all.json" > /dev/null 2>&1
+      --device "$eval_device" --json-out "$OUT/$name-offline-dev-all.json" > /dev/null 2>&1 &
     # run.export_best: the peak of the dev chained tau, when it came before the last step
     local best="$WORK/run-$name/export-best"
     if [ -f "$best/best.json" ] && ! cmp -s "$best/model.safetensors" \
         "$WORK/run-$name/export/model.safetensors"; then
       cp "$best/best.json" "$OUT/$name-best.json"
       dflash evaluate --target $M --drafter "$best" --data .carry/dev.jsonl.gz \
-        --no-stop-at-eos --device "$eval_device" > "$OUT/$name-best-acceptance.json" 2>> "$OUT/$name-evaluate.log"
+        --no-stop-at-eos --device "$eval_device" > "$OUT/$name-best-acceptance.json" \
+        2> "$OUT/$name-best-evaluate.log" &
     fi
+    wait
     stamp "$name-evaluate" "$t"
     python3 - "$OUT" "$name" <<'EOF'
 import json, sys
@@ -154,6 +178,7 @@ EOF
   fi
 }
 
+wait_dev
 if [ -z "${VARIANTS:-}" ]; then
   variant recipe "${TRAIN_GPUS[0]}" "$@"
 else
@@ -165,6 +190,8 @@ else
   done
   wait
 fi
+# the wall time of the stages this run ran (the dev stage overlaps generate and extract)
+stamp wall "$started"
 sed 's/$/,/' "$OUT/timings.txt" | tr -d '\n' | sed 's/^/{/; s/,$/}\n/' > "$OUT/timings.json"
 cat "$OUT/timings.json"
 if (( ${#failed[@]} )); then
