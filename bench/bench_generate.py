@@ -71,9 +71,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--cache",
-        choices=["dynamic", "static"],
+        choices=["dynamic", "static", "preallocated"],
         default="dynamic",
-        help="run.kv_cache (static: transformers compiles the decode step on a GPU; the "
+        help="run.kv_cache (preallocated: written in place, no per-step copy; static: "
+        "transformers compiles the decode step on a GPU; the "
         "warm-up runs at the timed batch's shape so that compile is not timed)",
     )
     args = parser.parse_args()

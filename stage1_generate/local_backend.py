@@ -17,6 +17,9 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from stage1_generate.config import SamplingConfig
+from stage1_generate.preallocated_cache import cache_kwargs
+
+KV_CACHES = ("dynamic", "static", "preallocated")
 
 
 @dataclass
@@ -70,14 +73,17 @@ class LocalBackend:
         self.stop_ids = stop_ids
         self.batch_size = batch_size
         self.batch_tokens = batch_tokens
-        if kv_cache not in ("dynamic", "static"):
-            raise ValueError(f"kv_cache must be dynamic or static, got {kv_cache!r}")
+        if kv_cache not in KV_CACHES:
+            raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
         # static: transformers' StaticCache, which its generate compiles on a GPU. It sizes every
         # cache to the longest (prompt + new) generated on the model so far (one compiled shape),
         # not to the batch's own: rows are planned by that length (`static_row`), so that
         # batch_tokens bounds the cache as it bounds the growing one
         self.static = kv_cache == "static"
         self.cache_kwargs = {"cache_implementation": "static"} if self.static else {}
+        # preallocated: a dynamic cache whose layers are allocated at the batch's final length
+        # (stage1_generate/preallocated_cache.py), a new one per batch
+        self.preallocated = kv_cache == "preallocated"
         self.static_row = 0
         self.device = next(model.parameters()).device
         self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
@@ -122,6 +128,7 @@ class LocalBackend:
             if sampling.greedy
             else {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p}
         )
+        cache = cache_kwargs(self.model, width + max_new) if self.preallocated else {}
         seq_BX = self.model.generate(
             input_ids=ids_BT.to(self.device),
             attention_mask=mask_BT.to(self.device),
@@ -132,6 +139,7 @@ class LocalBackend:
             top_k=None,
             use_cache=True,
             **self.cache_kwargs,
+            **cache,
             **kwargs,
         )
         new_BN = seq_BX[:, width:].tolist()

@@ -413,13 +413,14 @@ def test_text_windows_follow_the_tokenizers_bos(tiny_qwen3: Path, tmp_path: Path
 def test_static_kv_cache_writes_the_same_rows(
     target: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
-    """run.kv_cache=static (transformers' StaticCache, compiled on a GPU) is a speed option only:
-    chat and text rows, batched with left padding, come out as with the growing cache, and
-    the text replies are the target's uncached greedy ones."""
+    """run.kv_cache=static (transformers' StaticCache, compiled on a GPU) and preallocated
+    (written in place) are speed options only: chat and text rows, batched with left padding,
+    come out as with the growing cache, and the text replies are the target's uncached greedy
+    ones."""
     model = request.getfixturevalue(target)
     rows = chat_rows() + [{"text": t} for t in TEXTS]
     written = {}
-    for cache in ("dynamic", "static"):
+    for cache in ("dynamic", "static", "preallocated"):
         for kind, data_rows in (
             ("chat", rows[: len(CONVERSATIONS)]),
             ("text", rows[len(CONVERSATIONS) :]),
@@ -430,6 +431,7 @@ def test_static_kv_cache_writes_the_same_rows(
             written[cache, kind] = read_rows(out)
     for kind in ("chat", "text"):
         assert written["static", kind] == written["dynamic", kind]
+        assert written["preallocated", kind] == written["dynamic", kind]
     tokenizer = AutoTokenizer.from_pretrained(model)
     for row in written["static", "text"]:
         ids = tokenizer(TEXTS[row["source_index"]], add_special_tokens=False)["input_ids"]

@@ -1,0 +1,71 @@
+"""run.kv_cache=preallocated: transformers' dynamic cache with layers written in place."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.cache_utils import DynamicLayer
+
+from stage1_generate import gqa_decode, local_backend
+from stage1_generate.config import SamplingConfig
+from stage1_generate.local_backend import LocalBackend
+from stage1_generate.preallocated_cache import PreallocatedLayer, cache_kwargs
+from stage1_generate.rows import stop_token_ids
+
+
+def test_layer_holds_what_concatenation_holds() -> None:
+    """Prefill, decode steps and steps past the planned capacity (it grows, keeping what is
+    filled) leave the same keys and values as DynamicLayer's concatenation, as views of
+    one buffer while within capacity."""
+    gen = torch.Generator().manual_seed(0)
+    ours, reference = PreallocatedLayer(capacity=7), DynamicLayer()
+    buffer = None
+    for new in (5, 1, 1, 1, 1, 3):  # 5 + 2 fit the capacity of 7, then it grows
+        key, value = (
+            torch.randn(2, 3, new, 4, generator=gen),
+            torch.randn(2, 3, new, 4, generator=gen),
+        )
+        got_k, got_v = ours.update(key, value)
+        want_k, want_v = reference.update(key, value)
+        assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+        assert ours.get_seq_length() == reference.get_seq_length()
+        if ours.filled <= 7:  # no copy of the filled part: views of the first buffer
+            buffer = buffer if buffer is not None else got_k.untyped_storage().data_ptr()
+            assert got_k.untyped_storage().data_ptr() == buffer
+    assert ours.filled == 12 and ours.keys.shape[-2] == 12
+
+
+@pytest.mark.parametrize("attn", ["sdpa", gqa_decode.GQA_DECODE])
+def test_backend_replies_match_the_dynamic_cache(
+    tiny_qwen3: Path, attn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Left-padded prompts of several lengths through the backend: the same replies as with
+    transformers' dynamic cache, with every layer a PreallocatedLayer of the batch's final
+    length (so no per-step concatenation ran)."""
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_qwen3, dtype=torch.float32, attn_implementation=attn
+    ).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    stops = stop_token_ids(tokenizer, None, {})
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(5, 200, (n,), generator=gen).tolist() for n in (9, 4, 13, 7)]
+    caches = []
+
+    def spy(model: torch.nn.Module, capacity: int) -> dict:
+        kwargs = cache_kwargs(model, capacity)
+        caches.append((capacity, next(iter(kwargs.values()))))
+        return kwargs
+
+    monkeypatch.setattr(local_backend, "cache_kwargs", spy)
+    replies = {}
+    for kv in ("dynamic", "preallocated"):
+        backend = LocalBackend(model, tokenizer, SamplingConfig(), stops, 4, 1 << 20, kv)
+        replies[kv] = [c.token_ids for c in backend.generate(prompts, 6)]
+    assert replies["preallocated"] == replies["dynamic"]
+    assert [capacity for capacity, _ in caches] == [13 + 6]  # one batch: widest prompt + new
+    layers = caches[0][1].layers
+    assert len(layers) == model.config.num_hidden_layers
+    assert all(isinstance(layer, PreallocatedLayer) and layer.capacity == 19 for layer in layers)
