@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import datasets
-from transformers import PreTrainedTokenizerBase
+import numpy as np
+import pyarrow as pa
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from stage1_extract.chat import (
     InvalidRow,
@@ -132,9 +134,11 @@ def _tokenize_batch(
     where: str,
     completion_column: str | None = None,
     template_kwargs: dict[str, Any] | None = None,
-) -> dict[str, list[Any]]:
+) -> dict[str, list[Any]] | pa.Table:
     """One `datasets.map` batch; module-level with plain arguments so its fingerprint is stable."""
     rows = batch[column]
+    if fmt == "text":
+        return _text_batch(rows, indices, tokenizer, column, skip_invalid, where)
     results: list[Any] = [None] * len(rows)
     chats: dict[int, list[dict[str, Any]]] = {}
     if fmt == "completion":
@@ -143,17 +147,6 @@ def _tokenize_batch(
             results[k] = _prompt_completion(
                 tokenizer, prompt, completion, column, completion_column
             )
-    elif fmt == "text":
-        keep = []
-        for k, text in enumerate(rows):
-            if isinstance(text, str) and text.strip():
-                keep.append(k)
-            else:
-                results[k] = InvalidRow("empty_text", f"{column!r} is empty or not a string")
-        if keep:
-            ids = tokenizer([rows[k] for k in keep])["input_ids"]
-            for k, row_ids in zip(keep, ids, strict=True):
-                results[k] = (list(row_ids), [1] * len(row_ids))
     else:
         for k, raw in enumerate(rows):
             try:
@@ -190,6 +183,80 @@ def _tokenize_batch(
         messages = [] if reason else chats.get(k, [])
         out["empty_turns"].append(sum(is_empty_turn(m) for m in messages))
     return out
+
+
+def _text_batch(
+    rows: list[Any],
+    indices: list[int],
+    tokenizer: PreTrainedTokenizerBase,
+    column: str,
+    skip_invalid: bool,
+    where: str,
+) -> pa.Table:
+    """`_tokenize_batch` of text rows (the tokenizer's default ids, loss on every token), as an
+    Arrow table: a generate folder holds tens of millions of tokens, and per-token Python lists
+    (ids copied, masks of ones, both converted again by `datasets`) cost 10% of the map's time
+    on pystd-28m."""
+    keep = [k for k, text in enumerate(rows) if isinstance(text, str) and text.strip()]
+    ids: list[list[int]] = [[] for _ in rows]
+    for k, row_ids in zip(keep, _text_ids(tokenizer, [rows[k] for k in keep]), strict=True):
+        ids[k] = row_ids
+    reasons = []
+    for k, text in enumerate(rows):
+        if not (isinstance(text, str) and text.strip()):
+            err = InvalidRow("empty_text", f"{column!r} is empty or not a string")
+        elif not ids[k]:
+            err = InvalidRow("no_loss_tokens", "the row has no loss tokens after tokenization")
+        else:
+            reasons.append("")
+            continue
+        if not skip_invalid:
+            raise err.refusal(where, indices[k])
+        reasons.append(err.reason)
+    input_ids = pa.array(ids, type=pa.list_(pa.int32()))
+    ones = pa.array(np.ones(len(input_ids.values), dtype=np.uint8))
+    columns = {
+        "input_ids": input_ids,
+        "loss_mask": pa.ListArray.from_arrays(input_ids.offsets, ones),
+        "source_index": pa.array(indices, type=pa.int64()),
+        "skip_reason": pa.array(reasons, type=pa.string()),
+        "empty_turns": pa.array(np.zeros(len(rows), dtype=np.int32)),
+    }
+    return pa.Table.from_pydict(columns, schema=FEATURES.arrow_schema)
+
+
+# methods whose override in a tokenizer class may change what a plain call returns
+_CALL_PATH = (
+    "__call__",
+    "_call_one",
+    "encode_plus",
+    "batch_encode_plus",
+    "_encode_plus",
+    "_batch_encode_plus",
+)
+
+
+def _text_ids(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
+    """`tokenizer(texts)["input_ids"]`. A plain call has the Rust tokenizer track every token's
+    character offsets, which text rows never use: `encode_batch_fast` skips them and gives the
+    same ids in 25% less CPU time (pystd-28m, the bulk of extract's start on generated data).
+    Taken only where the call adds nothing to the Rust pipeline: a fast tokenizer class that
+    overrides none of the call path, no input/target mode, no truncation or padding set."""
+    cls = type(tokenizer)
+    backend = tokenizer.backend_tokenizer if tokenizer.is_fast else None
+    plain = (
+        backend is not None
+        and all(
+            getattr(cls, m, None) is getattr(PreTrainedTokenizerFast, m, None) for m in _CALL_PATH
+        )
+        and not hasattr(tokenizer, "_switch_to_input_mode")
+        and backend.truncation is None
+        and backend.padding is None
+        and backend.encode_special_tokens == tokenizer.split_special_tokens
+    )
+    if not plain:
+        return tokenizer(texts)["input_ids"]
+    return [encoding.ids for encoding in backend.encode_batch_fast(texts)]
 
 
 def _prompt_completion(

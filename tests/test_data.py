@@ -8,6 +8,7 @@ from pathlib import Path
 
 import datasets
 import pytest
+from tokenizers import processors
 
 from common.tiny import EXAMPLE_DATA, build_tokenizer, example_texts
 from stage1_extract import chat
@@ -192,6 +193,46 @@ def test_plain_text_is_all_loss(tmp_path):
     prepared = prepare(write_jsonl(tmp_path / "e.jsonl", rows), tok, on_invalid="skip")
     assert prepared.skipped == {"empty_text": 2}
     assert prepared.dataset["source_index"][:] == [0, 3]
+
+
+def test_text_rows_match_a_plain_tokenizer_call(tmp_path):
+    """Text rows skip the character offsets of a plain call when it adds nothing to the Rust
+    tokenizer (data._text_ids), and fall back to the plain call otherwise: the ids must be the
+    plain call's either way, for special tokens written in the text, non-ASCII text and long
+    rows, with batches of several rows."""
+    texts = [
+        "def f(x):\n    return x  # ok\n",
+        "na\u00efve caf\u00e9 \U0001f642 \u2014 \u6771\u4eac",
+        "<|im_end|> written inside the text<|im_start|>",
+        "\t\n spaces  ",
+        "while True: pass\n" * 200,
+    ]
+    split = chatml_tokenizer()
+    split.split_special_tokens = True  # the plain call then splits special tokens' text
+    truncating = chatml_tokenizer()
+    truncating.backend_tokenizer.enable_truncation(8)  # set on the backend: the plain call
+    bos = llama3_tokenizer()  # a BOS before every text, as Llama's post-processor adds
+    bos_id = bos.convert_tokens_to_ids("<|begin_of_text|>")
+    bos.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos_id)]
+    )
+    tokenizers = {
+        "plain": chatml_tokenizer(),
+        "bos": bos,
+        "split": split,
+        "truncating": truncating,
+    }
+    for name, tok in tokenizers.items():
+        path = write_jsonl(tmp_path / f"{name}.jsonl", [{"text": t} for t in texts * 60])
+        prepared = prepare(path, tok)
+        expected = tok(texts * 60)["input_ids"]
+        assert prepared.dataset["input_ids"][:] == expected, name
+        assert prepared.dataset["loss_mask"][:] == [[1] * len(ids) for ids in expected], name
+    assert tokenizers["split"](texts[2])["input_ids"] != tokenizers["plain"](texts[2])["input_ids"]
+    assert bos(texts[0])["input_ids"][0] == bos_id
+    path = write_jsonl(tmp_path / "empty.jsonl", [{"text": texts[0]}, {"text": " "}])
+    with pytest.raises(ValueError, match="row 1: 'text' is empty or not a string"):
+        prepare(path, chatml_tokenizer())
 
 
 def test_explicit_fields(tmp_path):
