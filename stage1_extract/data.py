@@ -246,13 +246,16 @@ def _text_ids(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list
     backend = tokenizer.backend_tokenizer if tokenizer.is_fast else None
     plain = (
         backend is not None
+        # tokenizers >= 0.21 (older ones, and stand-ins, take the plain call)
+        and hasattr(backend, "encode_batch_fast")
         and all(
             getattr(cls, m, None) is getattr(PreTrainedTokenizerFast, m, None) for m in _CALL_PATH
         )
         and not hasattr(tokenizer, "_switch_to_input_mode")
         and backend.truncation is None
         and backend.padding is None
-        and backend.encode_special_tokens == tokenizer.split_special_tokens
+        and getattr(backend, "encode_special_tokens", None)
+        == getattr(tokenizer, "split_special_tokens", None)
     )
     if not plain:
         return tokenizer(texts)["input_ids"]
