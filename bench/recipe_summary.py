@@ -7,7 +7,9 @@ reports of it, read from the results folder a device call brings back.
 - the run's end: last step, its lr (0 when the schedule ended annealed), peak memory,
 - the time fit's decisions (`time limit: schedule shortened/lengthened` lines of the log),
 - the evaluations (step, held-out tau, dev chained tau),
-- online tau per prompt, DFlash and prompt lookup (VARIANT-acceptance.json), and the means.
+- online tau per prompt, DFlash and prompt lookup (VARIANT-acceptance.json), and the means,
+- the first step's seconds (its compilation: what the recipe's warm-up compile saves) and the
+  stages' seconds (timings.json, with `wall_s`, the pipeline's wall time).
 """
 
 from __future__ import annotations
@@ -68,13 +70,23 @@ def summarize_variant(results: Path, variant: str, skip: int) -> dict[str, Any]:
     return {
         "variant": variant,
         **step_figures(metrics, skip),
+        "first_step_s": steps[0].get("step_s") if steps[0]["step"] == 1 else None,
         "last_step": last["step"],
         "last_lr": last.get("lr"),
         "mem_gb": max(r.get("mem_gb", 0.0) for r in steps),
         **fit_decisions(results / f"{variant}-train.log"),
         "evaluations": evaluations,
         **online(results / f"{variant}-acceptance.json"),
+        "timings": stage_seconds(results / "timings.json"),
     }
+
+
+def stage_seconds(timings: Path) -> dict[str, int]:
+    """The stages' seconds the recipe wrote (timings.json); {} before it wrote them."""
+    try:
+        return json.loads(timings.read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def main() -> None:

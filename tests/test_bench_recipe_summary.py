@@ -12,11 +12,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def write_results(folder: Path) -> None:
-    """60 steps of 2 sequences: 100 ms each, steps 51-60 waited 50 ms for the loader; an
+    """60 steps of 2 sequences: 100 ms each (the first 30 s), steps 51-60 waited 50 ms for the loader; an
     evaluation at step 60, which ends at lr 0; three fit decisions; an online evaluation."""
     lines = []
     for step in range(1, 61):
-        record = {"step": step, "step_s": 0.1, "fetch_s": 0.05 if step > 50 else 0.0}
+        first = 30.0 if step == 1 else 0.1  # the first step compiles
+        record = {"step": step, "step_s": first, "fetch_s": 0.05 if step > 50 else 0.0}
         record.update({"seqs": [[2 * step, 2 * step + 1]], "lr": 0.0 if step == 60 else 1e-3})
         record["mem_gb"] = 3.0 if step == 7 else 2.0
         if step == 60:
@@ -34,6 +35,7 @@ def write_results(folder: Path) -> None:
         "prompt_lookup": {"tau": 2.0, "tau_per_prompt": [1.5, 2.5]},
     }
     (folder / "v-acceptance.json").write_text(json.dumps(acceptance))
+    (folder / "timings.json").write_text('{"generate_s": 300, "wall_s": 1400}\n')
 
 
 def test_recipe_summary_reads_the_figures(tmp_path: Path) -> None:
@@ -54,6 +56,8 @@ def test_recipe_summary_reads_the_figures(tmp_path: Path) -> None:
     assert summary["evaluations"] == [{"step": 60, "eval_tau": 5.5, "dev_chained_tau": 4.25}]
     assert summary["dflash_tau"] == 4.5 and summary["dflash_tau_per_prompt"] == [3.0, 6.0]
     assert summary["prompt_lookup_tau_per_prompt"] == [1.5, 2.5]
+    assert summary["first_step_s"] == 30.0
+    assert summary["timings"] == {"generate_s": 300, "wall_s": 1400}
 
 
 def test_recipe_summary_says_when_the_variant_did_not_train(tmp_path: Path) -> None:
