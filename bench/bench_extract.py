@@ -13,6 +13,11 @@ configured chunk, ms per batch (bench/head_post.py; `--head-only` runs just that
 minute, no target built). JSON lines to stdout and $OUT/bench_extract.jsonl.
 
     python bench/bench_extract.py [--tokens 300000] [--work /tmp/bench-extract] [--head-only]
+
+`--build-only` builds the target and the data into --work on the CPU and stops (no GPU: one
+tensor at a time, so an 8B-shaped target needs ~1.3 GB of memory, not 16 GB); `--num-layers N`
+keeps the first N decoder layers (the features of layers below N do not depend on the rest).
+bench/store_size.sh then measures the store's bytes per token on that target.
 """
 
 from __future__ import annotations
@@ -70,14 +75,14 @@ def emit(record: dict) -> None:
             f.write(line + "\n")
 
 
-def build_target(folder: Path) -> None:
+def build_target(folder: Path, shape: dict) -> None:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     if (folder / "config.json").is_file():
         return
     t0 = time.perf_counter()
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(Qwen3Config(**QWEN3_8B), dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(Qwen3Config(**shape), dtype=torch.bfloat16)
     model.save_pretrained(folder)
     build_tokenizer(example_texts()).save_pretrained(folder)
     params = sum(p.numel() for p in model.parameters())
@@ -87,6 +92,58 @@ def build_target(folder: Path) -> None:
         {
             "what": "target_built",
             "params_B": round(params / 1e9, 2),
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
+    )
+
+
+def build_target_cpu(folder: Path, shape: dict, shard_bytes: int = 2 << 30) -> None:
+    """The same random target as build_target, one tensor at a time on the CPU: the model is
+    laid out on the meta device and each weight drawn as transformers initializes a Qwen3
+    (norms 1, every other weight N(0, initializer_range)), then written to safetensors shards."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    if (folder / "config.json").is_file():
+        return
+    t0 = time.perf_counter()
+    folder.mkdir(parents=True, exist_ok=True)
+    config = Qwen3Config(**shape)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    generator = torch.Generator().manual_seed(0)
+    weight_map: dict[str, str] = {}
+    shard: dict[str, torch.Tensor] = {}
+    total = 0
+
+    def flush() -> None:
+        name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+        save_file(shard, str(folder / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+        shard.clear()
+
+    for name, meta in model.state_dict().items():
+        if name.endswith("norm.weight"):
+            tensor = torch.ones(meta.shape, dtype=torch.bfloat16)
+        else:
+            tensor = torch.empty(meta.shape, dtype=torch.bfloat16)
+            tensor.normal_(0.0, config.initializer_range, generator=generator)
+        shard[name] = tensor
+        total += tensor.numel() * tensor.element_size()
+        if sum(t.numel() * t.element_size() for t in shard.values()) >= shard_bytes:
+            flush()
+    if shard:
+        flush()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    model.config.save_pretrained(folder)
+    build_tokenizer(example_texts()).save_pretrained(folder)
+    emit(
+        {
+            "what": "target_built",
+            "device": "cpu",
+            "num_hidden_layers": config.num_hidden_layers,
+            "params_B": round(total / 2 / 1e9, 2),
             "seconds": round(time.perf_counter() - t0, 1),
         }
     )
@@ -260,6 +317,17 @@ def main() -> None:
         "--set", dest="overrides", action="append", default=[], help="extra config key=value"
     )
     parser.add_argument(
+        "--num-layers",
+        type=int,
+        default=QWEN3_8B["num_hidden_layers"],
+        help="decoder layers of the target (fewer: a truncated Qwen3-8B)",
+    )
+    parser.add_argument(
+        "--build-only",
+        action="store_true",
+        help="build the target (on the CPU) and the data into --work, then stop",
+    )
+    parser.add_argument(
         "--head-only",
         action="store_true",
         help="only part (4): the LM head's post-processing, eager vs compiled",
@@ -267,6 +335,11 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
+    shape = {**QWEN3_8B, "num_hidden_layers": args.num_layers}
+    if args.build_only:
+        build_target_cpu(work / "target", shape)
+        build_data(work / "data.jsonl", args.tokens)
+        return
     store = work / "store"
     cfg = build_config(
         ExtractConfig,
@@ -293,7 +366,7 @@ def main() -> None:
     emit(time_head_post(torch.device("cuda:0"), head_tokens, chunk, cfg.verifier.topk))
     if args.head_only:
         return
-    build_target(work / "target")
+    build_target(work / "target", shape)
     build_data(work / "data.jsonl", args.tokens)
     emit(disk_ceiling(work))
     bare, causal_lm, tapped, profile = forward_ceilings(cfg)
