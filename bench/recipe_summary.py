@@ -81,7 +81,7 @@ def summarize_variant(results: Path, variant: str, skip: int) -> dict[str, Any]:
     }
 
 
-def stage_seconds(timings: Path) -> dict[str, int]:
+def stage_seconds(timings: Path) -> dict[str, float]:
     """The stages' seconds the recipe wrote (timings.json); {} before it wrote them."""
     try:
         return json.loads(timings.read_text())

@@ -243,7 +243,12 @@ def _text_ids(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list
     Taken only where the call adds nothing to the Rust pipeline: a fast tokenizer class that
     overrides none of the call path, no input/target mode, no truncation or padding set."""
     cls = type(tokenizer)
-    backend = tokenizer.backend_tokenizer if tokenizer.is_fast else None
+    # getattr: transformers 5's base class and some backends (mistral-common) have neither
+    backend = (
+        getattr(tokenizer, "backend_tokenizer", None)
+        if getattr(tokenizer, "is_fast", False)
+        else None
+    )
     plain = (
         backend is not None
         # tokenizers >= 0.21 (older ones, and stand-ins, take the plain call)

@@ -17,7 +17,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from stage1_generate.config import SamplingConfig
-from stage1_generate.preallocated_cache import cache_kwargs
+from stage1_generate.preallocated_cache import cache_kwargs, unsupported_reason
 
 KV_CACHES = ("dynamic", "static", "preallocated")
 
@@ -84,6 +84,11 @@ class LocalBackend:
         # preallocated: a dynamic cache whose layers are allocated at the batch's final length
         # (stage1_generate/preallocated_cache.py), a new one per batch
         self.preallocated = kv_cache == "preallocated"
+        if self.preallocated and (reason := unsupported_reason(model)) is not None:
+            raise ValueError(
+                f"run.kv_cache=preallocated cannot serve this target: {reason}; "
+                "use run.kv_cache=dynamic (the default)"
+            )
         self.static_row = 0
         self.device = next(model.parameters()).device
         self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)

@@ -18,24 +18,52 @@ from stage1_generate.rows import stop_token_ids
 
 def test_layer_holds_what_concatenation_holds() -> None:
     """Prefill, decode steps and steps past the planned capacity (it grows, keeping what is
-    filled) leave the same keys and values as DynamicLayer's concatenation, as views of
-    one buffer while within capacity."""
+    filled) leave the same keys and values as DynamicLayer's concatenation; the prefill is
+    kept as given (no buffer while its temporaries live), the decode steps are views of one
+    buffer while within capacity."""
     gen = torch.Generator().manual_seed(0)
     ours, reference = PreallocatedLayer(capacity=7), DynamicLayer()
-    buffer = None
+    assert ours.get_seq_length() == 0
+    storages = []
     for new in (5, 1, 1, 1, 1, 3):  # 5 + 2 fit the capacity of 7, then it grows
-        key, value = (
-            torch.randn(2, 3, new, 4, generator=gen),
-            torch.randn(2, 3, new, 4, generator=gen),
-        )
+        key = torch.randn(2, 3, new, 4, generator=gen)
+        value = torch.randn(2, 3, new, 4, generator=gen)
         got_k, got_v = ours.update(key, value)
         want_k, want_v = reference.update(key, value)
         assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
         assert ours.get_seq_length() == reference.get_seq_length()
-        if ours.filled <= 7:  # no copy of the filled part: views of the first buffer
-            buffer = buffer if buffer is not None else got_k.untyped_storage().data_ptr()
-            assert got_k.untyped_storage().data_ptr() == buffer
+        storages.append(got_k.untyped_storage().data_ptr())
+    # steps 6-7 fill the planned buffer of 7 without a copy; step 8 grows it once, to 14
+    assert storages[1] == storages[2] != storages[3] == storages[4] == storages[5]
+    assert ours._keys_BKCD is not None and ours._keys_BKCD.shape[-2] == 14
     assert ours.filled == 12 and ours.keys.shape[-2] == 12
+
+
+def test_layer_refuses_what_would_rewrite_it() -> None:
+    """Beam search's reordering, assisted decoding's crop, batch selection and resets would
+    leave the buffers stale: they refuse instead of changing replies silently."""
+    layer = PreallocatedLayer(capacity=4)
+    layer.update(torch.ones(1, 1, 2, 2), torch.ones(1, 1, 2, 2))
+    for method, args in (
+        ("crop", (-1,)),
+        ("reset", ()),
+        ("reorder_cache", (torch.tensor([0]),)),
+        ("batch_select_indices", (torch.tensor([0]),)),
+        ("batch_repeat_interleave", (2,)),
+    ):
+        with pytest.raises(NotImplementedError, match="run.kv_cache=dynamic"):
+            getattr(layer, method)(*args)
+
+
+def test_backend_refuses_targets_it_cannot_serve(tiny_qwen3: Path) -> None:
+    """A sliding-window target needs transformers' own cache types: a clear refusal."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    stops = stop_token_ids(tokenizer, None, {})
+    LocalBackend(model, tokenizer, SamplingConfig(), stops, 4, 1 << 20, "preallocated")
+    model.config.layer_types = ["sliding_attention"] + model.config.layer_types[1:]
+    with pytest.raises(ValueError, match="not all full attention.*run.kv_cache=dynamic"):
+        LocalBackend(model, tokenizer, SamplingConfig(), stops, 4, 1 << 20, "preallocated")
 
 
 @pytest.mark.parametrize("attn", ["sdpa", gqa_decode.GQA_DECODE])
