@@ -76,7 +76,9 @@ def _extract_shards(job: ExtractJob, ctx: WorkerContext, devices: list[str]) -> 
         lambda: ShardBuffers.allocate(shape, pin=ctx.device.type == "cuda"),
     )
     try:
+        loading = time.perf_counter()
         model = load_target(cfg.target, ctx.device, devices)
+        log.info("rank %d: target loaded in %.1f s", ctx.rank, time.perf_counter() - loading)
         assert model.get_output_embeddings().out_features == job.vocab_size
         if need_head:
             save_target_head(model, job.store / HEAD_FILE)
@@ -166,7 +168,7 @@ def _worker(cfg: ExtractConfig, devices: list[str], error_dir: str | None, ready
         if ready:
             job = plan_job(cfg)
         elif ctx.is_main:  # rank 0 first: it fills the datasets cache the others then reuse
-            job = plan_job(cfg)
+            job = _plan_and_say(cfg)
             _warn_padding(job)
             check_host_memory(job, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
             lock.enter_context(writer_lock(job.store))
@@ -187,6 +189,26 @@ def _worker(cfg: ExtractConfig, devices: list[str], error_dir: str | None, ready
     finally:
         lock.close()
         finish_worker()
+
+
+def _plan_and_say(cfg: ExtractConfig) -> ExtractJob:
+    """`plan_job`, and a line with what it read and how long it took: on generated data the
+    tokenizing is most of the minute a run spends before its first forward."""
+    start = time.perf_counter()
+    job = plan_job(cfg)
+    get_logger().info(
+        "prepared %d rows: %d documents, %d tokens, packed as %d pieces into %d sequences of "
+        "%d, %d shards (%.1f s: read, tokenized, packed)",
+        job.prepared.num_rows,
+        len(job.lengths),
+        int(job.lengths.sum()),
+        job.plan.num_pieces,
+        job.plan.num_sequences,
+        cfg.packing.seq_len,
+        job.num_shards,
+        time.perf_counter() - start,
+    )
+    return job
 
 
 def _warn_padding(job: ExtractJob) -> None:
@@ -224,7 +246,7 @@ def run_extract(cfg: ExtractConfig) -> None:
         _worker(cfg, devices, None, ready=False)
         return
     # several local processes: validate and prepare here, so user errors stay ValueErrors
-    job = plan_job(cfg)
+    job = _plan_and_say(cfg)
     _warn_padding(job)
     check_host_memory(job, procs)
     # this process holds the writer lock for its ranks, which never take it

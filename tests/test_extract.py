@@ -9,6 +9,8 @@ import hashlib
 import json
 import logging
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +22,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from common.config import build_config
-from common.logging import get_logger
+from common.logging import LOGGER_NAME, get_logger
 from common.store import HEAD_FILE, bits_to_bf16, committed_shards, open_store
 from common.tiny import EXAMPLE_DATA
 from dflash_offline.cli import main as cli
@@ -254,6 +256,24 @@ def test_tokenizer_without_chat_template_exit_2(tiny_qwen3: Path, tmp_path: Path
     assert result.exit_code == 2 and "chat_template" in result.output
 
 
+@contextmanager
+def kept_log_lines() -> Iterator[list[str]]:
+    """The project logger's messages while the block runs (its handler writes to the stderr
+    of the first test that set it up, which capture fixtures do not see)."""
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logger, keep = logging.getLogger(LOGGER_NAME), Keep()
+    logger.addHandler(keep)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(keep)
+
+
 def test_store_of_another_target_or_config_is_refused(
     existing_store, tiny_qwen3, tiny_llama, tmp_path
 ):
@@ -263,19 +283,22 @@ def test_store_of_another_target_or_config_is_refused(
     result = cli_extract(tiny_qwen3, data, existing_store, "target.tapped_layers=[0,1,2]")
     assert result.exit_code == 2 and "tapped_layers" in result.output
     assert file_digests(existing_store) == before
-    # --overwrite replaces it
-    result = cli_extract(
-        tiny_llama,
-        data,
-        existing_store,
-        "target.tapped_layers=[0,1,3]",
-        "store.overwrite=true",
-        "data.max_samples=2",
-    )
+    # --overwrite replaces it (and the log says what the time before the first forward went to)
+    with kept_log_lines() as lines:
+        result = cli_extract(
+            tiny_llama,
+            data,
+            existing_store,
+            "target.tapped_layers=[0,1,3]",
+            "store.overwrite=true",
+            "data.max_samples=2",
+        )
     assert result.exit_code == 0, result.output
     assert (
         open_store(existing_store, require_complete=True).attrs["target"]["model_type"] == "llama"
     )
+    assert any(line.startswith("prepared 2 rows: 2 documents") for line in lines)
+    assert any(line.startswith("rank 0: target loaded in") for line in lines)
 
 
 def test_store_of_another_format_version_is_refused(existing_store, tiny_qwen3, tmp_path):
