@@ -98,6 +98,7 @@ def _worker(cfg: TrainConfig, devices: list[str]) -> None:
 @report_to_launcher  # inside _worker's try: it reports before the process group goes
 def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
     """The training loop of one rank."""
+    setting_up = time.perf_counter()
     info, shape = check_inputs(cfg)
     out = Path(cfg.run.out)
     param_dtype, compute_dtype = run_dtypes(cfg.run.dtype)
@@ -301,7 +302,8 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         )
 
     log.info(
-        "training %s: %s%d sequences (%d held out), %d steps/epoch, %d steps, world %d, %s",
+        "training %s: %s%d sequences (%d held out), %d steps/epoch, %d steps, world %d, %s "
+        "(set up in %.1f s)",
         shape,
         "up to " if cfg.data.follow else "",
         plan.num_train,
@@ -310,6 +312,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         total_steps,
         ctx.world_size,
         backend,
+        time.perf_counter() - setting_up,
     )
     bar = tqdm(
         total=total_steps,
