@@ -169,11 +169,10 @@ def _tokenize_batch(
     }
     for k, result in enumerate(results):
         if not isinstance(result, InvalidRow) and not any(result[1]):
-            result = InvalidRow("no_loss_tokens", "the row has no loss tokens after tokenization")
+            result = _no_loss_tokens()
         if isinstance(result, InvalidRow):
-            if not skip_invalid:
-                raise result.refusal(where, indices[k])
-            result_ids, result_mask, reason = [], [], result.reason
+            result_ids, result_mask = [], []
+            reason = _skip_reason(result, skip_invalid, where, indices[k])
         else:
             (result_ids, result_mask), reason = result, ""
         out["input_ids"].append(result_ids)
@@ -183,6 +182,18 @@ def _tokenize_batch(
         messages = [] if reason else chats.get(k, [])
         out["empty_turns"].append(sum(is_empty_turn(m) for m in messages))
     return out
+
+
+def _no_loss_tokens() -> InvalidRow:
+    return InvalidRow("no_loss_tokens", "the row has no loss tokens after tokenization")
+
+
+def _skip_reason(err: InvalidRow, skip_invalid: bool, where: str, index: int) -> str:
+    """The skip reason stored for the row `err` rejects; with data.on_invalid=error, the
+    refusal naming the row instead."""
+    if not skip_invalid:
+        raise err.refusal(where, index)
+    return err.reason
 
 
 def _text_batch(
@@ -197,22 +208,22 @@ def _text_batch(
     Arrow table: a generate folder holds tens of millions of tokens, and per-token Python lists
     (ids copied, masks of ones, both converted again by `datasets`) cost 10% of the map's time
     on pystd-28m."""
-    keep = [k for k, text in enumerate(rows) if isinstance(text, str) and text.strip()]
+    usable = [isinstance(text, str) and bool(text.strip()) for text in rows]
+    keep = [k for k, ok in enumerate(usable) if ok]
     ids: list[list[int]] = [[] for _ in rows]
     for k, row_ids in zip(keep, _text_ids(tokenizer, [rows[k] for k in keep]), strict=True):
         ids[k] = row_ids
     reasons = []
-    for k, text in enumerate(rows):
-        if not (isinstance(text, str) and text.strip()):
-            err = InvalidRow("empty_text", f"{column!r} is empty or not a string")
-        elif not ids[k]:
-            err = InvalidRow("no_loss_tokens", "the row has no loss tokens after tokenization")
-        else:
+    for k, ok in enumerate(usable):
+        if ok and ids[k]:
             reasons.append("")
             continue
-        if not skip_invalid:
-            raise err.refusal(where, indices[k])
-        reasons.append(err.reason)
+        err = (
+            _no_loss_tokens()
+            if ok
+            else InvalidRow("empty_text", f"{column!r} is empty or not a string")
+        )
+        reasons.append(_skip_reason(err, skip_invalid, where, indices[k]))
     input_ids = pa.array(ids, type=pa.list_(pa.int32()))
     ones = pa.array(np.ones(len(input_ids.values), dtype=np.uint8))
     columns = {
