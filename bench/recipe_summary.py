@@ -36,12 +36,19 @@ def fit_decisions(train_log: Path) -> dict[str, Any]:
     }
 
 
+def read_json(path: Path) -> dict[str, Any]:
+    """The JSON object a stage wrote to `path`; {} when it wrote none (its log says why)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def online(acceptance: Path) -> dict[str, Any]:
     """Online tau (mean over prompts) and per prompt, DFlash and prompt lookup; {} when the
-    evaluation wrote nothing (its log says why)."""
-    try:
-        record = json.loads(acceptance.read_text())
-    except (OSError, ValueError):
+    evaluation wrote nothing."""
+    record = read_json(acceptance)
+    if not record:
         return {}
     out: dict[str, Any] = {}
     for method in ("dflash", "prompt_lookup"):
@@ -77,16 +84,8 @@ def summarize_variant(results: Path, variant: str, skip: int) -> dict[str, Any]:
         **fit_decisions(results / f"{variant}-train.log"),
         "evaluations": evaluations,
         **online(results / f"{variant}-acceptance.json"),
-        "timings": stage_seconds(results / "timings.json"),
+        "timings": read_json(results / "timings.json"),  # the stages' seconds, wall_s
     }
-
-
-def stage_seconds(timings: Path) -> dict[str, float]:
-    """The stages' seconds the recipe wrote (timings.json); {} before it wrote them."""
-    try:
-        return json.loads(timings.read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def main() -> None:
