@@ -16,10 +16,11 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from common.logging import get_logger
 from stage1_generate.config import SamplingConfig
 from stage1_generate.preallocated_cache import cache_kwargs, unsupported_reason
 
-KV_CACHES = ("dynamic", "static", "preallocated")
+KV_CACHES = ("auto", "dynamic", "static", "preallocated")
 
 
 @dataclass
@@ -65,7 +66,7 @@ class LocalBackend:
         stop_ids: list[int],
         batch_size: int,
         batch_tokens: int,
-        kv_cache: str = "dynamic",
+        kv_cache: str = "auto",
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -82,13 +83,20 @@ class LocalBackend:
         self.static = kv_cache == "static"
         self.cache_kwargs = {"cache_implementation": "static"} if self.static else {}
         # preallocated: a dynamic cache whose layers are allocated at the batch's final length
-        # (stage1_generate/preallocated_cache.py), a new one per batch
-        self.preallocated = kv_cache == "preallocated"
-        if self.preallocated and (reason := unsupported_reason(model)) is not None:
+        # (stage1_generate/preallocated_cache.py), a new one per batch; auto picks it wherever
+        # the target allows (the same replies, no per-step copy of the whole cache)
+        reason = unsupported_reason(model) if kv_cache in ("auto", "preallocated") else None
+        if kv_cache == "preallocated" and reason is not None:
             raise ValueError(
                 f"run.kv_cache=preallocated cannot serve this target: {reason}; "
-                "use run.kv_cache=dynamic (the default)"
+                "use run.kv_cache=dynamic or auto"
             )
+        if kv_cache == "auto":
+            kv_cache = "dynamic" if reason else "preallocated"
+            if reason:
+                get_logger().info(f"run.kv_cache=auto: the dynamic KV cache, since {reason}")
+        self.kv_cache = kv_cache  # the cache that runs (auto resolved)
+        self.preallocated = kv_cache == "preallocated"
         self.static_row = 0
         self.device = next(model.parameters()).device
         self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.cache_utils import DynamicLayer
 
+from common.logging import get_logger
 from stage1_generate import gqa_decode, local_backend
 from stage1_generate.config import SamplingConfig
 from stage1_generate.local_backend import LocalBackend
@@ -64,6 +65,30 @@ def test_backend_refuses_targets_it_cannot_serve(tiny_qwen3: Path) -> None:
     model.config.layer_types = ["sliding_attention"] + model.config.layer_types[1:]
     with pytest.raises(ValueError, match="not all full attention.*run.kv_cache=dynamic"):
         LocalBackend(model, tokenizer, SamplingConfig(), stops, 4, 1 << 20, "preallocated")
+
+
+def test_auto_takes_the_preallocated_cache_where_the_target_allows(
+    tiny_qwen3: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """run.kv_cache=auto (the default) runs the preallocated cache on a full-attention target
+    and the dynamic one, with a log line that says why, where the target cannot take it (a
+    sliding-window layer, a cache named by the checkpoint): no refusal, no silent change."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    stops = stop_token_ids(tokenizer, None, {})
+    assert LocalBackend(model, tokenizer, SamplingConfig(), stops, 4, 1 << 20).preallocated
+    for kv in ("dynamic", "static"):
+        backend = LocalBackend(model, tokenizer, SamplingConfig(), stops, 4, 1 << 20, kv)
+        assert not backend.preallocated and backend.kv_cache == kv
+    model.generation_config.cache_implementation = "hybrid"
+    with caplog.at_level("INFO", logger=get_logger().name):
+        backend = LocalBackend(model, tokenizer, SamplingConfig(), stops, 4, 1 << 20, "auto")
+    assert backend.kv_cache == "dynamic" and not backend.preallocated
+    assert "run.kv_cache=auto: the dynamic KV cache" in caplog.text and "'hybrid'" in caplog.text
+    model.generation_config.cache_implementation = None
+    model.config.layer_types = ["sliding_attention"] + model.config.layer_types[1:]
+    backend = LocalBackend(model, tokenizer, SamplingConfig(), stops, 4, 1 << 20, "auto")
+    assert backend.kv_cache == "dynamic"
 
 
 @pytest.mark.parametrize("attn", ["sdpa", gqa_decode.GQA_DECODE])
