@@ -148,6 +148,8 @@ def run_sweep(args: argparse.Namespace) -> None:
     sweep.run_baseline()
     if not args.only or any(name.startswith("order_") for name in args.only):
         sweep.run_orderings()
+    if not args.only or any(name.startswith("gqa_packed") for name in args.only):
+        sweep.run_gqa_packed()
     for variant in VARIANTS:
         if not args.only or variant.name in args.only:
             sweep.run_variant(variant)
@@ -180,7 +182,8 @@ def main() -> None:
         "--only",
         type=lambda s: s.split(","),
         default=None,
-        help="sweep: comma-separated variant names (order_* for the orderings)",
+        help="sweep: comma-separated variant names (order_* for the orderings, gqa_packed for the "
+        "query heads folded into rows)",
     )
     args = parser.parse_args()
     if args.tiny:

@@ -30,7 +30,18 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from flex_check import Problem, judge, permute_blocks, permute_rows, reference, rel_err, unpermute
+from flex_check import (
+    Problem,
+    judge,
+    pack_heads,
+    packed_mask_mod,
+    permute_blocks,
+    permute_rows,
+    reference,
+    rel_err,
+    unpack_heads,
+    unpermute,
+)
 from flex_variants import COMBO, Variant, combo_variant, forced_bwd_config, region_for
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
@@ -205,6 +216,57 @@ class Sweep:
                 record.update(status="error", error=_short(err))
             self.results[name] = record
             self.emit(record)
+
+    def run_gqa_packed(self) -> None:
+        """The query heads that share a key/value head folded into the rows (flex_check's
+        pack_heads), in the project's compiled region: at Qwen3-8B's 32/8 heads one 64-row
+        tile is one anchor block (16 queries x 4 heads), so each key/value tile it loads serves
+        the group's four heads at once, and a tile's context is one anchor's interval instead
+        of the union of four anchors'. The BlockMask comes from create_block_mask on the packed
+        mask_mod (eager, untimed); the timed call includes the pack and unpack copies, and
+        ``region_fwd_bwd_ms`` times the region alone on packed leaves."""
+        p = self.p
+        heads, groups = p.q.size(1), p.k.size(1)
+        per_group = heads // groups
+        rows, kv_len = p.q.size(2) * per_group, p.k.size(2)
+        mask_mod = packed_mask_mod(p.mask_mod, per_group)
+
+        def packed(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask) -> Tensor:
+            return unpack_heads(block_attention(pack_heads(q, groups), k, v, mask), heads)
+
+        for tile in ((TILE, TILE), (128, 128)):
+            name = f"gqa_packed_{tile[0]}"
+            record: dict[str, Any] = {"what": "sweep_variant", "name": name, "tile": list(tile)}
+            record["idea"] = (
+                f"query heads folded into rows ({per_group} per key/value head): "
+                f"{p.block_size * per_group} rows an anchor block, {tile[0]}-row tiles"
+            )
+            try:
+                mask = create_block_mask(
+                    mask_mod, 1, None, rows, kv_len, device=p.q.device, BLOCK_SIZE=tile
+                )
+                record["sparsity_pct"] = round(mask.sparsity(), 1)
+                record.update(self._measure(packed, (p.q, p.k, p.v), mask))
+                if self.backward:
+                    record["region_fwd_bwd_ms"] = self._time_packed_region(mask, groups)
+                record["status"] = "ok"
+                judge(record, self.baseline, self.backward)
+            except Exception as err:  # record, keep sweeping
+                record.update(status="error", error=_short(err))
+            self.results[name] = record
+            self.emit(record)
+
+    def _time_packed_region(self, mask: BlockMask, groups: int) -> float:
+        """fwd+bwd ms of the compiled region alone on packed leaves (no pack/unpack copies)."""
+        p = self.p
+        q = pack_heads(p.q.detach(), groups).requires_grad_(True)
+        grad = pack_heads(p.grad, groups)
+
+        def fwd_bwd() -> None:
+            q.grad = p.k.grad = p.v.grad = None
+            block_attention(q, p.k, p.v, mask).backward(grad)
+
+        return round(self.timer(fwd_bwd), 4)
 
     def run_variant(self, variant: Variant) -> None:
         record: dict[str, Any] = {
