@@ -7,7 +7,8 @@
 # (a warm machine keeps /tmp only then).
 #   CALL_S=570 VARIANTS="recipe|--set run.checkpoint_every=500" bash bench/recipe_background.sh
 # If the machine stopped the job between calls, the call says "job gone" and exits 3: every
-# stage resumes, so go on with bench/recipe_call.sh and the same settings and $WORK.
+# stage resumes, so go on with bench/recipe_call.sh and the same settings and $WORK. A
+# follow-up call that finds a fresh machine (no job, no .carry carried) says so and exits 4.
 # The job runs from a snapshot (bench/, configs/, .carry/ and the package installed into
 # $WORK/background/site), since the device replaces the working tree and the carried folders at
 # each call. Settings as bench/recipe_pystd.sh (VARIANTS, GEN_SETS, EXTRACT_SETS, DEVICE, ...).
@@ -20,6 +21,14 @@ job="$WORK/background"
 mkdir -p "$job/results" "$RESULTS"
 export WORK
 
+if [ ! -f "$job/pid" ] && [ ! -d .carry ]; then
+  # a follow-up call (it carries no .carry) on a machine that holds no job: a fresh machine,
+  # the last call's /tmp and the run in it went with the old one (nineteenth session)
+  echo "no recipe on this machine: it is a fresh one (warm: false), and the run an earlier call"
+  echo "started went with the old machine's /tmp; start over with the first call's command"
+  echo "(carry .carry), or spend the budget on something else"
+  exit 4
+fi
 if [ ! -f "$job/pid" ]; then
   rm -rf "$job/src" "$job/site"
   mkdir -p "$job/src"

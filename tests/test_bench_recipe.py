@@ -65,3 +65,21 @@ def test_generate_attn_check_counts_identical_rows_and_speedup(tmp_path: Path) -
     result = json.loads(done.stdout)
     assert (result["rows"], result["identical_rows"], result["speedup_b_over_a"]) == (2, 1, 1.5)
     assert 0 < result["differing_rows_mean_shared_prefix"] < 1
+
+
+def test_recipe_background_follow_up_on_a_fresh_machine_says_so(tmp_path: Path) -> None:
+    """A follow-up call of bench/recipe_background.sh (no .carry carried) that finds no job in
+    $WORK (the machine is a fresh one) exits 4 with the reason, instead of starting a recipe
+    without its model and data."""
+    env = {**os.environ, "WORK": str(tmp_path / "work"), "OUT": str(tmp_path / "results")}
+    done = subprocess.run(
+        ["bash", str(ROOT / "bench" / "recipe_background.sh")],
+        cwd=tmp_path,  # no .carry here
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 4, (done.stdout, done.stderr)
+    assert "fresh one" in done.stdout and "start over" in done.stdout
+    assert not (tmp_path / "work" / "background" / "pid").exists()
