@@ -125,11 +125,16 @@ if has extract; then
   dflash extract --config "$CFG" --model $M --data "$WORK/gen" --out "$WORK/store" \
     --devices "$DEVICE" --set run.progress=false "${EXTRACT_SETS[@]}" 2>&1 | tee "$OUT/extract.log" | tail -2 \
     || failed+=(extract)
-  dflash inspect "$WORK/store" > "$OUT/inspect.txt" || failed+=(extract)
   stamp extract "$t"
-  # what one loader worker spends per batch on this machine's cores (sizes data.num_workers;
-  # ~10 s, outside the stage times)
-  python3 bench/loader_cost.py --store "$WORK/store" --sequences 8 16 > "$OUT/loader_cost.jsonl" 2>&1
+  # the store's summary and what one loader worker spends per batch on this machine's cores
+  # (sizes data.num_workers): ~20 s of diagnostics, beside the trainer's start instead of
+  # before it (waited for at the end; an inspect failure fails the extract stage)
+  rm -f "$WORK/inspect.failed"
+  {
+    dflash inspect "$WORK/store" > "$OUT/inspect.txt" || touch "$WORK/inspect.failed"
+    python3 bench/loader_cost.py --store "$WORK/store" --sequences 8 16 > "$OUT/loader_cost.jsonl" 2>&1
+  } &
+  diagnostics_pid=$!
 fi
 variant() {  # $1 = name, $2 = GPU, the rest: train --set arguments
   local name=$1 gpu=$2; shift 2
@@ -223,6 +228,10 @@ else
     variant "${spec%%|*}" "${TRAIN_GPUS[$(( k % ${#TRAIN_GPUS[@]} ))]}" ${spec#*|} &
   done
   wait
+fi
+if [ -n "${diagnostics_pid:-}" ]; then
+  wait "$diagnostics_pid"
+  [ -f "$WORK/inspect.failed" ] && failed+=(extract)
 fi
 # the wall time of the stages this run ran (the dev stage overlaps generate and extract)
 stamp wall "$started"
