@@ -220,9 +220,9 @@ class Sweep:
     def run_gqa_packed(self) -> None:
         """The query heads that share a key/value head folded into the rows (flex_check's
         pack_heads), in the project's compiled region: at Qwen3-8B's 32/8 heads one 64-row
-        tile is one anchor block (16 queries x 4 heads), so each key/value tile it loads serves
-        the group's four heads at once, and a tile's context is one anchor's interval instead
-        of the union of four anchors'. The BlockMask comes from create_block_mask on the packed
+        tile is one anchor block (16 queries x 4 heads), so a tile's context is one anchor's
+        interval instead of the union of four anchors' (as many programs as before, each
+        visiting fewer key/value tiles). The BlockMask comes from create_block_mask on the packed
         mask_mod (eager, untimed); the timed call includes the pack and unpack copies, and
         ``region_fwd_bwd_ms`` times the region alone on packed leaves."""
         p = self.p
