@@ -87,18 +87,25 @@ def context_intervals(anchors_A: Tensor, document_ids_S: Tensor) -> tuple[Tensor
 
 
 def anchor_block_mask_mod(
-    ctx_lo_A: Tensor, ctx_hi_A: Tensor, context_len: int, block_size: int
+    ctx_lo_A: Tensor,
+    ctx_hi_A: Tensor,
+    context_len: int,
+    block_size: int,
+    rows_per_block: int | None = None,
 ) -> MaskMod:
     """mask_mod of the anchor-block mask (interval form, gathers by query block only).
 
     ``context_len`` and ``block_size`` are fixed for a run (they are shapes); the per-step
     anchors enter only as captured tensors, so a new mask never recompiles the kernel.
+    ``rows_per_block`` (default B): query rows of one block, B * R when the R query heads of a
+    key/value group are folded into the rows (`pack_heads`); the key side keeps B slots a block.
     """
     last_block = ctx_lo_A.numel() - 1
+    rows = rows_per_block or block_size
 
     def dflash_anchor_block(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         # Clamp: rows of a partly filled last query tile may index past the last block.
-        blk = torch.clamp(q_idx // block_size, max=last_block)
+        blk = torch.clamp(q_idx // rows, max=last_block)
         in_context = (kv_idx >= ctx_lo_A[blk]) & (kv_idx < ctx_hi_A[blk])
         own_lo = context_len + blk * block_size
         in_block = (kv_idx >= own_lo) & (kv_idx < own_lo + block_size)
@@ -135,10 +142,12 @@ def anchor_mask_tables(
     block_size: int,
     tile: int = TILE,
     widths: tuple[int, int] | None = None,
+    rows_per_block: int | None = None,
 ) -> MaskTables:
     """The tile tables of the anchor-block mask, built from the intervals on their device;
     with ``widths = (kv, q)`` (`narrow_widths`) the kv-side and q-side index lists keep only
     their first kv and q entries, asserted to hold every row's partial and full tiles.
+    ``rows_per_block``: query rows of one block (default B; B * R with `pack_heads`).
 
     Never the token grid nor an [A, KT] table: the rows of query tile i belong to a run of
     consecutive blocks, so what those rows see is summarised per tile. Tile (i, k) is
@@ -155,19 +164,20 @@ def anchor_mask_tables(
     """
     device = ctx_lo_A.device
     num_blocks = ctx_lo_A.numel()
-    q_len = num_blocks * block_size
-    kv_len = context_len + q_len
+    rows = rows_per_block or block_size  # query rows of a block (its key slots: block_size)
+    q_len = num_blocks * rows
+    kv_len = context_len + num_blocks * block_size
     n_q_tiles = -(-q_len // tile)
     n_kv_tiles = -(-kv_len // tile)
     kv_tile_lo_K = torch.arange(n_kv_tiles, device=device) * tile
     kv_tile_hi_K = kv_tile_lo_K + tile
 
-    # Query tiles of each block's rows: one when B divides tile, else up to `span` (clamped
-    # repeats are harmless below: max, min and "touched" are idempotent).
-    span = 1 if tile % block_size == 0 else (block_size - 1) // tile + 2
+    # Query tiles of each block's rows: one when the rows divide tile, else up to `span`
+    # (clamped repeats are harmless below: max, min and "touched" are idempotent).
+    span = 1 if tile % rows == 0 else (rows - 1) // tile + 2
     block_A = torch.arange(num_blocks, device=device)
-    first_A = block_A * block_size // tile
-    last_A = ((block_A + 1) * block_size - 1) // tile
+    first_A = block_A * rows // tile
+    last_A = ((block_A + 1) * rows - 1) // tile
     tile_N = torch.minimum(
         first_A[:, None] + torch.arange(span, device=device), last_A[:, None]
     ).flatten()
@@ -182,8 +192,8 @@ def anchor_mask_tables(
     # Own slots: tile i holds blocks a0..a1, whose slots are [S + a0*B, S + (a1+1)*B) together
     # and [S + a1*B, S + (a0+1)*B) in common (empty unless a0 == a1).
     q_tile_lo_Q = torch.arange(n_q_tiles, device=device) * tile
-    a0_Q = q_tile_lo_Q // block_size
-    a1_Q = (torch.clamp(q_tile_lo_Q + tile, max=q_len) - 1) // block_size
+    a0_Q = q_tile_lo_Q // rows
+    a1_Q = (torch.clamp(q_tile_lo_Q + tile, max=q_len) - 1) // rows
     union_lo_Q = context_len + a0_Q * block_size
     union_hi_Q = context_len + (a1_Q + 1) * block_size
     own_lo_Q = context_len + a1_Q * block_size
@@ -232,10 +242,17 @@ def _widened(num_1Q: Tensor, idx_1QW: Tensor, n_cols: int) -> tuple[Tensor, Tens
     return ordered_lists(flags_QK[:, :n_cols])
 
 
-def widen(tables: MaskTables, context_len: int, block_size: int, tile: int = TILE) -> MaskTables:
+def widen(
+    tables: MaskTables,
+    context_len: int,
+    block_size: int,
+    tile: int = TILE,
+    rows_per_block: int | None = None,
+) -> MaskTables:
     """Tables of full width (equal entry for entry to those built without widths) from narrow
     ones; full tables come back as they are."""
-    q_tiles = tiles_spanned(0, tables.ctx_lo_A.numel() * block_size, tile)
+    rows = rows_per_block or block_size
+    q_tiles = tiles_spanned(0, tables.ctx_lo_A.numel() * rows, tile)
     kv_tiles = tiles_spanned(0, context_len + tables.ctx_lo_A.numel() * block_size, tile)
     return MaskTables(
         tables.ctx_lo_A,
@@ -248,7 +265,11 @@ def widen(tables: MaskTables, context_len: int, block_size: int, tile: int = TIL
 
 
 def block_mask_from_tables(
-    tables: MaskTables, context_len: int, block_size: int, tile: int = TILE
+    tables: MaskTables,
+    context_len: int,
+    block_size: int,
+    tile: int = TILE,
+    rows_per_block: int | None = None,
 ) -> BlockMask:
     """BlockMask (B=1, H=None) of the anchor-block mask from tables already on its device.
 
@@ -261,10 +282,11 @@ def block_mask_from_tables(
     _transpose_ordered take the index width for the number of tiles.
     """
     if tables.kv_indices.device.type != "cuda":
-        tables = widen(tables, context_len, block_size, tile)
-    q_len = tables.ctx_lo_A.numel() * block_size
+        tables = widen(tables, context_len, block_size, tile, rows_per_block)
+    num_blocks = tables.ctx_lo_A.numel()
+    q_len = num_blocks * (rows_per_block or block_size)
     return BlockMask(
-        seq_lengths=(q_len, context_len + q_len),
+        seq_lengths=(q_len, context_len + num_blocks * block_size),
         kv_num_blocks=tables.kv_num_blocks,
         kv_indices=tables.kv_indices,
         full_kv_num_blocks=tables.full_kv_num_blocks,
@@ -274,13 +296,22 @@ def block_mask_from_tables(
         full_q_num_blocks=tables.full_q_num_blocks,
         full_q_indices=tables.full_q_indices,
         BLOCK_SIZE=(tile, tile),
-        mask_mod=anchor_block_mask_mod(tables.ctx_lo_A, tables.ctx_hi_A, context_len, block_size),
+        mask_mod=anchor_block_mask_mod(
+            tables.ctx_lo_A, tables.ctx_hi_A, context_len, block_size, rows_per_block
+        ),
     )
 
 
 def anchor_block_mask(
-    ctx_lo_A: Tensor, ctx_hi_A: Tensor, context_len: int, block_size: int, tile: int = TILE
+    ctx_lo_A: Tensor,
+    ctx_hi_A: Tensor,
+    context_len: int,
+    block_size: int,
+    tile: int = TILE,
+    rows_per_block: int | None = None,
 ) -> BlockMask:
     """BlockMask of the anchor-block mask, tables built on the intervals' device."""
-    tables = anchor_mask_tables(ctx_lo_A, ctx_hi_A, context_len, block_size, tile)
-    return block_mask_from_tables(tables, context_len, block_size, tile)
+    tables = anchor_mask_tables(
+        ctx_lo_A, ctx_hi_A, context_len, block_size, tile, rows_per_block=rows_per_block
+    )
+    return block_mask_from_tables(tables, context_len, block_size, tile, rows_per_block)

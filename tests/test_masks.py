@@ -160,6 +160,34 @@ def test_direct_block_mask_equals_create_block_mask(case: str, tile: int) -> Non
     _assert_kernel_sees(direct, dense_mask(anchors, doc_ids, bsz), tile)
 
 
+@pytest.mark.parametrize("heads_per_group", [2, 3, 4])
+@pytest.mark.parametrize("tile", [64, 128])
+@pytest.mark.parametrize("case", CASES)
+def test_packed_rows_block_mask_equals_create_block_mask(
+    case: str, tile: int, heads_per_group: int
+) -> None:
+    """Query heads folded into rows (R rows a query, B * R a block; the key side keeps B slots
+    a block): the direct tables equal create_block_mask's on the packed mask_mod, and what a
+    kernel computes is the definition's mask with each query row repeated R times."""
+    doc_ids, anchors, bsz = CASES[case]
+    lo_A, hi_A, n_ctx = _make(doc_ids, anchors, bsz)
+    rows = bsz * heads_per_group
+    n_rows, n_kv = len(anchors) * rows, n_ctx + len(anchors) * bsz
+    direct = anchor_block_mask(lo_A, hi_A, n_ctx, bsz, tile, rows_per_block=rows)
+    mask_mod = anchor_block_mask_mod(lo_A, hi_A, n_ctx, bsz, rows_per_block=rows)
+    ref = create_block_mask(mask_mod, 1, None, n_rows, n_kv, "cpu", BLOCK_SIZE=tile)
+    assert direct.shape == ref.shape == (1, 1, n_rows, n_kv)
+    qt, kt = -(-n_rows // tile), -(-n_kv // tile)
+    assert all(
+        torch.equal(d, r)
+        for d, r in zip(_tile_flags(direct, qt, kt), _tile_flags(ref, qt, kt), strict=True)
+    )
+    assert torch.equal(direct.kv_num_blocks, ref.kv_num_blocks)
+    assert torch.equal(direct.full_kv_num_blocks, ref.full_kv_num_blocks)
+    dense = dense_mask(anchors, doc_ids, bsz).repeat_interleave(heads_per_group, dim=0)
+    _assert_kernel_sees(direct, dense, tile)
+
+
 def _assert_kernel_sees(bm: BlockMask, dense_QK: torch.Tensor, tile: int = TILE) -> None:
     """What a kernel would compute, full tiles all True and partial tiles through the
     mask_mod, is exactly the dense mask."""
@@ -452,3 +480,31 @@ def test_narrow_mask_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DFLASH_NARROW_MASK", "yes")
     with pytest.raises(ValueError, match="DFLASH_NARROW_MASK must be 0 or 1"):
         masks._narrow_from_env()
+
+
+@pytest.mark.parametrize("heads_per_group", [3, 4])
+@pytest.mark.parametrize("tile", [64, 128])
+@pytest.mark.parametrize("num_seqs", [1, 3, 8])
+def test_narrow_tables_hold_packed_rows(tile: int, num_seqs: int, heads_per_group: int) -> None:
+    """With the query heads folded into rows (B * R rows a block), narrow_widths still bounds
+    every row's tiles, on random batches and on the worst-case anchors of both sides, and the
+    narrow tables widen back to the full ones."""
+    bsz, seq_len, per_seq = 16, 400, 8
+    rows = bsz * heads_per_group
+    widths = narrow_widths(num_seqs, seq_len, per_seq, bsz, tile, rows_per_block=rows)
+    batches = [collate(_items(0, bsz, seq_len, per_seq, num_seqs), mask_tables=False)]
+    batches.append(collate(_items(1, bsz, seq_len, per_seq, num_seqs), mask_tables=False))
+    for real in ([1] * 8, [1, *[per_seq] * 7], [per_seq] * 8):
+        batches.append(
+            collate(_worst_items(num_seqs, seq_len, per_seq, bsz, real), mask_tables=False)
+        )
+    for batch in batches:
+        lo_A, hi_A = context_intervals(batch.anchors_A, batch.document_ids_T)
+        n_ctx = batch.document_ids_T.numel()
+        args = (lo_A, hi_A, n_ctx, bsz, tile)
+        full = anchor_mask_tables(*args, rows_per_block=rows)
+        narrow = anchor_mask_tables(*args, widths=widths, rows_per_block=rows)
+        _assert_narrow_matches_full(narrow, full, widths)
+        widened = widen(narrow, n_ctx, bsz, tile, rows_per_block=rows)
+        for name in MaskTables._fields:
+            assert torch.equal(getattr(widened, name), getattr(full, name)), name
