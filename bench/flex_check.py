@@ -92,30 +92,3 @@ def unpermute(p: Problem, name: str, value: Tensor, perm_A: Tensor) -> Tensor:
     if name in ("out", "dq"):
         return permute_rows(value, inverse_A, B)
     return torch.cat([value[:, :, :S], permute_rows(value[:, :, S:], inverse_A, B)], dim=2)
-
-
-def pack_heads(x_1HQE: Tensor, groups: int) -> Tensor:
-    """Query heads folded into rows per key/value group: [1,H,Q,E] -> [1,G,Q*R,E] with R = H/G
-    and row q*R + r holding query q of the group's head r (head g*R + r, as GQA maps heads), so
-    the R rows of one query are adjacent and an anchor block of B queries is B*R rows."""
-    _, heads, q_len, dim = x_1HQE.shape
-    per_group = heads // groups
-    grouped = x_1HQE.reshape(1, groups, per_group, q_len, dim).transpose(2, 3)
-    return grouped.reshape(1, groups, q_len * per_group, dim)
-
-
-def unpack_heads(x_1GPE: Tensor, heads: int) -> Tensor:
-    """pack_heads undone: [1,G,Q*R,E] -> [1,H,Q,E]."""
-    _, groups, rows, dim = x_1GPE.shape
-    per_group = heads // groups
-    grouped = x_1GPE.reshape(1, groups, rows // per_group, per_group, dim).transpose(2, 3)
-    return grouped.reshape(1, heads, rows // per_group, dim)
-
-
-def packed_mask_mod(mask_mod: Callable, per_group: int) -> Callable:
-    """The mask of pack_heads' rows: packed row i is query i // R."""
-
-    def packed(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return mask_mod(b, h, q_idx // per_group, kv_idx)
-
-    return packed

@@ -30,24 +30,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from flex_check import (
-    Problem,
-    judge,
-    pack_heads,
-    packed_mask_mod,
-    permute_blocks,
-    permute_rows,
-    reference,
-    rel_err,
-    unpack_heads,
-    unpermute,
-)
+from flex_check import Problem, judge, permute_blocks, permute_rows, reference, rel_err, unpermute
 from flex_variants import COMBO, Variant, combo_variant, forced_bwd_config, region_for
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from stage2_train import flex_tiles
-from stage2_train.attention import block_attention
+from stage2_train.attention import block_attention, pack_heads, unpack_heads
 from stage2_train.masks import TILE, anchor_block_mask
 
 
@@ -218,32 +207,31 @@ class Sweep:
             self.emit(record)
 
     def run_gqa_packed(self) -> None:
-        """The query heads that share a key/value head folded into the rows (flex_check's
-        pack_heads), in the project's compiled region: at Qwen3-8B's 32/8 heads one 64-row
+        """The query heads that share a key/value head folded into the rows
+        (`stage2_train.attention.pack_heads`, `run.pack_heads`), in the project's compiled
+        region on the project's tables (`rows_per_block`): at Qwen3-8B's 32/8 heads one 64-row
         tile is one anchor block (16 queries x 4 heads), so a tile's context is one anchor's
         interval instead of the union of four anchors' (as many programs as before, each
-        visiting fewer key/value tiles). The BlockMask comes from create_block_mask on the packed
-        mask_mod (eager, untimed); the timed call includes the pack and unpack copies, and
+        visiting fewer key/value tiles). The timed call includes the pack and unpack copies;
         ``region_fwd_bwd_ms`` times the region alone on packed leaves."""
         p = self.p
         heads, groups = p.q.size(1), p.k.size(1)
         per_group = heads // groups
-        rows, kv_len = p.q.size(2) * per_group, p.k.size(2)
-        mask_mod = packed_mask_mod(p.mask_mod, per_group)
+        rows = p.block_size * per_group
 
         def packed(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask) -> Tensor:
             return unpack_heads(block_attention(pack_heads(q, groups), k, v, mask), heads)
 
-        for tile in ((TILE, TILE), (128, 128)):
-            name = f"gqa_packed_{tile[0]}"
-            record: dict[str, Any] = {"what": "sweep_variant", "name": name, "tile": list(tile)}
+        for tile in (TILE, 128):
+            name = f"gqa_packed_{tile}"
+            record: dict[str, Any] = {"what": "sweep_variant", "name": name, "tile": [tile, tile]}
             record["idea"] = (
                 f"query heads folded into rows ({per_group} per key/value head): "
-                f"{p.block_size * per_group} rows an anchor block, {tile[0]}-row tiles"
+                f"{rows} rows an anchor block, {tile}-row tiles"
             )
             try:
-                mask = create_block_mask(
-                    mask_mod, 1, None, rows, kv_len, device=p.q.device, BLOCK_SIZE=tile
+                mask = anchor_block_mask(
+                    p.ctx_lo_A, p.ctx_hi_A, p.context_len, p.block_size, tile, rows_per_block=rows
                 )
                 record["sparsity_pct"] = round(mask.sparsity(), 1)
                 record.update(self._measure(packed, (p.q, p.k, p.v), mask))

@@ -79,6 +79,24 @@ def block_attention(
     return _compiled_flex_region(q_1HQE, k_1GKE, v_1GKE, block_mask)
 
 
+def pack_heads(x_1HQE: Tensor, groups: int) -> Tensor:
+    """Query heads folded into rows per key/value group: [1,H,Q,E] -> [1,G,Q*R,E] with R = H/G
+    and row q*R + r holding query q of the group's head r (head g*R + r, as GQA maps heads), so
+    the R rows of one query are adjacent and an anchor block of B queries is B*R rows."""
+    _, heads, q_len, dim = x_1HQE.shape
+    per_group = heads // groups
+    grouped = x_1HQE.reshape(1, groups, per_group, q_len, dim).transpose(2, 3)
+    return grouped.reshape(1, groups, q_len * per_group, dim)
+
+
+def unpack_heads(x_1GPE: Tensor, heads: int) -> Tensor:
+    """pack_heads undone: [1,G,Q*R,E] -> [1,H,Q,E]."""
+    _, groups, rows, dim = x_1GPE.shape
+    per_group = heads // groups
+    grouped = x_1GPE.reshape(1, groups, rows // per_group, per_group, dim).transpose(2, 3)
+    return grouped.reshape(1, heads, rows // per_group, dim)
+
+
 def dense_sdpa_attention(
     q_1HQE: Tensor, k_1GKE: Tensor, v_1GKE: Tensor, mask_1QK: Tensor
 ) -> Tensor:
@@ -97,8 +115,14 @@ class BlockAttention:
         block_size: B.
         backend: "flex", "sdpa", or "auto" (flex on CUDA, sdpa elsewhere).
         tables: the mask's intervals and tile tables of these anchors, already on their
-            device (the loader builds them on CPU: `Batch.mask_tables`); None builds them
+            device (the loader builds them on CPU: `Batch.mask_tables`, with
+            ``rows_per_block = block_size * heads_per_group`` when packed); None builds them
             here, on the anchors' device.
+        heads_per_group: R > 1 folds the R query heads of each key/value group into the
+            flex kernel's rows (`pack_heads`, `run.pack_heads`): a 64-row tile is then one
+            anchor block of 16 queries x 4 heads, whose context is one interval, not the
+            union of four anchors' (fewer key tiles visited). The same output; flex only
+            (the SDPA path ignores it).
     """
 
     def __init__(
@@ -108,6 +132,7 @@ class BlockAttention:
         block_size: int,
         backend: Backend = "auto",
         tables: MaskTables | None = None,
+        heads_per_group: int = 1,
     ) -> None:
         if backend == "auto":
             backend = "flex" if anchors_A.device.type == "cuda" else "sdpa"
@@ -117,11 +142,14 @@ class BlockAttention:
         self.context_len = document_ids_S.numel()
         self.block_size = block_size
         self.num_queries = anchors_A.numel() * block_size
+        self.heads_per_group = heads_per_group if backend == "flex" else 1
+        rows_per_block = block_size * self.heads_per_group
         kv_len = self.context_len + self.num_queries
         if tables is None:
             ctx_lo_A, ctx_hi_A = context_intervals(anchors_A, document_ids_S)
         else:  # the same anchors' tables: their tile grid fits these shapes
-            grid = (-(-self.num_queries // TILE), -(-kv_len // TILE))
+            rows = anchors_A.numel() * rows_per_block
+            grid = (-(-rows // TILE), -(-kv_len // TILE))
             rows, width = tables.kv_indices.shape[-2:]  # narrow tables: width <= key tiles
             assert rows == grid[0] and width <= grid[1], (tables.kv_indices.shape, grid)
             ctx_lo_A, ctx_hi_A = tables.ctx_lo_A, tables.ctx_hi_A
@@ -130,10 +158,13 @@ class BlockAttention:
         self.block_mask: BlockMask | None = None
         self.mask_1QK: Tensor | None = None
         if backend == "flex":
+            args = (ctx_lo_A, ctx_hi_A, self.context_len, block_size)
             self.block_mask = (
-                anchor_block_mask(ctx_lo_A, ctx_hi_A, self.context_len, block_size)
+                anchor_block_mask(*args, rows_per_block=rows_per_block)
                 if tables is None
-                else block_mask_from_tables(tables, self.context_len, block_size)
+                else block_mask_from_tables(
+                    tables, self.context_len, block_size, rows_per_block=rows_per_block
+                )
             )
         else:
             self.mask_1QK = create_mask(
@@ -145,6 +176,12 @@ class BlockAttention:
         assert q_1HQE.size(2) == self.num_queries, (q_1HQE.shape, self.num_queries)
         assert k_1GKE.size(2) == self.context_len + self.num_queries, k_1GKE.shape
         if self.block_mask is not None:
-            return block_attention(q_1HQE, k_1GKE, v_1GKE, self.block_mask)
+            if self.heads_per_group == 1:
+                return block_attention(q_1HQE, k_1GKE, v_1GKE, self.block_mask)
+            groups = k_1GKE.size(1)
+            assert q_1HQE.size(1) == groups * self.heads_per_group, (q_1HQE.shape, k_1GKE.shape)
+            q_1GPE = pack_heads(q_1HQE, groups)
+            o_1GPE = block_attention(q_1GPE, k_1GKE, v_1GKE, self.block_mask)
+            return unpack_heads(o_1GPE, q_1HQE.size(1))
         assert self.mask_1QK is not None
         return dense_sdpa_attention(q_1HQE, k_1GKE, v_1GKE, self.mask_1QK)

@@ -102,12 +102,18 @@ def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     )
 
 
-def collate(items: list[dict[str, Any]], mask_tables: bool = True, narrow: bool = NARROW) -> Batch:
+def collate(
+    items: list[dict[str, Any]],
+    mask_tables: bool = True,
+    narrow: bool = NARROW,
+    rows_per_block: int | None = None,
+) -> Batch:
     """Lay the sequences end to end; shift anchors, make document ids batch-unique, and move
     every padding anchor (-1) behind the real ones, as the attention mask expects; then build
     that mask's tile tables (on CPU, in the loader's worker) unless `mask_tables` is False
     (the dense SDPA path reads no tables: it builds its mask from the anchors), cut to the
-    static `narrow_widths` of this layout when `narrow` (default; DFLASH_NARROW_MASK=0: full)."""
+    static `narrow_widths` of this layout when `narrow` (default; DFLASH_NARROW_MASK=0: full).
+    `rows_per_block`: the attention's query rows per block (B * R with `run.pack_heads`)."""
     S = items[0]["tokens_S"].shape[0]
     doc_parts, anchor_parts, next_doc = [], [], 0
     for i, item in enumerate(items):
@@ -137,9 +143,15 @@ def collate(items: list[dict[str, Any]], mask_tables: bool = True, narrow: bool 
         ctx_lo_A, ctx_hi_A = context_intervals(anchors_A, document_ids_T)
         widths = None
         if narrow:  # the bound relies on the layout made above: sequences side by side
-            widths = narrow_widths(len(items), S, items[0]["anchors_A"].numel(), block_size, TILE)
+            per_seq = items[0]["anchors_A"].numel()
+            widths = narrow_widths(len(items), S, per_seq, block_size, TILE, rows_per_block)
         tables = anchor_mask_tables(
-            ctx_lo_A, ctx_hi_A, document_ids_T.numel(), block_size, widths=widths
+            ctx_lo_A,
+            ctx_hi_A,
+            document_ids_T.numel(),
+            block_size,
+            widths=widths,
+            rows_per_block=rows_per_block,
         )
 
     def blocks(name: str) -> torch.Tensor:  # torch.cat(...)[order_A], in one copy at most

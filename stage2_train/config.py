@@ -211,6 +211,15 @@ class TrainRunConfig:
         "parameters and AdamW states (master weights), bf16 compute under autocast",
     )
     compile_attention: bool = doc(True, "flex_attention compiled as its own region (GPU: required)")
+    pack_heads: bool = doc(
+        False,
+        "flex attention (GPUs) with the query heads of each key/value group folded into the "
+        "kernel's rows: a 64-row tile then holds one anchor block of 16 queries x 4 heads, "
+        "whose context is one interval instead of the union of four anchors' (at the seed "
+        "shape 1.17-1.21x fewer key tiles visited, 2.7-3.1x fewer partial ones); the same "
+        "output (CPU tests against the dense reference); its speed is not yet measured on a "
+        "GPU (bench/bench_attention.py --sweep --only gqa_packed); evaluations run unpacked",
+    )
     compile_layers: bool | None = doc(
         None,
         "also torch.compile each drafter layer (fixed shapes, attention stays its own region): "

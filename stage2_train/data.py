@@ -264,16 +264,20 @@ def make_loader(
     pin_memory: bool,
     on_damaged: str = "error",
     mask_tables: bool = True,
+    rows_per_block: int | None = None,
 ) -> DamageGuard:
     """A DataLoader over `sampler`'s micro-batches (workers persist across epochs), behind a
-    DamageGuard applying `on_damaged`; `mask_tables`: collate builds the flex mask's tables."""
+    DamageGuard applying `on_damaged`; `mask_tables`: collate builds the flex mask's tables
+    (for `rows_per_block` query rows a block: B * R with `run.pack_heads`)."""
     extra: dict[str, Any] = {}
     if num_workers > 0:
         extra = {"prefetch_factor": prefetch, "persistent_workers": True}
     loader = torch.utils.data.DataLoader(
         dataset,
         batch_sampler=sampler,
-        collate_fn=functools.partial(collate, mask_tables=mask_tables),
+        collate_fn=functools.partial(
+            collate, mask_tables=mask_tables, rows_per_block=rows_per_block
+        ),
         num_workers=num_workers,
         pin_memory=pin_memory,
         worker_init_fn=init_loader_worker if num_workers > 0 else None,

@@ -55,12 +55,20 @@ def forward_batch(
     block_size: int,
     mask_token_id: int,
     backend: str,
+    heads_per_group: int = 1,
 ) -> torch.Tensor:
-    """The drafter's final hidden states hidden_QD for every block slot of the batch."""
+    """The drafter's final hidden states hidden_QD for every block slot of the batch;
+    `heads_per_group` > 1 packs the query heads into flex's rows (`run.pack_heads`; the
+    batch's tables then built for B * R rows a block)."""
     block_ids_AB = build_block_inputs(batch.anchors_A, batch.tokens_T, block_size, mask_token_id)
     block_inputs_QD = F.embedding(block_ids_AB.flatten(), head.embed_VD)
     attention = BlockAttention(
-        batch.anchors_A, batch.document_ids_T, block_size, backend, tables=batch.mask_tables
+        batch.anchors_A,
+        batch.document_ids_T,
+        block_size,
+        backend,
+        tables=batch.mask_tables,
+        heads_per_group=heads_per_group,
     )
     dtype = head.embed_VD.dtype
     if batch.hidden_scale_TK is None:

@@ -65,6 +65,7 @@ from stage2_train.trainstep import (
     PendingStep,
     StepRunner,
     compute_context,
+    packed_heads_per_group,
     replica_fingerprint,
     run_dtypes,
 )
@@ -143,6 +144,9 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
     distill = cfg.loss.distill_weight > 0
     pin = device.type == "cuda"
     flex_tables = backend == "flex"  # the loader builds them; the SDPA path reads none
+    # run.pack_heads: the training batches' tables for B * R query rows a block (evaluations
+    # run unpacked: their loader and the dev store's batches keep B)
+    packed_rows = B * packed_heads_per_group(cfg, shape, backend)
     layout = (ctx.world_size, ctx.rank, cfg.optim.batch_sequences, cfg.optim.grad_accum)
     plan: EpochPlan | FollowPlan
     if cfg.data.follow:  # epoch 0 streams shards as extract commits them (follow.py)
@@ -161,6 +165,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         pin,
         on_damaged=cfg.data.on_damaged,
         mask_tables=flex_tables,
+        rows_per_block=packed_rows,
     )
     eval_loader = make_loader(
         dataset("argmax", False),

@@ -23,6 +23,7 @@ from stage2_train.config import TrainConfig
 from stage2_train.data import Batch
 from stage2_train.host_copy import HostCopy
 from stage2_train.loss import chunked_block_loss
+from stage2_train.model import DrafterShape
 from stage2_train.schedule import ScheduleEnd, build_optimizer, build_scheduler
 from stage2_train.step import FrozenHead, forward_batch
 
@@ -48,6 +49,14 @@ def compute_context(name: str, device: torch.device) -> contextlib.AbstractConte
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
+def packed_heads_per_group(cfg: TrainConfig, shape: DrafterShape, backend: str) -> int:
+    """R, the query heads per key/value head that `run.pack_heads` folds into flex's rows
+    (the training loader builds its tables for B * R rows a block); 1 when off or on SDPA."""
+    if not cfg.run.pack_heads or backend != "flex":
+        return 1
+    return shape.num_attention_heads // shape.num_key_value_heads
+
+
 class StepRunner:
     """Owns the optimizer and schedule; `step(micro_batches)` runs one optimizer step."""
 
@@ -64,6 +73,7 @@ class StepRunner:
     ) -> None:
         self.model, self.ddp, self.head, self.cfg = model, ddp, head, cfg
         self.slot_weights_B, self.backend, self.device = slot_weights_B, backend, device
+        self.heads_per_group = packed_heads_per_group(cfg, model.shape, backend)
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optim, device)
@@ -113,6 +123,7 @@ class StepRunner:
                     block_size=B,
                     mask_token_id=self.model.shape.mask_token_id,
                     backend=self.backend,
+                    heads_per_group=self.heads_per_group,
                 )
                 loss, stats = chunked_block_loss(
                     hidden_QD.to(self.head.lm_head_VD.dtype),  # fp32 -> bf16 under `mixed`
