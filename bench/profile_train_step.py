@@ -113,7 +113,10 @@ class Bench:
         )
         per_batch = cfg.optim.batch_sequences
         pin = self.device.type == "cuda"
-        self.batches = synthetic_batches(args.num_batches, seq_len, tapped, hidden, vocab, cfg, pin)
+        rows = cfg.drafter.block_size * self.runner.heads_per_group  # run.pack_heads
+        self.batches = synthetic_batches(
+            args.num_batches, seq_len, tapped, hidden, vocab, cfg, pin, rows_per_block=rows
+        )
         self.step_index = 0
         context, queries = (
             per_batch * seq_len,

@@ -84,14 +84,16 @@ def synthetic_batches(
     vocab: int,
     cfg: TrainConfig,
     pin: bool,
+    rows_per_block: int | None = None,
 ) -> list[Batch]:
     """`num_batches` collated batches of cfg.optim.batch_sequences synthetic items each (one
-    generator seeded 0: the same batches every run), pinned for a CUDA device."""
+    generator seeded 0: the same batches every run), pinned for a CUDA device; their mask
+    tables for `rows_per_block` query rows a block (B * R with run.pack_heads)."""
     gen = torch.Generator().manual_seed(0)
     per_batch = cfg.optim.batch_sequences
     batches: list[Batch] = []
     for _ in range(num_batches):
         items = [synthetic_item(seq_len, tapped, hidden, vocab, cfg, gen) for _ in range(per_batch)]
-        batch = collate(items)
+        batch = collate(items, rows_per_block=rows_per_block)
         batches.append(batch.pin_memory() if pin else batch)
     return batches
