@@ -148,8 +148,8 @@ class BlockAttention:
         if tables is None:
             ctx_lo_A, ctx_hi_A = context_intervals(anchors_A, document_ids_S)
         else:  # the same anchors' tables: their tile grid fits these shapes
-            rows = anchors_A.numel() * rows_per_block
-            grid = (-(-rows // TILE), -(-kv_len // TILE))
+            query_rows = anchors_A.numel() * rows_per_block
+            grid = (-(-query_rows // TILE), -(-kv_len // TILE))
             rows, width = tables.kv_indices.shape[-2:]  # narrow tables: width <= key tiles
             assert rows == grid[0] and width <= grid[1], (tables.kv_indices.shape, grid)
             ctx_lo_A, ctx_hi_A = tables.ctx_lo_A, tables.ctx_hi_A
