@@ -45,6 +45,10 @@ if [ ! -f "$job/pid" ]; then
     echo $! > "$job/pid"
   )
   echo "started the recipe as pid $(cat "$job/pid") (log: $job/recipe.log)"
+  # the machine's uptime when the recipe started, beside the call's held time the device tool
+  # reports: whether a later plan can read the machine's start cost from inside the call
+  echo "{\"uptime_s\": $(cut -d' ' -f1 /proc/uptime 2>/dev/null || echo null), \"epoch_s\": $started}" \
+    > "$job/results/machine.json"
 elif [ ! -f "$job/exit" ] && ! kill -0 "$(cat "$job/pid")" 2>/dev/null; then
   echo "job gone: the machine stopped pid $(cat "$job/pid") between calls; go on with"
   echo "bench/recipe_call.sh, the same settings and WORK=$WORK (every stage resumes)"
