@@ -17,7 +17,8 @@ so preparing the flex mask launches nothing on the device:
 Shapes are fixed per run (context S, A anchors padded to the budget), so the region compiles
 once per shape; a new mask each step enters as tensors and does not recompile.
 
-Legend: H query heads, G key/value heads, Q = A*B query tokens, KV = S + Q keys, E head dim.
+Legend: H query heads, G key/value heads, Q = A*B query tokens, KV = S + Q keys, E head dim,
+R = H/G query heads per key/value head, P = Q*R packed query rows (`pack_heads`).
 """
 
 from __future__ import annotations
