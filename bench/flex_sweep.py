@@ -174,6 +174,19 @@ class Sweep:
         self.results["project_region"] = record
         self.emit(record)
 
+    @contextlib.contextmanager
+    def _judged(self, name: str, record: dict) -> Iterator[None]:
+        """Around one variant's measurement: status ok and judged against the baseline, or
+        the error recorded (the sweep goes on); the record is kept and emitted either way."""
+        try:
+            yield
+            record["status"] = "ok"
+            judge(record, self.baseline, self.backward)
+        except Exception as err:  # record, keep sweeping
+            record.update(status="error", error=_short(err))
+        self.results[name] = record
+        self.emit(record)
+
     def run_orderings(self, seed: int = 0) -> None:
         """Other anchor orders in the same compiled region: rows (and the block K/V slots)
         permuted, the output permuted back before the check."""
@@ -194,17 +207,11 @@ class Sweep:
         for name, perm_A in orders.items():
             record: dict[str, Any] = {"what": "sweep_variant", "name": name, "idea": ideas[name]}
             record["tile"] = [TILE, TILE]
-            try:
+            with self._judged(name, record):
                 q, k, v = permute_blocks(p, perm_A)
                 mask = anchor_block_mask(p.ctx_lo_A[perm_A], p.ctx_hi_A[perm_A], p.context_len, B)
                 record["sparsity_pct"] = round(mask.sparsity(), 1)
                 record.update(self._measure(block_attention, (q, k, v), mask, perm_A))
-                record["status"] = "ok"
-                judge(record, self.baseline, self.backward)
-            except Exception as err:  # record, keep sweeping
-                record.update(status="error", error=_short(err))
-            self.results[name] = record
-            self.emit(record)
 
     def run_gqa_packed(self) -> None:
         """The query heads that share a key/value head folded into the rows
@@ -229,7 +236,7 @@ class Sweep:
                 f"query heads folded into rows ({per_group} per key/value head): "
                 f"{rows} rows an anchor block, {tile}-row tiles"
             )
-            try:
+            with self._judged(name, record):
                 mask = anchor_block_mask(
                     p.ctx_lo_A, p.ctx_hi_A, p.context_len, p.block_size, tile, rows_per_block=rows
                 )
@@ -237,12 +244,6 @@ class Sweep:
                 record.update(self._measure(packed, (p.q, p.k, p.v), mask))
                 if self.backward:
                     record["region_fwd_bwd_ms"] = self._time_packed_region(mask, groups)
-                record["status"] = "ok"
-                judge(record, self.baseline, self.backward)
-            except Exception as err:  # record, keep sweeping
-                record.update(status="error", error=_short(err))
-            self.results[name] = record
-            self.emit(record)
 
     def _time_packed_region(self, mask: BlockMask, groups: int) -> float:
         """fwd+bwd ms of the compiled region alone on packed leaves (no pack/unpack copies)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_masks import _items
 from torch.nn.attention.flex_attention import create_mask
 
 from stage2_train.attention import BlockAttention, pack_heads, unpack_heads
@@ -93,31 +94,15 @@ def test_block_attention_packed_flex_forward(heads: int, groups: int) -> None:
     torch.testing.assert_close(dense(q, k, v), want, rtol=1e-5, atol=1e-5)
 
 
-def _item(seed: int, seq_len: int = 200, per_seq: int = 6) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    docs = torch.zeros(seq_len, dtype=torch.long)
-    docs[90:] = 1
-    anchors = torch.sort(torch.randperm(seq_len - BLOCK, generator=gen)[:per_seq] + 1).values
-    return {
-        "index": seed,
-        "tokens_S": torch.zeros(seq_len, dtype=torch.long),
-        "position_ids_S": torch.arange(seq_len),
-        "document_ids_S": docs,
-        "hidden_SKD": torch.zeros(seq_len, 1, 1),
-        "anchors_A": anchors,
-        "labels_AB": torch.zeros(per_seq, BLOCK, dtype=torch.long),
-        "weights_AB": torch.zeros(per_seq, BLOCK),
-    }
-
-
 @pytest.mark.parametrize("narrow", [True, False])
 def test_loader_tables_for_packed_rows(narrow: bool) -> None:
     """collate(rows_per_block=B * R) builds the tables BlockAttention(heads_per_group=R) reads:
-    the flex forward over a two-sequence batch equals the grouped dense reference; tables
+    the flex forward over a two-sequence batch (test_masks' items) equals the grouped dense reference; tables
     built for unpacked rows are refused (their tile grid does not fit)."""
     heads, groups = 8, 2
     per_group = heads // groups
-    batch = collate([_item(0), _item(1)], rows_per_block=BLOCK * per_group, narrow=narrow)
+    items = _items(0, BLOCK, num_anchors=6, num_seqs=2)  # padding tokens and anchors included
+    batch = collate(items, rows_per_block=BLOCK * per_group, narrow=narrow)
     anchors_A, docs_T = batch.anchors_A, batch.document_ids_T
     gen = torch.Generator().manual_seed(5)
     queries, keys = anchors_A.numel() * BLOCK, docs_T.numel() + anchors_A.numel() * BLOCK
@@ -129,7 +114,7 @@ def test_loader_tables_for_packed_rows(narrow: bool) -> None:
     torch.testing.assert_close(
         attention(q, k, v), grouped_reference(anchors_A, docs_T, q, k, v), rtol=1e-4, atol=1e-4
     )
-    unpacked = collate([_item(0), _item(1)], narrow=narrow).mask_tables
+    unpacked = collate(items, narrow=narrow).mask_tables
     if -(-queries // TILE) != -(-queries * per_group // TILE):
         with pytest.raises(AssertionError):
             BlockAttention(
