@@ -68,6 +68,13 @@ df -h "$WORK" > "$job/results/df.txt" 2>&1
 tar czf "$RESULTS/call-$started.tgz" -C "$job" results recipe.log
 if [ -f "$job/exit" ]; then
   echo "recipe done (exit $(cat "$job/exit"))"
+  # the drafters themselves come back too (in parts under the device's 16 MiB a file): a
+  # machine lost before they are evaluated again, or a figure to re-check, needs no re-run
+  for export in "$WORK"/run-*/export; do
+    [ -f "$export/model.safetensors" ] || continue
+    name=$(basename "$(dirname "$export")")
+    tar cf - -C "$(dirname "$export")" export | split -b 15M - "$RESULTS/$name-export.tar.part-"
+  done
 else
   echo "still running: call again within 30 s"
 fi
