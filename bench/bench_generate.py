@@ -77,7 +77,15 @@ def main() -> None:
         "transformers compiles the decode step on a GPU; the "
         "warm-up runs at the timed batch's shape so that compile is not timed)",
     )
+    parser.add_argument(
+        "--matmul-precision",
+        choices=["highest", "high"],
+        default="highest",
+        help="torch.set_float32_matmul_precision: high lets fp32 matmuls run as TF32 (faster; "
+        "near-tie argmaxes, so the text, may change)",
+    )
     args = parser.parse_args()
+    torch.set_float32_matmul_precision(args.matmul_precision)
     if args.attn == "sdpa_gqa_decode":  # registers it with transformers
         from stage1_generate import gqa_decode  # noqa: F401
     shape = "tiny" if args.tiny else args.shape
@@ -141,6 +149,7 @@ def main() -> None:
         else None,
         "attn": args.attn,
         "kv_cache": args.cache,
+        "matmul_precision": args.matmul_precision,
         "torch": torch.__version__,
     }
     if args.profile:
