@@ -65,6 +65,11 @@ done
 tail -5 "$job/recipe.log"
 nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv > "$job/results/nvidia-smi.csv" 2>&1
 df -h "$WORK" > "$job/results/df.txt" 2>&1
+# the host's memory and its largest processes when the call ends: the machine went between
+# calls in three of the last four sessions, always with the trainer running; if a later one
+# goes too, these say whether memory or disk was short when it was last seen
+{ free -m; echo; ps -eo pid,rss,pcpu,etimes,args --sort=-rss | head -25 | cut -c1-200; } \
+  > "$job/results/host.txt" 2>&1
 tar czf "$RESULTS/call-$started.tgz" -C "$job" results recipe.log
 if [ -f "$job/exit" ]; then
   echo "recipe done (exit $(cat "$job/exit"))"
