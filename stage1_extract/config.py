@@ -15,6 +15,11 @@ class TargetConfig:
     tokenizer: str | None = doc(None, "tokenizer folder or hub id; default: the model's")
     dtype: Literal["bfloat16", "float32"] = doc("bfloat16", "weights and activations dtype")
     attn_implementation: str = doc("sdpa", "transformers attention backend of the target")
+    matmul_precision: Literal["highest", "high"] = doc(
+        "highest",
+        "float32 targets on GPUs: high runs their matmuls as TF32 (faster, ~1e-3 relative "
+        "error, below the fp8 or bf16 the features are stored in); part of the store's key",
+    )
     device_map: bool = doc(
         False,
         "split one large target across all --devices (one process) instead of one copy per GPU",

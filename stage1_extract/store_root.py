@@ -129,6 +129,9 @@ def key_parts(
     # rerunning their command still resumes them.
     if attrs["hidden_dtype"] != "bfloat16":
         parts["hidden_dtype"] = attrs["hidden_dtype"]
+    # likewise TF32 matmuls (other values, so another store) only when asked for
+    if cfg["target"].get("matmul_precision", "highest") != "highest":
+        parts["matmul_precision"] = cfg["target"]["matmul_precision"]
     return parts
 
 

@@ -108,6 +108,9 @@ def load_target(
 ) -> torch.nn.Module:
     """The causal LM in eval mode on `device`, or spread over `devices` when cfg.device_map."""
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+    # process-wide, and only the target runs in a generate or extract process; the CUDA flag
+    # alone (set_float32_matmul_precision would also change oneDNN's CPU matmuls)
+    torch.backends.cuda.matmul.allow_tf32 = cfg.matmul_precision == "high"
     kwargs: dict[str, Any] = dict(
         revision=cfg.revision,
         dtype=dtype,

@@ -27,6 +27,11 @@ class GenTargetConfig:
         "step of grouped-query attention run on the key/value heads, no copy of the cache "
         "(stage1_generate/gqa_decode.py)",
     )
+    matmul_precision: Literal["highest", "high"] = doc(
+        "highest",
+        "float32 targets on GPUs: high runs their matmuls as TF32 (faster; a near tie between "
+        "two next tokens may then go the other way, so some replies change; recorded)",
+    )
     trust_remote_code: bool = doc(False, "allow custom model code from the hub")
 
     def problems(self) -> list[str]:
@@ -40,6 +45,7 @@ class GenTargetConfig:
             tokenizer=self.tokenizer,
             dtype=self.dtype,
             attn_implementation=self.attn_implementation,
+            matmul_precision=self.matmul_precision,
             trust_remote_code=self.trust_remote_code,
         )
 

@@ -56,14 +56,19 @@ def build_manifest(cfg: GenerateConfig, raw: datasets.Dataset, fmt: str) -> dict
     data = {k: v for k, v in config["data"].items() if k not in ("num_proc", "on_invalid")}
     data["path"] = _canonical_path(data["path"])
     backend = cfg.run.backend
+    target = {
+        "model": _canonical_path(cfg.target.model),
+        "revision": cfg.target.revision,
+        "tokenizer": cfg.target.tokenizer,
+        "dtype": cfg.target.dtype if backend == "local" else None,
+        "weights_sha256": weights_fingerprint(cfg.target.model),
+    }
+    # TF32 matmuls can turn near ties (other rows); named only when on, so the keys of
+    # datasets generated before the option existed stay as they were
+    if backend == "local" and cfg.target.matmul_precision != "highest":
+        target["matmul_precision"] = cfg.target.matmul_precision
     content = {
-        "target": {
-            "model": _canonical_path(cfg.target.model),
-            "revision": cfg.target.revision,
-            "tokenizer": cfg.target.tokenizer,
-            "dtype": cfg.target.dtype if backend == "local" else None,
-            "weights_sha256": weights_fingerprint(cfg.target.model),
-        },
+        "target": target,
         "backend": backend,
         "served_model": cfg.endpoint.model or cfg.target.model if backend == "openai" else None,
         "data": data,

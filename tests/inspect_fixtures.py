@@ -141,7 +141,7 @@ def _root_attrs(
             "format": "messages",
             "num_rows": len({d.source_index for d in docs}),
         },
-        "extract_config": {"packing": {"seq_len": seq_len}},
+        "extract_config": {"packing": {"seq_len": seq_len}, "target": {"dtype": "bfloat16"}},
         "content_key": "0" * 64,
     }
     if complete:

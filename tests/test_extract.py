@@ -487,29 +487,46 @@ def test_reserved_or_mask_token_is_found(tiny_qwen3: Path) -> None:
     assert reserved_token_id(tokenizer) == tokenizer.convert_tokens_to_ids("<|mask|>")
 
 
+def _key_attrs(packing: dict, target: dict | None = None) -> dict:
+    """Root attributes with what key_parts reads (a store's as extract writes them)."""
+    return {
+        "extract_config": {
+            "data": {"path": "d.jsonl", "num_proc": 1},
+            "target": target or {"dtype": "bfloat16"},
+            "packing": packing,
+            "store": {"chunk_tokens": 1024, "compression_level": 1},
+        },
+        "target": {"name_or_path": "m"},
+        "tokenizer": {"name_or_path": "m"},
+        "dataset": {"format": "text", "num_rows": 3},
+        "tapped_layers": [1],
+        "topk": 8,
+        "full_logits": False,
+        "sequences_per_shard": 4,
+        "hidden_dtype": "bfloat16",
+    }
+
+
+def test_content_key_names_tf32_matmuls_only_when_on() -> None:
+    """Stores written before target.matmul_precision existed resume (same key at highest);
+    TF32 matmuls give other stored values, so another key."""
+    from stage1_extract.store_root import content_key, key_parts
+
+    packing = {"seq_len": 64, "overlong": "split"}
+
+    def key(target: dict) -> str:
+        return content_key(key_parts(_key_attrs(packing, target), "sha", {}))
+
+    older = {"dtype": "float32"}
+    assert key({**older, "matmul_precision": "highest"}) == key(older)
+    assert key({**older, "matmul_precision": "high"}) != key(older)
+
+
 def test_content_key_of_next_fit_stores_is_unchanged_by_the_strategy_option() -> None:
     from stage1_extract.store_root import content_key, key_parts
 
-    def attrs(packing: dict) -> dict:
-        return {
-            "extract_config": {
-                "data": {"path": "d.jsonl", "num_proc": 1},
-                "target": {"dtype": "bfloat16"},
-                "packing": packing,
-                "store": {"chunk_tokens": 1024, "compression_level": 1},
-            },
-            "target": {"name_or_path": "m"},
-            "tokenizer": {"name_or_path": "m"},
-            "dataset": {"format": "text", "num_rows": 3},
-            "tapped_layers": [1],
-            "topk": 8,
-            "full_logits": False,
-            "sequences_per_shard": 4,
-            "hidden_dtype": "bfloat16",
-        }
-
     def key(packing: dict) -> str:
-        return content_key(key_parts(attrs(packing), "sha", {}))
+        return content_key(key_parts(_key_attrs(packing), "sha", {}))
 
     older = {"seq_len": 64, "overlong": "split"}  # written before packing.strategy existed
     assert key({**older, "strategy": "next_fit"}) == key(older)

@@ -506,3 +506,37 @@ def test_static_kv_cache_stays_within_batch_tokens(tiny_qwen3: Path) -> None:
     assert len(replies) == 9 and len(caches) >= 2
     backend.generate(short_prompts, 8)  # a later call: the cache is as long as before
     assert all(rows * length <= budget for rows, length in caches), caches
+
+
+def test_tf32_matmuls_keyed_recorded_and_shown(tiny_qwen3: Path, tmp_path: Path) -> None:
+    """target.matmul_precision=high (TF32 on GPUs) can change near-tie replies: it is part of
+    the dataset's key and provenance when on, and absent when off, so that datasets generated
+    before the option existed keep their keys; load_target sets the process's CUDA flag."""
+    from common.inspect_store import _generation_rows
+    from stage1_extract.target import load_target
+    from stage1_generate.inputs import build_manifest, read_inputs
+
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows())
+    default = config(tiny_qwen3, data, tmp_path / "out")
+    tf32 = config(tiny_qwen3, data, tmp_path / "out", "target.matmul_precision=high")
+    inputs = read_inputs(default)
+    off = build_manifest(default, inputs.raw, inputs.fmt)
+    on = build_manifest(tf32, inputs.raw, inputs.fmt)
+    assert "matmul_precision" not in off["content"]["target"]
+    assert on["content"]["target"]["matmul_precision"] == "high"
+    assert on["key"] != off["key"]
+
+    def sampling_row(manifest: dict) -> str:
+        rows = _generation_rows({"content": manifest["content"]})
+        return next(text for _, text in rows if "new tokens per turn" in text)
+
+    assert sampling_row(on).endswith("(TF32 matmuls)")
+    assert "TF32" not in sampling_row(off)
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        load_target(tf32.target.as_target_config(), torch.device("cpu"))
+        assert torch.backends.cuda.matmul.allow_tf32
+        load_target(default.target.as_target_config(), torch.device("cpu"))
+        assert not torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before

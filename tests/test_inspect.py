@@ -62,6 +62,8 @@ def test_summary_matches_hand_counts(store: Path) -> None:
         "revision": "abc123",
         "model_type": "qwen3",
         "num_hidden_layers": 4,
+        "dtype": "bfloat16",
+        "matmul_precision": "highest",
     }
     assert prov["chat_template"] is True and prov["tapped_layers"] == [1, 3]
     assert (prov["seq_len"], prov["topk"], prov["dataset"]["num_rows"]) == (16, 4, 4)
@@ -79,6 +81,7 @@ def test_summary_table(store: Path) -> None:
     assert "34 (79.1% of tokens)" in lines["loss tokens"]
     assert "5 (10.4% of positions)" in lines["padding"]
     assert "fixture/tiny-target @ abc123" in lines["target"]
+    assert "qwen3, 4 layers, run in bfloat16\n" in result.stdout  # no TF32 note at "highest"
     assert "chat template: yes" in lines["tokenizer"]
 
 
