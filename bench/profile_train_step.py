@@ -5,8 +5,8 @@ Synthetic packed sequences (random tokens, documents of ~1/8 to ~3/10 of a seque
 items shaped like `StoreSequences`' (project anchor sampling and block labels) ->
 `stage2_train.data.collate` -> `StepRunner.step` (batch to the device, `forward_batch` with the
 compiled-region flex attention and its per-step BlockMask, the chunked LM-head loss, backward,
-clipping, fused AdamW), at the pystd recipe's shape (configs/pystd.yaml: 8 sequences x 3,072
-tokens per step, 512 anchors x 16 each, `mixed`) or the Qwen3-8B drafter's
+clipping, fused AdamW), at the pystd recipe's shape (configs/pystd.yaml: 16 sequences x 2,560
+tokens per step, three tapped layers, 512 anchors x 16 each, `mixed`) or the Qwen3-8B drafter's
 (configs/qwen3-8b.yaml; bench/shapes.py). There is no loader: reading and decoding the store
 is not in these figures (bench/bench_train.py times the real loop from a store).
 

@@ -4,7 +4,7 @@ profiles and packed sequences shaped like `StoreSequences`' items.
 Each sequence packs documents of ~1/8 to ~3/10 of a sequence (the tail left as padding) with a
 16-token prompt carrying no loss, random tokens and random bf16 features; anchors come from the
 project's own sampling and block labels (`stage2_train.anchors`), and `stage2_train.data.collate`
-makes the batches. Shapes: the pystd recipe's (configs/pystd.yaml, 8 x 3,072 tokens), the
+makes the batches. Shapes: the pystd recipe's (configs/pystd.yaml: 16 x 2,560 tokens, three tapped layers), the
 Qwen3-8B drafter's (configs/qwen3-8b.yaml; bench/shapes.py) and a tiny one for the CPU.
 
 Imported by bench/profile_train_step.py (bench/ is on sys.path), which runs as
@@ -34,7 +34,8 @@ TINY = dict(
 )
 # config file, target config, tapped layers, tokens per sequence, mask token id, extra settings
 SHAPES: dict[str, tuple[str, dict, int, int, int, list[str]]] = {
-    "pystd": ("configs/pystd.yaml", PYSTD_28M, 5, 3072, 3, []),
+    # the recipe's store since the eighteenth session: tapped layers [1, 4, 8], 2,560 tokens
+    "pystd": ("configs/pystd.yaml", PYSTD_28M, 3, 2560, 3, []),
     "qwen3-8b": ("configs/qwen3-8b.yaml", QWEN3_8B, 5, 3072, 151669, []),
     "tiny": ("configs/debug.yaml", TINY, 2, 256, 3, ["optim.batch_sequences=2"]),
 }
