@@ -18,7 +18,8 @@ class TargetConfig:
     matmul_precision: Literal["highest", "high"] = doc(
         "highest",
         "float32 targets on GPUs: high runs their matmuls as TF32 (faster, ~1e-3 relative "
-        "error, below the fp8 or bf16 the features are stored in); part of the store's key",
+        "error, below the fp8 or bf16 the features are stored in); part of the store's key "
+        "when on for a float32 target",
     )
     device_map: bool = doc(
         False,

@@ -129,9 +129,14 @@ def key_parts(
     # rerunning their command still resumes them.
     if attrs["hidden_dtype"] != "bfloat16":
         parts["hidden_dtype"] = attrs["hidden_dtype"]
-    # likewise TF32 matmuls (other values, so another store) only when asked for
-    if cfg["target"].get("matmul_precision", "highest") != "highest":
-        parts["matmul_precision"] = cfg["target"]["matmul_precision"]
+    # likewise TF32 matmuls (other values, so another store) only when asked for, and only for
+    # a float32 target (a bf16 target's matmuls are the same either way)
+    target_cfg = cfg["target"]
+    if (
+        target_cfg["dtype"] == "float32"
+        and target_cfg.get("matmul_precision", "highest") != "highest"
+    ):
+        parts["matmul_precision"] = target_cfg["matmul_precision"]
     return parts
 
 

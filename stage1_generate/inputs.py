@@ -63,9 +63,13 @@ def build_manifest(cfg: GenerateConfig, raw: datasets.Dataset, fmt: str) -> dict
         "dtype": cfg.target.dtype if backend == "local" else None,
         "weights_sha256": weights_fingerprint(cfg.target.model),
     }
-    # TF32 matmuls can turn near ties (other rows); named only when on, so the keys of
-    # datasets generated before the option existed stay as they were
-    if backend == "local" and cfg.target.matmul_precision != "highest":
+    # TF32 matmuls can turn near ties (other rows; a bf16 target's are the same either way);
+    # named only when on, so the keys of datasets generated before the option existed stay
+    if (
+        backend == "local"
+        and cfg.target.dtype == "float32"
+        and cfg.target.matmul_precision != "highest"
+    ):
         target["matmul_precision"] = cfg.target.matmul_precision
     content = {
         "target": target,

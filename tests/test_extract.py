@@ -520,6 +520,8 @@ def test_content_key_names_tf32_matmuls_only_when_on() -> None:
     older = {"dtype": "float32"}
     assert key({**older, "matmul_precision": "highest"}) == key(older)
     assert key({**older, "matmul_precision": "high"}) != key(older)
+    bf16 = {"dtype": "bfloat16"}  # no float32 matmuls: the same values, the same store
+    assert key({**bf16, "matmul_precision": "high"}) == key(bf16)
 
 
 def test_content_key_of_next_fit_stores_is_unchanged_by_the_strategy_option() -> None:

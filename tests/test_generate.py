@@ -525,6 +525,14 @@ def test_tf32_matmuls_keyed_recorded_and_shown(tiny_qwen3: Path, tmp_path: Path)
     assert "matmul_precision" not in off["content"]["target"]
     assert on["content"]["target"]["matmul_precision"] == "high"
     assert on["key"] != off["key"]
+    bf16 = config(tiny_qwen3, data, tmp_path / "out", "target.matmul_precision=high")
+    bf16.target.dtype = "bfloat16"  # its matmuls are bf16 either way: the same rows, the same key
+    bf16_default = config(tiny_qwen3, data, tmp_path / "out")
+    bf16_default.target.dtype = "bfloat16"
+    assert (
+        build_manifest(bf16, inputs.raw, inputs.fmt)["key"]
+        == build_manifest(bf16_default, inputs.raw, inputs.fmt)["key"]
+    )
 
     def sampling_row(manifest: dict) -> str:
         rows = _generation_rows({"content": manifest["content"]})
