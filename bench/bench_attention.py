@@ -16,6 +16,7 @@ the forward only there (and kernel options are not the Triton ones measured on t
     python bench/bench_attention.py                        # needs a CUDA GPU
     python bench/bench_attention.py --sweep --budget-s 240 # needs a CUDA GPU
     python bench/bench_attention.py --sweep --device cpu --tiny --only prescale_qk
+    python bench/bench_attention.py --sweep --only none --fresh-cache   # the region's kernels
 """
 
 from __future__ import annotations
@@ -24,14 +25,17 @@ import argparse
 import json
 import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from flex_check import Problem  # bench/ is on sys.path: scripts run as bench/x.py
+from flex_kernels import cached_flex_kernels
 from flex_sweep import Sweep
 from flex_variants import VARIANTS
+from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
 from stage2_train.attention import block_attention
@@ -116,6 +120,8 @@ def run_sweep(args: argparse.Namespace) -> None:
     global RESULTS
     RESULTS = "attention_sweep.jsonl"
     dev = args.device
+    if args.fresh_cache:  # read lazily by inductor: set before the first compile
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-sweep-")
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     anchors_A, doc_S, q, k, v, grad = inputs(dev, dtype)
     if dev != "cuda":  # flex refuses inputs that require grad on the CPU
@@ -155,6 +161,8 @@ def run_sweep(args: argparse.Namespace) -> None:
             sweep.run_variant(variant)
     summary = sweep.summary()
     emit(summary)
+    if args.fresh_cache:  # which kernel configurations this process compiled
+        emit({"what": "flex_kernels", "kernels": cached_flex_kernels(cache_dir())})
     key = summary["metric"]
     print(f"\n{'variant':<20} {'status':<8} {'tile':<9} {key:>10} {'speedup':>8} {'valid':>6}")
     for name, r in sweep.results.items():
@@ -178,6 +186,13 @@ def main() -> None:
         help="sweep: stop starting variants once this many seconds are spent",
     )
     parser.add_argument("--variant-timeout-s", type=float, default=90.0)
+    parser.add_argument(
+        "--fresh-cache",
+        action="store_true",
+        help="sweep: compile into a new, empty inductor cache folder and report the Triton tiles "
+        "of the flex kernels found there (which configuration this process got; "
+        "bench/flex_kernels.py)",
+    )
     parser.add_argument(
         "--only",
         type=lambda s: s.split(","),
