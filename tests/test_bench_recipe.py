@@ -5,6 +5,7 @@ stages after it do not run on its missing output."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,9 +23,14 @@ def test_a_failed_data_stage_is_not_marked_done(tmp_path: Path) -> None:
         "CALL_S": "300",
         "GEN_SETS": "--set bogus.field=1",
     }
+    # from a copy of the scripts and configs: run in the checkout, the recipe would unpack a
+    # carried target into its .carry/ (then too large to travel to the device)
+    tree = tmp_path / "tree"
+    for folder in ("bench", "configs"):
+        shutil.copytree(ROOT / folder, tree / folder)
     done = subprocess.run(
-        ["bash", str(ROOT / "bench" / "recipe_call.sh")],
-        cwd=ROOT,
+        ["bash", str(tree / "bench" / "recipe_call.sh")],
+        cwd=tree,
         env=env,
         capture_output=True,
         text=True,
