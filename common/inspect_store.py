@@ -137,8 +137,10 @@ def summarize(info: StoreInfo) -> dict[str, Any]:
 
 
 def _tf32(target: dict[str, Any]) -> str:
-    """A note when the target's float32 matmuls ran as TF32 (target.matmul_precision)."""
-    return " (TF32 matmuls)" if target.get("matmul_precision") == "high" else ""
+    """A note when the target's float32 matmuls ran as TF32 (target.matmul_precision; a
+    bf16 target's matmuls are bf16 whatever it says)."""
+    tf32 = target.get("matmul_precision") == "high" and target.get("dtype") != "bfloat16"
+    return " (TF32 matmuls)" if tf32 else ""
 
 
 def _bytes(num: float) -> str:
