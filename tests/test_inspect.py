@@ -429,3 +429,12 @@ def test_empty_or_missing_data_file_is_reported(store: Path) -> None:
     assert found[("shard-000001", "tokens")].startswith("no data file")
     assert all("re-extract" in problem for problem in found.values())
     assert invoke("verify", store).exit_code == 1
+
+
+def test_tf32_note_only_for_float32_targets_that_ran_it() -> None:
+    from common.inspect_store import _tf32
+
+    assert _tf32({"dtype": "float32", "matmul_precision": "high"}) == " (TF32 matmuls)"
+    assert _tf32({"dtype": "float32", "matmul_precision": "highest"}) == ""
+    assert _tf32({"dtype": "bfloat16", "matmul_precision": "high"}) == ""  # bf16 matmuls anyway
+    assert _tf32({"dtype": "float32"}) == ""  # stores from before the option
