@@ -78,22 +78,26 @@ def fitted_configs(
 
 
 def forward_options(q: torch.Tensor, mask_tile: tuple[int, int]) -> dict[str, Any] | None:
-    """The measured forward tiles as flex kernel_options for query `q` under a BlockMask of
-    `mask_tile` tokens, where they apply (`options_for`), else None. `install` offers the same
-    tiles; passing them also puts them in the compiled graph (and inductor's cache key), as the
-    sweep that measured them did."""
+    """The measured forward and backward tiles as flex kernel_options for query `q` under a
+    BlockMask of `mask_tile` tokens, where they apply (`options_for`), else None. `install`
+    offers the same tiles; passing them also puts them in the compiled graph (and inductor's
+    cache key), as the sweep that measured them did, and pins the backward's tiles whatever
+    candidates inductor's choices offer when autograd compiles it."""
     return options_for(q.device.type, q.dtype, q.size(-1), tuple(mask_tile))
 
 
 def options_for(
     device_type: str, dtype: torch.dtype, head_dim: int, mask_tile: tuple[int, ...]
 ) -> dict[str, Any] | None:
-    """kernel_options of the measured forward tiles: CUDA, bf16/fp16, head dim <= 128, 64-token
-    mask tiles; None elsewhere (inductor's own choices, capped by `install` on CUDA)."""
+    """kernel_options of the measured tiles (fwd_* and bwd_*): CUDA, bf16/fp16, head dim <= 128,
+    64-token mask tiles; None elsewhere (inductor's own choices, capped by `install` on CUDA)."""
     if not _measured_applies(device_type, dtype, head_dim) or mask_tile != (64, 64):
         return None
-    keys = ("BLOCK_M", "BLOCK_N", "num_stages", "num_warps")
-    return {f"fwd_{key}": value for key, value in zip(keys, FWD_TILES, strict=True)}
+    fwd_keys = ("BLOCK_M", "BLOCK_N", "num_stages", "num_warps")
+    bwd_keys = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_stages", "num_warps")
+    return {f"fwd_{key}": value for key, value in zip(fwd_keys, FWD_TILES, strict=True)} | {
+        f"bwd_{key}": value for key, value in zip(bwd_keys, BWD_TILES, strict=True)
+    }
 
 
 def install() -> None:

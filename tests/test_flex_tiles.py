@@ -83,6 +83,8 @@ def test_forward_options_only_where_measured() -> None:
     q = torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16)
     assert flex_tiles.forward_options(q, (64, 64)) is None  # the CPU: inductor's own choices
     measured = {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_stages": 3, "fwd_num_warps": 4}
+    measured |= {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32}
+    measured |= {"bwd_num_stages": 3, "bwd_num_warps": 4}
     assert flex_tiles.options_for("cuda", torch.bfloat16, 64, (64, 64)) == measured
     assert flex_tiles.options_for("cuda", torch.float16, 128, (64, 64)) == measured
     assert flex_tiles.options_for("cuda", torch.float32, 64, (64, 64)) is None  # evaluations
