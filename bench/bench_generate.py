@@ -85,7 +85,9 @@ def main() -> None:
         "near-tie argmaxes, so the text, may change)",
     )
     args = parser.parse_args()
-    torch.set_float32_matmul_precision(args.matmul_precision)
+    # the same switch as load_target's (mixing it with set_float32_matmul_precision makes
+    # torch's precision getter raise)
+    torch.backends.cuda.matmul.allow_tf32 = args.matmul_precision == "high"
     if args.attn == "sdpa_gqa_decode":  # registers it with transformers
         from stage1_generate import gqa_decode  # noqa: F401
     shape = "tiny" if args.tiny else args.shape

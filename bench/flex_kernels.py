@@ -19,23 +19,30 @@ from pathlib import Path
 from typing import Any
 
 _KERNEL = re.compile(r"^def (triton_\w*flex_attention\w*)\(", re.M)
+# where a kernel's body ends: the next top-level def or decorator, or the end of the string
+# that holds it inside inductor's output code (async_compile.triton('...', '''...'''))
+_BODY_END = re.compile(r"^(?:def |@|\S*''')", re.M)
 # the tiles and block sizes; other constexprs (scales, flags, head dims) are the problem's
 _CONSTANT = re.compile(r"^\s+((?:BLOCK|SPARSE)_\w+)\s*:\s*tl\.constexpr\s*=\s*(\d+)\s*$", re.M)
 _LAUNCH = re.compile(r"\b(num_stages|num_warps)=(\d+)")
 
 
 def kernel_tiles(source: str) -> list[dict[str, Any]]:
-    """Each flex kernel defined in one generated source file: its name, tile constants and
-    launch settings (from the decorator just above its def)."""
+    """Each flex kernel defined in one generated source file: its name, whether the graph runs
+    it ("chosen") or inductor only considered it ("candidate"), its tile constants and launch
+    settings (from the decorator just above its def)."""
     found = []
     matches = list(_KERNEL.finditer(source))
     for i, match in enumerate(matches):
-        end = matches[i + 1].start() if i + 1 < len(matches) else len(source)
-        body = source[match.end() : end]
+        end = _BODY_END.search(source, match.end())
+        body = source[match.end() : end.start() if end else len(source)]
         # the decorator sits between the previous kernel (or the file's start) and this def
         start = matches[i - 1].end() if i else 0
         decorator = source[start : match.start()].rsplit("@triton_heuristics", 1)[-1]
-        record: dict[str, Any] = {"kernel": match[1]}
+        # inductor writes a file for each candidate it considers (triton_flex_attention...);
+        # the kernels the compiled graph runs are the fused templates (triton_tem_...)
+        role = "chosen" if match[1].startswith("triton_tem_") else "candidate"
+        record: dict[str, Any] = {"kernel": match[1], "role": role}
         record.update({name: int(value) for name, value in _LAUNCH.findall(decorator)})
         record.update({name: int(value) for name, value in _CONSTANT.findall(body)})
         found.append(record)

@@ -75,10 +75,20 @@ if [ -f "$job/exit" ]; then
   echo "recipe done (exit $(cat "$job/exit"))"
   # the drafters themselves come back too (in parts under the device's 16 MiB a file): a
   # machine lost before they are evaluated again, or a figure to re-check, needs no re-run
+  # (each archive unpacks to run-NAME/export: `cat run-NAME-export.tar.part-* | tar xf -`); up
+  # to 56 MiB in all, the device returns 64 MiB and 8 files a call: one drafter of the pystd
+  # recipe is ~36 MB (3 parts); further ones are left there, named
+  budget=$(( 56 * 1024 * 1024 ))
   for export in "$WORK"/run-*/export; do
     [ -f "$export/model.safetensors" ] || continue
-    name=$(basename "$(dirname "$export")")
-    tar cf - -C "$(dirname "$export")" export | split -b 15M - "$RESULTS/$name-export.tar.part-"
+    run=$(basename "$(dirname "$export")")
+    size=$(du -sb "$export" | cut -f1)
+    if (( size > budget )); then
+      echo "$run/export ($size bytes) not returned: over what one call brings back"
+      continue
+    fi
+    budget=$(( budget - size ))
+    tar cf - -C "$WORK" "$run/export" | split -b 15M - "$RESULTS/$run-export.tar.part-"
   done
 else
   echo "still running: call again within 30 s"

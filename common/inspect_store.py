@@ -91,7 +91,9 @@ def summarize(info: StoreInfo) -> dict[str, Any]:
     stored = sum(a["stored"] for a in arrays.values())
     store_disk = disk_usage(info.path)
     target, tokenizer, dataset = attrs["target"], attrs["tokenizer"], attrs["dataset"]
-    target_cfg = attrs.get("extract_config", {}).get("target", {})
+    # how the target ran; a store converted from another trainer's files ran no target here
+    converted = "converted_from" in attrs
+    target_cfg = {} if converted else attrs.get("extract_config", {}).get("target", {})
     return {
         "store": str(info.path),
         "format": f"{attrs['format']} v{attrs['format_version']}",

@@ -61,8 +61,18 @@ _EXPLAINED = [
         },
     ),
     ("target dtype", lambda a: a["extract_config"]["target"]["dtype"]),
+    ("target.matmul_precision", lambda a: matmul_precision(a["extract_config"]["target"])),
     ("hidden_dtype", lambda a: a["hidden_dtype"]),
 ]
+
+
+def matmul_precision(target_cfg: dict[str, Any]) -> str:
+    """The float32 matmul precision a store's target ran at: "high" (TF32) only for a float32
+    target asked to (a bf16 target's matmuls are bf16 either way); stores from before the
+    option ran at "highest"."""
+    if target_cfg.get("dtype") == "float32" and target_cfg.get("matmul_precision") == "high":
+        return "high"
+    return "highest"
 
 
 # data options that came after the first stores, with the defaults that leave the key as it was
@@ -129,14 +139,9 @@ def key_parts(
     # rerunning their command still resumes them.
     if attrs["hidden_dtype"] != "bfloat16":
         parts["hidden_dtype"] = attrs["hidden_dtype"]
-    # likewise TF32 matmuls (other values, so another store) only when asked for, and only for
-    # a float32 target (a bf16 target's matmuls are the same either way)
-    target_cfg = cfg["target"]
-    if (
-        target_cfg["dtype"] == "float32"
-        and target_cfg.get("matmul_precision", "highest") != "highest"
-    ):
-        parts["matmul_precision"] = target_cfg["matmul_precision"]
+    # likewise TF32 matmuls (other values, so another store) only when they ran
+    if matmul_precision(cfg["target"]) != "highest":
+        parts["matmul_precision"] = matmul_precision(cfg["target"])
     return parts
 
 
@@ -157,6 +162,7 @@ _SET_BACK = {
     "seq_len": "packing.seq_len",
     "sequences_per_shard": "store.sequences_per_shard",
     "target dtype": "target.dtype",
+    "target.matmul_precision": "target.matmul_precision",  # configs/pystd.yaml turned it on
 }
 
 

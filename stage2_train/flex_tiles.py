@@ -81,8 +81,9 @@ def forward_options(q: torch.Tensor, mask_tile: tuple[int, int]) -> dict[str, An
     """The measured forward and backward tiles as flex kernel_options for query `q` under a
     BlockMask of `mask_tile` tokens, where they apply (`options_for`), else None. `install`
     offers the same tiles; passing them also puts them in the compiled graph (and inductor's
-    cache key), as the sweep that measured them did, and pins the backward's tiles whatever
-    candidates inductor's choices offer when autograd compiles it."""
+    cache key), as the sweep that measured them did, and set the backward's tiles on the
+    candidate that autograd's lazy compile of it keeps (inductor drops candidates whose own
+    tiles do not divide the mask's before it reads these, so `install` is still needed)."""
     return options_for(q.device.type, q.dtype, q.size(-1), tuple(mask_tile))
 
 

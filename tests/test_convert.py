@@ -288,6 +288,9 @@ def test_import_with_verifier_outputs_rebuilds_the_store(
     info, original = open_store(store), open_store(extracted)
     assert info.attrs["converted_from"]["verifier"] == "input"
     assert info.attrs["counts"] == original.attrs["counts"]
+    shown = CliRunner().invoke(cli, ["inspect", str(store)])
+    assert shown.exit_code == 0, shown.output
+    assert "run in" not in shown.output  # no target ran here: no dtype to show
     assert committed_shards(store) == committed_shards(extracted)
     for index in committed_shards(store):
         mine, theirs = shard(store, index), shard(extracted, index)

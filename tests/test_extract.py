@@ -524,6 +524,31 @@ def test_content_key_names_tf32_matmuls_only_when_on() -> None:
     assert key({**bf16, "matmul_precision": "high"}) == key(bf16)
 
 
+def test_refusal_names_the_matmul_precision_and_how_to_resume() -> None:
+    """An fp32 store written at highest (or before the option), rerun with TF32 on (as
+    configs/pystd.yaml now asks): the refusal names the setting and the --set that resumes."""
+    from stage1_extract.store_root import _explain_mismatch
+
+    packing = {"seq_len": 64, "overlong": "split"}
+    old = _key_attrs(packing, {"dtype": "float32"})
+    new = _key_attrs(packing, {"dtype": "float32", "matmul_precision": "high"})
+    for attrs in (old, new):
+        attrs |= {
+            "seq_len": 64,
+            "dataset": {
+                "path": "d",
+                "split": "train",
+                "name": None,
+                "num_rows": 3,
+                "format": "text",
+            },
+        }
+        attrs["target"] |= {"revision": None, "config": {}}
+    what, set_back = _explain_mismatch(old, new)
+    assert what == "target.matmul_precision"
+    assert set_back == ["--set target.matmul_precision=highest"]
+
+
 def test_content_key_of_next_fit_stores_is_unchanged_by_the_strategy_option() -> None:
     from stage1_extract.store_root import content_key, key_parts
 

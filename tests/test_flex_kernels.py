@@ -49,6 +49,7 @@ def test_tiles_and_launch_settings_of_each_flex_kernel() -> None:
     forward, backward = kernel_tiles(SOURCE)
     assert forward == {
         "kernel": "triton_tem_fused_flex_attention_0",
+        "role": "chosen",
         "num_stages": 3,
         "num_warps": 4,
         "BLOCK_M": 64,
@@ -59,6 +60,7 @@ def test_tiles_and_launch_settings_of_each_flex_kernel() -> None:
     # the pointwise kernel between them is not a flex kernel, and its decorator is not read
     assert backward == {
         "kernel": "triton_tem_fused_flex_attention_backward_2",
+        "role": "chosen",
         "num_stages": 2,
         "num_warps": 8,
         "BLOCK_M1": 32,
@@ -83,3 +85,27 @@ def test_cache_folder_scan_keeps_distinct_configurations(tmp_path: Path) -> None
         "triton_tem_fused_flex_attention_backward_2",
     ]
     assert sorted(k["BLOCK_M1"] for k in kernels[1:]) == [32, 64]
+
+
+def test_embedded_kernels_end_at_their_string_and_candidates_are_named() -> None:
+    """Inside inductor's output code a kernel is a string passed to async_compile.triton; a
+    later template (an mm with its own BLOCK_M) must not lend it constants."""
+    wrapper = (
+        "triton_a = async_compile.triton('triton_flex_attention', '''\n"
+        "@triton_heuristics.template(\n    num_stages=3,\n    num_warps=4,\n)\n"
+        "@triton.jit\n"
+        "def triton_flex_attention(arg_Q):\n    BLOCK_M : tl.constexpr = 64\n"
+        "''', device_str='cuda')\n"
+        "triton_b = async_compile.triton('triton_tem_fused_mm_1', '''\n"
+        "@triton.jit\n"
+        "def triton_tem_fused_mm_1(arg_A):\n    BLOCK_K : tl.constexpr = 128\n"
+        "''', device_str='cuda')\n"
+    )
+    (kernel,) = kernel_tiles(wrapper)
+    assert kernel == {
+        "kernel": "triton_flex_attention",
+        "role": "candidate",
+        "num_stages": 3,
+        "num_warps": 4,
+        "BLOCK_M": 64,
+    }
