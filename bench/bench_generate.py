@@ -81,8 +81,8 @@ def main() -> None:
         "--matmul-precision",
         choices=["highest", "high"],
         default="highest",
-        help="torch.set_float32_matmul_precision: high lets fp32 matmuls run as TF32 (faster; "
-        "near-tie argmaxes, so the text, may change)",
+        help="high lets fp32 matmuls run as TF32 (faster; near-tie argmaxes, so the text, may "
+        "change); the CUDA flag load_target sets for target.matmul_precision",
     )
     args = parser.parse_args()
     # the same switch as load_target's (mixing it with set_float32_matmul_precision makes

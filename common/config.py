@@ -222,3 +222,10 @@ def _type_text(tp: Any) -> str:
     if origin is list and args and typing.get_origin(args[0]) is typing.Literal:
         return f"list of: {', '.join(map(str, typing.get_args(args[0])))}; "
     return getattr(tp, "__name__", str(tp)).replace("typing.", "") + ", "
+
+
+def runs_tf32(dtype: str | None, matmul_precision: str | None) -> bool:
+    """Whether a target's matmuls run as TF32 (`target.matmul_precision`): only a float32 target
+    asked to ("high"); a bf16 target's matmuls are bf16 either way, and records from before the
+    option (no value) ran at "highest". Generate, extract, their keys and inspect share it."""
+    return dtype == "float32" and matmul_precision == "high"

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import zarr
 
+from common.config import runs_tf32
 from common.inspect_verify import run_verify
 from common.store import (
     SHARD_ATTR,
@@ -141,7 +142,7 @@ def summarize(info: StoreInfo) -> dict[str, Any]:
 def _tf32(target: dict[str, Any]) -> str:
     """A note when the target's float32 matmuls ran as TF32 (target.matmul_precision; a
     bf16 target's matmuls are bf16 whatever it says)."""
-    tf32 = target.get("matmul_precision") == "high" and target.get("dtype") != "bfloat16"
+    tf32 = runs_tf32(target.get("dtype"), target.get("matmul_precision"))
     return " (TF32 matmuls)" if tf32 else ""
 
 

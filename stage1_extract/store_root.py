@@ -26,6 +26,7 @@ from typing import Any
 
 import zarr
 
+from common.config import runs_tf32
 from common.locks import exclusive_lock
 from common.logging import get_logger
 from common.store import (
@@ -70,9 +71,8 @@ def matmul_precision(target_cfg: dict[str, Any]) -> str:
     """The float32 matmul precision a store's target ran at: "high" (TF32) only for a float32
     target asked to (a bf16 target's matmuls are bf16 either way); stores from before the
     option ran at "highest"."""
-    if target_cfg.get("dtype") == "float32" and target_cfg.get("matmul_precision") == "high":
-        return "high"
-    return "highest"
+    tf32 = runs_tf32(target_cfg.get("dtype"), target_cfg.get("matmul_precision"))
+    return "high" if tf32 else "highest"
 
 
 # data options that came after the first stores, with the defaults that leave the key as it was

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from common.config import runs_tf32
 from common.store import quantize_fp8
 from stage1_extract.config import TargetConfig
 from stage1_extract.head_stats import head_chunk_stats
@@ -109,8 +110,9 @@ def load_target(
     """The causal LM in eval mode on `device`, or spread over `devices` when cfg.device_map."""
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
     # process-wide, and only the target runs in a generate or extract process; the CUDA flag
-    # alone (set_float32_matmul_precision would also change oneDNN's CPU matmuls)
-    torch.backends.cuda.matmul.allow_tf32 = cfg.matmul_precision == "high"
+    # alone (set_float32_matmul_precision would also change oneDNN's CPU matmuls), and only
+    # where the keys and provenance record it (runs_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = runs_tf32(cfg.dtype, cfg.matmul_precision)
     kwargs: dict[str, Any] = dict(
         revision=cfg.revision,
         dtype=dtype,

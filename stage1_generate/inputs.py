@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import datasets
 from transformers import PreTrainedTokenizerBase
 
-from common.config import to_dict
+from common.config import runs_tf32, to_dict
 from common.generated import FORMAT, VERSION
 from stage1_extract.data import detect_format, load_raw_dataset
 from stage1_extract.fingerprints import weights_fingerprint
@@ -65,11 +65,7 @@ def build_manifest(cfg: GenerateConfig, raw: datasets.Dataset, fmt: str) -> dict
     }
     # TF32 matmuls can turn near ties (other rows; a bf16 target's are the same either way);
     # named only when on, so the keys of datasets generated before the option existed stay
-    if (
-        backend == "local"
-        and cfg.target.dtype == "float32"
-        and cfg.target.matmul_precision != "highest"
-    ):
+    if backend == "local" and runs_tf32(cfg.target.dtype, cfg.target.matmul_precision):
         target["matmul_precision"] = cfg.target.matmul_precision
     content = {
         "target": target,
