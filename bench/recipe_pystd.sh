@@ -226,12 +226,16 @@ if [ -z "${VARIANTS:-}" ]; then
   variant recipe "${TRAIN_GPUS[0]}" "$@"
 else
   IFS=';' read -ra specs <<< "$VARIANTS"
+  variant_pids=()
   for k in "${!specs[@]}"; do
     spec=${specs[$k]}
     # shellcheck disable=SC2086
     variant "${spec%%|*}" "${TRAIN_GPUS[$(( k % ${#TRAIN_GPUS[@]} ))]}" ${spec#*|} &
+    variant_pids+=($!)
   done
-  wait
+  # the variants by pid: a bare `wait` would also reap the diagnostics job, whose own wait
+  # below then fails ("not a child of this shell")
+  wait "${variant_pids[@]}"
 fi
 if [ -n "${diagnostics_pid:-}" ]; then
   wait "$diagnostics_pid"

@@ -89,3 +89,37 @@ def test_recipe_background_follow_up_on_a_fresh_machine_says_so(tmp_path: Path) 
     assert done.returncode == 4, (done.stdout, done.stderr)
     assert "fresh one" in done.stdout and "start over" in done.stdout
     assert not (tmp_path / "work" / "background" / "pid").exists()
+
+
+def test_recipe_variants_run_and_the_diagnostics_wait_finds_its_job(tmp_path: Path) -> None:
+    """Side-by-side variants (VARIANTS) each get a stage time, and the script's wait for the
+    store diagnostics finds that job: a bare `wait` for the variants used to reap it first, and
+    bash then printed "not a child of this shell". The stages' commands are stubbed: this is
+    the script's own control flow."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "dflash").write_text("#!/bin/bash\nsleep 0.5\n")
+    (shim / "dflash").chmod(0o755)
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT / "bench", tree / "bench")
+    out = tmp_path / "results"
+    env = {
+        **os.environ,
+        "PATH": f"{shim}{os.pathsep}{os.environ['PATH']}",
+        "WORK": str(tmp_path / "work"),
+        "OUT": str(out),
+        "STAGES": "extract,train",
+        "VARIANTS": "a|--set x=1;b|--set x=2",
+    }
+    done = subprocess.run(
+        ["bash", "bench/recipe_pystd.sh"],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "not a child" not in done.stdout + done.stderr
+    timings = (out / "timings.txt").read_text()
+    assert '"a-train_s"' in timings and '"b-train_s"' in timings, timings
