@@ -283,6 +283,7 @@ def main() -> None:
             "dtype": bench.cfg.run.dtype,
             "head_chunk_tokens": bench.cfg.loss.head_chunk_tokens,
             "compile_chunks": bench.cfg.loss.compile_chunks,
+            "cuda_graphs": bench.cfg.run.cuda_graphs,  # the compiled layers' phase only
             "device": torch.cuda.get_device_name(0) if bench.device.type == "cuda" else "cpu",
             "torch": torch.__version__,
             "not_scoped": missing,
@@ -295,7 +296,7 @@ def main() -> None:
     for compiled in phases:
         try:
             if compiled:
-                bench.model.compile_layers()
+                bench.model.compile_layers(cuda_graphs=bench.cfg.run.cuda_graphs)
             steps[compiled] = bench.measure(args, compiled)
             emit(steps[compiled])
             if args.profile_steps > 0:  # 0: timings only

@@ -6,6 +6,7 @@
 # the call that sees it finish prints "recipe done". Make each call within 30 s of the last
 # (a warm machine keeps /tmp only then).
 #   CALL_S=570 VARIANTS="recipe|--set run.checkpoint_every=500" bash bench/recipe_background.sh
+# AFTER="command" on a follow-up call runs it in that call's time left once the recipe is done.
 # If the machine stopped the job between calls, the call says "job gone" and exits 3: every
 # stage resumes, so go on with bench/recipe_call.sh and the same settings and $WORK. A
 # follow-up call that finds a fresh machine (no job, no .carry carried) says so and exits 4.
@@ -63,6 +64,23 @@ while [ ! -f "$job/exit" ] && (( $(date +%s) < started + CALL_S - 30 )); do
   sleep 5
 done
 tail -5 "$job/recipe.log"
+# AFTER (a command): run once the recipe is done, in the same call, while the machine is warm
+# and the GPU free (the recipe's last call ended 156 s before its CALL_S in the twenty-second
+# session): a short benchmark for the slack. It writes under $OUT (its results come back in
+# this call's archive, results/after/) and is cut 45 s before the call's end; it needs 60 s.
+if [ -f "$job/exit" ] && [ -n "${AFTER:-}" ] && [ ! -f "$job/after-ran" ]; then
+  left=$(( started + CALL_S - 45 - $(date +%s) ))
+  if (( left >= 60 )); then
+    touch "$job/after-ran"
+    mkdir -p "$job/results/after"
+    t=$(date +%s)
+    OUT="$job/results/after" timeout -k 5 "$left" bash -c "$AFTER" \
+      > "$job/results/after/after.log" 2>&1
+    echo "after the recipe: exit $? in $(( $(date +%s) - t )) s of $left (results/after/)"
+  else
+    echo "after the recipe: not run, $left s left in this call (it needs 60)"
+  fi
+fi
 nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv > "$job/results/nvidia-smi.csv" 2>&1
 df -h "$WORK" > "$job/results/df.txt" 2>&1
 # the host's memory and its largest processes when the call ends: the machine went between

@@ -227,6 +227,14 @@ class TrainRunConfig:
         "GPUs (with loss.compile_chunks 1.54x the step at the pystd shape, BENCHMARKS.md), off "
         "on the CPU",
     )
+    cuda_graphs: bool = doc(
+        False,
+        "with run.compile_layers: compile the layers in torch.compile's reduce-overhead mode, "
+        "whose graphs replay as CUDA graphs (fewer kernel launches on the host; the step is "
+        "~90% GPU-busy at the pystd shape, so at most ~10%); the flex attention region and the "
+        "loss chunks stay as they are; no effect on the CPU; speed not yet measured on a GPU "
+        "(bench/profile_train_step.py --set run.cuda_graphs=true)",
+    )
     fp8_linear: Literal["tensorwise", "rowwise"] | None = doc(
         None,
         "fp8 matmuls in the drafter's linear layers (torchao float8 training, pip install "
@@ -289,6 +297,11 @@ class TrainRunConfig:
             out.append(f"gc_every must be >= 0 (0: CPython's own schedule), got {self.gc_every}")
         if len(set(self.report_to)) != len(self.report_to):
             out.append(f"report_to lists a tracker twice: {self.report_to}")
+        if self.cuda_graphs and self.compile_layers is False:
+            out.append(
+                "cuda_graphs replays the compiled layers: it needs compile_layers (set "
+                "run.compile_layers=true, or leave it null: on for GPUs)"
+            )
         return out
 
 

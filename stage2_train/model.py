@@ -279,14 +279,18 @@ class DFlashDrafter(nn.Module):
             x_QD = layer(x_QD, context_TD, rope, attention)
         return self.norm(x_QD)
 
-    def compile_layers(self) -> None:
+    def compile_layers(self, cuda_graphs: bool = False) -> None:
         """torch.compile each decoder layer (fixed shapes); attention stays its own region.
 
         block_attention is behind torch.compiler.disable, so a layer compiles to two graphs
         (before and after attention), shared by all layers, and flex keeps its own graph.
+        `cuda_graphs` compiles them in reduce-overhead mode: on a GPU each graph (forward and
+        backward) replays as a CUDA graph, recorded once per layer (the parameters are static
+        inputs); a training loop marks each step's start (`mark_cuda_graph_step`).
         """
+        mode = "reduce-overhead" if cuda_graphs else None
         for layer in self.layers:
-            layer.compile(dynamic=False)
+            layer.compile(dynamic=False, mode=mode)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

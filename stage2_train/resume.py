@@ -51,6 +51,7 @@ FREE_ON_RESUME = (
     "run.time_limit_s",  # each job of a run gets its own wall-clock limit
     "run.compile_attention",
     "run.compile_layers",
+    "run.cuda_graphs",  # how the compiled layers' kernels are launched, not what they compute
     "run.pack_heads",  # the same attention with its rows in another order (as compile_layers)
     "run.allow_config_change",
     "run.report_to",

@@ -123,7 +123,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         convert_to_fp8(model, cfg.run.fp8_linear, device, tokens)
         served = plain_twin(model)
     if cfg.run.compile_layers:  # Module.compile keeps the parameter names (no _orig_mod.)
-        model.compile_layers()
+        model.compile_layers(cuda_graphs=cfg.run.cuda_graphs)
     ddp = model
     if ctx.world_size > 1:
         ddp = torch.nn.parallel.DistributedDataParallel(

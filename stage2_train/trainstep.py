@@ -74,6 +74,9 @@ class StepRunner:
         self.model, self.ddp, self.head, self.cfg = model, ddp, head, cfg
         self.slot_weights_B, self.backend, self.device = slot_weights_B, backend, device
         self.heads_per_group = packed_heads_per_group(cfg, model.shape, backend)
+        self.cuda_graphs = bool(
+            cfg.run.cuda_graphs and cfg.run.compile_layers and device.type == "cuda"
+        )
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optim, device)
@@ -102,6 +105,10 @@ class StepRunner:
         `while_running` is called once every kernel of the step is queued: work for the host
         that overlaps the step, like fetching the next batches (prefetch.DevicePrefetcher)."""
         started = time.perf_counter()
+        if self.cuda_graphs:
+            # a new step for the CUDA graphs' memory pool: the last step's graph outputs are
+            # dead, so their memory may be reused (an evaluation between steps may have run)
+            torch.compiler.cudagraph_mark_step_begin()
         B = self.cfg.drafter.block_size
         batches = [b.to(self.device) for b in micro_batches]
         weights = [b.weights_AB * self.slot_weights_B[None] for b in batches]

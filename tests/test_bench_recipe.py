@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,3 +124,42 @@ def test_recipe_variants_run_and_the_diagnostics_wait_finds_its_job(tmp_path: Pa
     assert "not a child" not in done.stdout + done.stderr
     timings = (out / "timings.txt").read_text()
     assert '"a-train_s"' in timings and '"b-train_s"' in timings, timings
+
+
+def test_recipe_background_runs_after_once_the_recipe_is_done(tmp_path: Path) -> None:
+    """AFTER runs in the call that finds the recipe done, writes under its own $OUT, comes back
+    in that call's archive, and runs once: a later call does not repeat it."""
+    work, results = tmp_path / "work", tmp_path / "results"
+    job = work / "background"
+    (job / "results").mkdir(parents=True)
+    (job / "pid").write_text("999999\n")  # finished: the exit file below says so
+    (job / "exit").write_text("0\n")
+    (job / "recipe.log").write_text("recipe log\n")
+    env = {
+        **os.environ,
+        "WORK": str(work),
+        "OUT": str(results),
+        "CALL_S": "110",
+        "AFTER": 'echo measured > "$OUT/figure.txt"',
+    }
+
+    def call() -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["bash", str(ROOT / "bench" / "recipe_background.sh")],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    first = call()
+    assert first.returncode == 0, (first.stdout, first.stderr)
+    assert "after the recipe: exit 0" in first.stdout and "recipe done" in first.stdout
+    (archive,) = results.glob("call-*.tgz")
+    with tarfile.open(archive) as tar:
+        member = tar.extractfile("results/after/figure.txt")
+        assert member is not None and member.read() == b"measured\n"
+    archive.unlink()
+    second = call()
+    assert second.returncode == 0 and "after the recipe" not in second.stdout, second.stdout

@@ -165,3 +165,16 @@ def test_null_compiles_on_a_gpu_only() -> None:
     for on_gpu in (True, False):
         kept = with_compile_defaults(chosen, on_gpu=on_gpu)
         assert (kept.run.compile_layers, kept.loss.compile_chunks) == (False, True)
+
+
+def test_cuda_graphs_need_the_compiled_layers() -> None:
+    """run.cuda_graphs with run.compile_layers=false is refused with the fix; null (on for
+    GPUs) is accepted; switching it on resume is free (how kernels launch, not what they do)."""
+    base = ["run.out=x", "data.store=s", "run.cuda_graphs=true"]
+    with pytest.raises(ValueError, match="run.compile_layers=true"):
+        build_config(TrainConfig, DEBUG, "train", [*base, "run.compile_layers=false"])
+    assert build_config(TrainConfig, DEBUG, "train", base).run.cuda_graphs
+    saved = dataclasses.asdict(TrainConfig())
+    current = dataclasses.asdict(TrainConfig())
+    current["run"]["cuda_graphs"] = True
+    assert config_changes(saved, current) == ([], [])

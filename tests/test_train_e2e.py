@@ -364,10 +364,19 @@ def test_dpace_weighting_trains(store: Path, tmp_path: Path) -> None:
     assert sum(rows[-1]["acc"]) > sum(rows[0]["acc"]) + 1.0
 
 
-def test_compiled_layers_train_like_eager(store: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_compiled_layers_train_like_eager(store: Path, tmp_path: Path, cuda_graphs: bool) -> None:
+    """run.cuda_graphs compiles the layers in reduce-overhead mode: on the CPU (no CUDA graphs
+    to replay) the same training as eager, through the same plumbing a GPU run takes."""
     sets = ["optim.max_steps=4", "run.eval_every=0", "data.holdout_sequences=2"]
     eager = train(store, tmp_path / "eager", *sets)
-    compiled = train(store, tmp_path / "compiled", *sets, "run.compile_layers=true")
+    compiled = train(
+        store,
+        tmp_path / "compiled",
+        *sets,
+        "run.compile_layers=true",
+        f"run.cuda_graphs={str(cuda_graphs).lower()}",
+    )
     for a, b in zip(eager, compiled, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (a["loss"], b["loss"])
     names = torch.load(tmp_path / "compiled" / "step-000004" / "model.pt", weights_only=True)
