@@ -38,7 +38,7 @@ from flex_variants import VARIANTS
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
-from stage2_train.attention import block_attention
+from stage2_train.attention import block_attention, tokens_major
 from stage2_train.masks import anchor_block_mask, anchor_block_mask_mod, context_intervals
 
 HQ, HKV, E, CTX, B, A, NUM_DOCS = 32, 8, 128, 8192, 16, 128, 8
@@ -88,11 +88,14 @@ def inputs(dev: str, dtype: torch.dtype = torch.bfloat16) -> tuple:
     for c in cuts.tolist():
         doc_S[c:] += 1
     anchors_A = torch.sort(torch.randperm(CTX - B, generator=gen)[:A] + 1).values
-    mk = dict(device=dev, dtype=dtype, requires_grad=True)
-    q = torch.randn(1, HQ, Q, E, **mk)
-    k = torch.randn(1, HKV, KV, E, **mk)
-    v = torch.randn(1, HKV, KV, E, **mk)
-    grad = torch.randn(1, HQ, Q, E, device=dev, dtype=dtype)
+
+    def rand(*shape: int) -> torch.Tensor:  # in the layout the drafter's layers feed flex
+        return tokens_major(torch.randn(*shape, device=dev, dtype=dtype))
+
+    q = rand(1, HQ, Q, E).requires_grad_()
+    k = rand(1, HKV, KV, E).requires_grad_()
+    v = rand(1, HKV, KV, E).requires_grad_()
+    grad = rand(1, HQ, Q, E)
     return anchors_A.to(dev), doc_S.to(dev), q, k, v, grad
 
 

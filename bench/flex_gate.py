@@ -37,7 +37,7 @@ from flex_check import Problem, reference, rel_err  # bench/ is on sys.path
 from torch.nn.attention.flex_attention import BlockMask
 
 from stage2_train import flex_tiles
-from stage2_train.attention import block_attention
+from stage2_train.attention import block_attention, tokens_major
 from stage2_train.mask_widths import narrow_widths
 from stage2_train.masks import (
     TILE,
@@ -88,14 +88,14 @@ def _problem(
     lo_A, hi_A = context_intervals(anchors_A.to(device), docs_S.to(device))
     kv = CTX + A * B
 
-    def leaf(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g).to(device, dtype).requires_grad_()
+    def leaf(*shape: int) -> torch.Tensor:  # in the layout the drafter's layers feed flex
+        return tokens_major(torch.randn(*shape, generator=g).to(device, dtype)).requires_grad_()
 
     return Problem(
         q=leaf(1, HQ, A * B, E),
         k=leaf(1, HKV, kv, E),
         v=leaf(1, HKV, kv, E),
-        grad=torch.randn(1, HQ, A * B, E, generator=g).to(device, dtype),
+        grad=tokens_major(torch.randn(1, HQ, A * B, E, generator=g).to(device, dtype)),
         ctx_lo_A=lo_A,
         ctx_hi_A=hi_A,
         context_len=CTX,

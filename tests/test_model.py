@@ -14,7 +14,12 @@ import torch
 from torch._dynamo.utils import counters
 
 from stage2_train.anchors import block_positions, pad_anchors
-from stage2_train.attention import BlockAttention, block_attention, dense_sdpa_attention
+from stage2_train.attention import (
+    BlockAttention,
+    block_attention,
+    dense_sdpa_attention,
+    tokens_major,
+)
 from stage2_train.config import DrafterConfig
 from stage2_train.masks import MaskTables, anchor_mask_tables, context_intervals
 from stage2_train.model import (
@@ -262,6 +267,40 @@ def test_tables_from_the_loader_give_the_same_outputs(compiled_once) -> None:
             run(model, b, "sdpa", tables), run(model, b, "sdpa"), rtol=0, atol=0
         )
     assert counters["stats"]["unique_graphs"] == before, "the loader's tables recompiled"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "mixed"])
+def test_layers_hand_attention_tokens_major_views(dtype: str) -> None:
+    """The q, k and v a layer passes to the attention are already in the layout flex is fed
+    (`tokens_major`: [N, heads, E] rows, viewed [1, H, N, E]), so it copies none of them, under
+    autocast too; a [1, H, N, E]-contiguous tensor is copied once into that layout, same
+    values."""
+    model, b = make_model(), make_batch()
+    seen = []
+
+    def recording(q, k, v):
+        seen.extend((q, k, v))
+        return dense_sdpa_attention(q, k, v, dense.mask_1QK)
+
+    dense = BlockAttention(b["anchors"], b["docs"], BSZ, backend="sdpa")
+    ids_AB = build_block_inputs(b["anchors"], b["tokens"], BSZ, MASK_ID)
+    autocast = torch.autocast("cpu", torch.bfloat16, enabled=dtype == "mixed")
+    with torch.no_grad(), autocast:
+        model(
+            b["features"],
+            b["embed"][ids_AB.flatten()],
+            b["pos"],
+            block_positions(b["anchors"], b["pos"], BSZ),
+            recording,
+        )
+    assert len(seen) == 3 * len(model.layers)
+    for x in seen:
+        fed = tokens_major(x)
+        assert fed.data_ptr() == x.data_ptr() and fed.stride()[1:] == x.stride()[1:], x.stride()
+    plain = torch.randn(1, 4, 96, 8)
+    fed = tokens_major(plain)
+    assert fed.transpose(1, 2).is_contiguous() and torch.equal(fed, plain)
+    assert fed.stride() == tokens_major(seen[0][:, :4, :96, :8].clone()).stride()
 
 
 def test_flex_refuses_to_run_unfused(compiled_once) -> None:
