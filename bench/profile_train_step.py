@@ -45,6 +45,7 @@ import torch
 from bench_train import MATRIX_RATE, model_flops  # bench/ is on sys.path: scripts run as bench/x.py
 from profile_events import breakdown, instrument
 from synthetic_batches import SHAPES, synthetic_batches
+from torch._dynamo.utils import counters
 
 from common.config import build_config
 from stage2_train.anchors import training_slot_weights
@@ -203,6 +204,9 @@ class Bench:
         }
         if self.device.type == "cuda":
             record["peak_gpu_GB"] = round(torch.cuda.max_memory_allocated(self.device) / 1e9, 2)
+        if compiled_layers and self.cfg.run.cuda_graphs:
+            # graphs inductor declined to replay as CUDA graphs (it logs why; 0 = all replayed)
+            record["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
         # the same steps with each one's metrics read after the next is queued
         late_s = self.steps_read_late(args.steps)
         record["read_late_step_ms"] = round(late_s * 1e3, 2)
