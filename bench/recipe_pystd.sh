@@ -175,12 +175,18 @@ variant() {  # $1 = name, $2 = GPU, the rest: train --set arguments
     # figures, tau is not affected.
     # --no-stop-at-eos: the 12-prompt figure as every session measured it (the shared harness
     # decodes 128 tokens past a reply's end; dev prompt 9's reply is the end of file alone)
+    # (waited for by pid: a bare `wait` would also reap the store diagnostics' job, whose own
+    # wait at the end then fails with "not a child of this shell")
+    local evaluations=()
     dflash evaluate --target $M --drafter "$WORK/run-$name/export" --data .carry/dev.jsonl.gz \
       --no-stop-at-eos --device "$eval_device" > "$OUT/$name-acceptance.json" 2> "$OUT/$name-evaluate.log" &
+    evaluations+=($!)
     dflash evaluate-offline --drafter "$WORK/run-$name/export" --store "$WORK/dev-store" \
       --device "$eval_device" --json-out "$OUT/$name-offline-dev.json" > /dev/null 2>&1 &
+    evaluations+=($!)
     dflash evaluate-offline --drafter "$WORK/run-$name/export" --store "$WORK/dev-all-store" \
       --device "$eval_device" --json-out "$OUT/$name-offline-dev-all.json" > /dev/null 2>&1 &
+    evaluations+=($!)
     # run.export_best: the peak of the dev chained tau, when it came before the last step
     local best="$WORK/run-$name/export-best"
     if [ -f "$best/best.json" ] && ! cmp -s "$best/model.safetensors" \
@@ -189,8 +195,9 @@ variant() {  # $1 = name, $2 = GPU, the rest: train --set arguments
       dflash evaluate --target $M --drafter "$best" --data .carry/dev.jsonl.gz \
         --no-stop-at-eos --device "$eval_device" > "$OUT/$name-best-acceptance.json" \
         2> "$OUT/$name-best-evaluate.log" &
+      evaluations+=($!)
     fi
-    wait
+    wait "${evaluations[@]}"
     stamp "$name-evaluate" "$t"
     python3 - "$OUT" "$name" <<'EOF'
 import json, sys

@@ -88,28 +88,33 @@ def tokens_major(x_1HNE: Tensor) -> Tensor:
     layer's q/k/v need no transposing copies (24 a step at 8 layers, 2.0 ms of the pystd
     step's 69 ms while they were made contiguous here) and its output reshapes for o_proj
     without one."""
+    assert x_1HNE.size(0) == 1, x_1HNE.shape  # one packed sequence
     if not x_1HNE.transpose(1, 2).is_contiguous():
         x_1HNE = x_1HNE.transpose(1, 2).contiguous().transpose(1, 2)
-    # one stride for the size-1 batch dimension too (Dynamo's guards compare it): a view
-    return x_1HNE[0][None]
+    # one stride for the size-1 batch dimension too (Dynamo's guards compare it), by views
+    # whose backward is views too (indexing [0] would zero-fill and copy every gradient)
+    return x_1HNE.squeeze(0).unsqueeze(0)
 
 
 def pack_heads(x_1HQE: Tensor, groups: int) -> Tensor:
     """Query heads folded into rows per key/value group: [1,H,Q,E] -> [1,G,Q*R,E] with R = H/G
     and row q*R + r holding query q of the group's head r (head g*R + r, as GQA maps heads), so
-    the R rows of one query are adjacent and an anchor block of B queries is B*R rows."""
+    the R rows of one query are adjacent and an anchor block of B queries is B*R rows. Written
+    tokens-major ([Q*R, G, E] in memory, `tokens_major`): one copy, none in block_attention."""
     _, heads, q_len, dim = x_1HQE.shape
     per_group = heads // groups
-    grouped = x_1HQE.reshape(1, groups, per_group, q_len, dim).transpose(2, 3)
-    return grouped.reshape(1, groups, q_len * per_group, dim)
+    rows_1QRGE = x_1HQE.reshape(1, groups, per_group, q_len, dim).permute(0, 3, 2, 1, 4)
+    return rows_1QRGE.reshape(1, q_len * per_group, groups, dim).transpose(1, 2)
 
 
 def unpack_heads(x_1GPE: Tensor, heads: int) -> Tensor:
-    """pack_heads undone: [1,G,Q*R,E] -> [1,H,Q,E]."""
+    """pack_heads undone: [1,G,Q*R,E] -> [1,H,Q,E], written tokens-major ([Q, H, E] in memory,
+    as the layers' o_proj reads it)."""
     _, groups, rows, dim = x_1GPE.shape
     per_group = heads // groups
-    grouped = x_1GPE.reshape(1, groups, rows // per_group, per_group, dim).transpose(2, 3)
-    return grouped.reshape(1, heads, rows // per_group, dim)
+    q_len = rows // per_group
+    rows_1QGRE = x_1GPE.reshape(1, groups, q_len, per_group, dim).permute(0, 2, 1, 3, 4)
+    return rows_1QGRE.reshape(1, q_len, heads, dim).transpose(1, 2)
 
 
 def dense_sdpa_attention(

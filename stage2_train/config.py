@@ -232,7 +232,9 @@ class TrainRunConfig:
         "with run.compile_layers: compile the layers in torch.compile's reduce-overhead mode, "
         "whose graphs replay as CUDA graphs (fewer kernel launches on the host; the step is "
         "~90% GPU-busy at the pystd shape, so at most ~10%); the flex attention region and the "
-        "loss chunks stay as they are; no effect on the CPU; speed not yet measured on a GPU "
+        "loss chunks stay as they are; inputs the graphs do not own (each layer's context "
+        "features, RoPE tables, the attention's output) are copied into their buffers at every "
+        "replay; no effect on the CPU; speed not yet measured on a GPU "
         "(bench/profile_train_step.py --set run.cuda_graphs=true)",
     )
     fp8_linear: Literal["tensorwise", "rowwise"] | None = doc(

@@ -285,8 +285,10 @@ class DFlashDrafter(nn.Module):
         block_attention is behind torch.compiler.disable, so a layer compiles to two graphs
         (before and after attention), shared by all layers, and flex keeps its own graph.
         `cuda_graphs` compiles them in reduce-overhead mode: on a GPU each graph (forward and
-        backward) replays as a CUDA graph, recorded once per layer (the parameters are static
-        inputs); a training loop marks each step's start (`mark_cuda_graph_step`).
+        backward) replays as a CUDA graph, recorded for every place it runs in a step (each
+        layer and micro-batch, forward and backward; evaluations record their own), the
+        parameters being static inputs; the training step marks each step's start
+        (`torch.compiler.cudagraph_mark_step_begin` in `StepRunner.queue`).
         """
         mode = "reduce-overhead" if cuda_graphs else None
         for layer in self.layers:

@@ -11,6 +11,8 @@ import sys
 import tarfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -92,11 +94,14 @@ def test_recipe_background_follow_up_on_a_fresh_machine_says_so(tmp_path: Path) 
     assert not (tmp_path / "work" / "background" / "pid").exists()
 
 
-def test_recipe_variants_run_and_the_diagnostics_wait_finds_its_job(tmp_path: Path) -> None:
-    """Side-by-side variants (VARIANTS) each get a stage time, and the script's wait for the
-    store diagnostics finds that job: a bare `wait` for the variants used to reap it first, and
-    bash then printed "not a child of this shell". The stages' commands are stubbed: this is
-    the script's own control flow."""
+@pytest.mark.parametrize("variants", ["a|--set x=1;b|--set x=2", ""])
+def test_recipe_variants_run_and_the_diagnostics_wait_finds_its_job(
+    tmp_path: Path, variants: str
+) -> None:
+    """Side-by-side variants (VARIANTS) or the recipe alone each get a stage time, and the
+    script's wait for the store diagnostics finds that job: a bare `wait` for the variants or
+    for the evaluations used to reap it first, and bash then printed "not a child of this
+    shell". The stages' commands are stubbed: this is the script's own control flow."""
     shim = tmp_path / "shim"
     shim.mkdir()
     (shim / "dflash").write_text("#!/bin/bash\nsleep 0.5\n")
@@ -109,8 +114,8 @@ def test_recipe_variants_run_and_the_diagnostics_wait_finds_its_job(tmp_path: Pa
         "PATH": f"{shim}{os.pathsep}{os.environ['PATH']}",
         "WORK": str(tmp_path / "work"),
         "OUT": str(out),
-        "STAGES": "extract,train",
-        "VARIANTS": "a|--set x=1;b|--set x=2",
+        "STAGES": "extract,train,evaluate",
+        "VARIANTS": variants,
     }
     done = subprocess.run(
         ["bash", "bench/recipe_pystd.sh"],
@@ -123,7 +128,8 @@ def test_recipe_variants_run_and_the_diagnostics_wait_finds_its_job(tmp_path: Pa
     assert done.returncode == 0, done.stdout + done.stderr
     assert "not a child" not in done.stdout + done.stderr
     timings = (out / "timings.txt").read_text()
-    assert '"a-train_s"' in timings and '"b-train_s"' in timings, timings
+    for name in ("a", "b") if variants else ("recipe",):
+        assert f'"{name}-train_s"' in timings and f'"{name}-evaluate_s"' in timings, timings
 
 
 def test_recipe_background_runs_after_once_the_recipe_is_done(tmp_path: Path) -> None:

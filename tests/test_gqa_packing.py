@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from test_masks import _items
 from torch.nn.attention.flex_attention import create_mask
 
-from stage2_train.attention import BlockAttention, pack_heads, unpack_heads
+from stage2_train.attention import BlockAttention, pack_heads, tokens_major, unpack_heads
 from stage2_train.batch import collate
 from stage2_train.masks import TILE, anchor_block_mask_mod, context_intervals
 
@@ -50,6 +50,13 @@ def test_pack_heads_layout() -> None:
             for r in range(3):
                 assert packed[0, g, q * 3 + r, 0] == x[0, g * 3 + r, q, 0]
     assert torch.equal(unpack_heads(packed, heads=6), x)
+    # both written tokens-major, so block_attention and o_proj's reshape copy neither again
+    for tokens_major_x in (x, x.transpose(1, 2).contiguous().transpose(1, 2)):
+        packed = pack_heads(tokens_major_x, groups=2)
+        assert tokens_major(packed).data_ptr() == packed.data_ptr()
+        unpacked = unpack_heads(packed, heads=6)
+        assert tokens_major(unpacked).data_ptr() == unpacked.data_ptr()
+        assert torch.equal(unpacked, x)
 
 
 @pytest.mark.parametrize(("heads", "groups"), [(4, 2), (6, 2), (8, 2)])

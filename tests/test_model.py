@@ -303,6 +303,43 @@ def test_layers_hand_attention_tokens_major_views(dtype: str) -> None:
     assert fed.stride() == tokens_major(seen[0][:, :4, :96, :8].clone()).stride()
 
 
+def test_block_attention_feeds_flex_uncopied(monkeypatch: pytest.MonkeyPatch) -> None:
+    """block_attention hands tokens-major q/k/v (the layers' layout) to the compiled flex
+    region as they are (no copy forward, views only backward: no zero-filled gradient), and
+    anything else converted once, with the same values."""
+    import stage2_train.attention as attention_module
+
+    b = make_batch()
+    flex = BlockAttention(b["anchors"], b["docs"], BSZ, backend="flex")
+    assert flex.block_mask is not None
+    fed = []
+    monkeypatch.setattr(
+        attention_module, "_compiled_flex_region", lambda q, k, v, mask: fed.extend((q, k, v)) or q
+    )
+    n_q, n_kv = flex.num_queries, flex.context_len + flex.num_queries
+    leaves = [
+        torch.randn(n, heads, 8).requires_grad_() for n, heads in ((n_q, 4), (n_kv, 2), (n_kv, 2))
+    ]
+    views = [x.transpose(0, 1)[None] for x in leaves]
+    block_attention(*views, flex.block_mask).sum().backward()
+    for view, x in zip(views, fed, strict=True):
+        assert x.data_ptr() == view.data_ptr() and torch.equal(x, view)
+        chain, stack = [], [x.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is not None:
+                chain.append(type(node).__name__)
+                stack.extend(n for n, _ in node.next_functions)
+        assert not any(n.startswith(("Select", "Clone", "Copy")) for n in chain), chain
+    assert leaves[0].grad is not None and torch.equal(leaves[0].grad, torch.ones_like(leaves[0]))
+    fed.clear()
+    contiguous = [v.detach().contiguous() for v in views]
+    block_attention(*contiguous, flex.block_mask)
+    for x, original in zip(fed, contiguous, strict=True):
+        assert x.data_ptr() != original.data_ptr() and torch.equal(x, original)
+        assert x.transpose(1, 2).is_contiguous()
+
+
 def test_flex_refuses_to_run_unfused(compiled_once) -> None:
     _, b, _, _ = compiled_once
     attention = BlockAttention(b["anchors"], b["docs"], BSZ, backend="flex")

@@ -367,7 +367,7 @@ def test_dpace_weighting_trains(store: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize("cuda_graphs", [False, True])
 def test_compiled_layers_train_like_eager(store: Path, tmp_path: Path, cuda_graphs: bool) -> None:
     """run.cuda_graphs compiles the layers in reduce-overhead mode: on the CPU (no CUDA graphs
-    to replay) the same training as eager, through the same plumbing a GPU run takes."""
+    to replay, and no step marks: those run on a GPU only) the same training as eager."""
     sets = ["optim.max_steps=4", "run.eval_every=0", "data.holdout_sequences=2"]
     eager = train(store, tmp_path / "eager", *sets)
     compiled = train(
