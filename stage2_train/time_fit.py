@@ -51,6 +51,7 @@ lrs stay identical.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections import deque
@@ -80,6 +81,7 @@ LENGTHEN_MARGIN = 0.05  # cosine: ... or pass it by, early in the fitted decay
 URGENT_MARGIN = 0.10  # cosine: ... fall short by to re-map within the cooldown
 COOLDOWN = 0.05  # cosine: share of the run's steps from a re-map to the next (not urgent)
 NO_PROPOSAL = 2**62  # a rank with nothing to propose (the ranks agree on the minimum)
+ANNEALED = 1e-3  # the next step's lr at most this share of optim.lr: the fitted decay is over
 
 log = get_logger()
 
@@ -264,6 +266,18 @@ class TimeFit:
             self.deadline - now,
         )
         return fitted
+
+    def finish_at_limit(self, step: int) -> bool:
+        """Called when the time limit stops the run after step `step`: True when the fitted
+        decay is over (the next step's lr at most ANNEALED of optim.lr; the limit came a step
+        or so before the planned end, as the last evaluations take longer than the rate the
+        fit planned with), and the schedule then ends at `step`: the run is finished, not
+        interrupted, and a rerun finds nothing left to train. Alike on every rank (the lr is)."""
+        fitted = self.end.fitted
+        if fitted is None or self.scheduler.get_last_lr()[0] > ANNEALED * self.cfg.lr:
+            return False
+        self.end.fitted = dataclasses.replace(fitted, end=step)
+        return True
 
     def _agree(self, proposed: int) -> int:
         """The earliest end any rank proposed, as agreed at the previous call (the ranks'

@@ -58,7 +58,7 @@ from stage2_train.plots import draw_plots_safely
 from stage2_train.prefetch import DevicePrefetcher
 from stage2_train.resume import resume_run
 from stage2_train.step import load_frozen_head
-from stage2_train.stop import StopRequests, stopped
+from stage2_train.stop import TIME_LIMIT_EXIT, StopRequests, stopped
 from stage2_train.time_fit import TimeFit, restore_fitted
 from stage2_train.trackers import Trackers, check_trackers
 from stage2_train.trainstep import (
@@ -437,6 +437,16 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
             every = cfg.run.checkpoint_every
             save = (every and state.step % every == 0) or last
             code = 0 if last else stop.due(late)  # a signal or the time limit (stop.py)
+            if code == TIME_LIMIT_EXIT and fit.finish_at_limit(state.step):
+                # the fitted decay is over: evaluate, checkpoint and export as at the end
+                log.info(
+                    "time limit: the fitted schedule ends at step %d, its lr annealed (%.2e); "
+                    "the run is complete",
+                    state.step,
+                    runner.scheduler.get_last_lr()[0],
+                )
+                total_steps = bar.total = state.step
+                last, due, save, code = True, True, True, 0
             if late and not (due or save or code or streaming):
                 unread = (pending, fields, started)
                 continue

@@ -19,6 +19,8 @@ import torch.distributed as dist
 from store_factory import FactorySpec, build_store
 
 from common.config import build_config
+from common.errors import Stopped
+from stage2_train import stop as stop_module
 from stage2_train import time_fit
 from stage2_train.config import OptimConfig, TrainConfig
 from stage2_train.schedule import (
@@ -498,3 +500,42 @@ def test_train_stops_a_cosine_run_annealed_and_resumes_the_same_curve(
         resumed = train(store, out, "optim.schedule=cosine", *sets)
         assert [r["step"] for r in resumed] == list(range(1, 45))
         assert [(r["lr"], r["loss"]) for r in resumed] == [(r["lr"], r["loss"]) for r in full]
+
+
+def _limit_after(monkeypatch: pytest.MonkeyPatch, steps: int) -> None:
+    """run.time_limit_s reached after step `steps` (StopRequests asks once after every step
+    that is not the last)."""
+    calls = iter(range(1, 10_000))
+    monkeypatch.setattr(
+        stop_module.StopRequests,
+        "_local_code",
+        lambda self: stop_module.TIME_LIMIT_EXIT if next(calls) >= steps else 0,
+    )
+
+
+def test_a_limit_one_step_before_the_fitted_end_finishes_the_run(
+    store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The limit arrives after step 43 of a cosine fitted to end at 44 (the last evaluations
+    outran the planned rate, as in the twenty-second session's recipe: stopped at 13,501 of
+    13,502): the decay is over (the next lr 0), so the run is complete: evaluated, exported,
+    no Stopped error, and a rerun trains nothing. The limit at step 40, mid-decay, still stops
+    it resumably with the time limit's exit code."""
+    monkeypatch.setattr(time_fit, "monotonic", FakeClock(tick=100.0))
+    _limit_after(monkeypatch, 43)
+    out = tmp_path / "run"
+    rows = train(store, out, "optim.schedule=cosine")
+    assert rows[-1]["step"] == 43 and "eval_loss" in rows[-1]
+    assert (out / "export" / "model.safetensors").is_file()
+    meta = json.loads((out / "step-000043" / "meta.json").read_text())["train_state"]
+    assert meta["fit_end"] == 43
+    monkeypatch.setattr(time_fit, "monotonic", FakeClock(tick=100.0))
+    again = train(store, out, "optim.schedule=cosine")
+    assert [r["step"] for r in again] == [r["step"] for r in rows]  # nothing more trained
+
+    monkeypatch.setattr(time_fit, "monotonic", FakeClock(tick=100.0))
+    _limit_after(monkeypatch, 40)
+    with pytest.raises(Stopped) as stopped:
+        train(store, tmp_path / "mid", "optim.schedule=cosine")
+    assert stopped.value.exit_code == stop_module.TIME_LIMIT_EXIT
+    assert not (tmp_path / "mid" / "export").exists()
