@@ -181,6 +181,12 @@ variant() {  # $1 = name, $2 = GPU, the rest: train --set arguments
     dflash evaluate --target $M --drafter "$WORK/run-$name/export" --data .carry/dev.jsonl.gz \
       --no-stop-at-eos --device "$eval_device" > "$OUT/$name-acceptance.json" 2> "$OUT/$name-evaluate.log" &
     evaluations+=($!)
+    # and as `dflash evaluate` reports by default, as a server stops: each reply ends at the
+    # target's end of sequence (prompt 9, whose reply is that end alone, drops out)
+    dflash evaluate --target $M --drafter "$WORK/run-$name/export" --data .carry/dev.jsonl.gz \
+      --device "$eval_device" > "$OUT/$name-acceptance-server.json" \
+      2> "$OUT/$name-evaluate-server.log" &
+    evaluations+=($!)
     dflash evaluate-offline --drafter "$WORK/run-$name/export" --store "$WORK/dev-store" \
       --device "$eval_device" --json-out "$OUT/$name-offline-dev.json" > /dev/null 2>&1 &
     evaluations+=($!)
@@ -208,6 +214,7 @@ def read(path):
     except (OSError, ValueError):
         return {}
 online = read(f"{out}/{name}-acceptance.json")  # {} when evaluate failed (its log says why)
+server = read(f"{out}/{name}-acceptance-server.json")
 offline = read(f"{out}/{name}-offline-dev.json")
 offline_all = read(f"{out}/{name}-offline-dev-all.json")
 try:
@@ -217,6 +224,8 @@ except (OSError, ValueError, KeyError):
     best = best_step = None  # the best export is the final one (or none)
 print(json.dumps({"variant": name, "dflash_tau": online.get("dflash", {}).get("tau"),
                   "prompt_lookup_tau": online.get("prompt_lookup", {}).get("tau"),
+                  "server_dflash_tau": server.get("dflash", {}).get("tau"),
+                  "server_prompt_lookup_tau": server.get("prompt_lookup", {}).get("tau"),
                   "chained_dev_tau": offline.get("chained_tau"),
                   "random_anchor_dev_tau": offline.get("eval_tau"),
                   "chained_dev_all_tau": offline_all.get("chained_tau"),

@@ -7,7 +7,10 @@ reports of it, read from the results folder a device call brings back.
 - the run's end: last step, its lr (0 when the schedule ended annealed), peak memory,
 - the time fit's decisions (`time limit: schedule shortened/lengthened` lines of the log),
 - the evaluations (step, held-out tau, dev chained tau),
-- online tau per prompt, DFlash and prompt lookup (VARIANT-acceptance.json), and the means,
+- online tau per prompt, DFlash and prompt lookup (VARIANT-acceptance.json: 128 tokens past a
+  reply's end, the shared harness's definition), and the means; the same as `dflash evaluate`
+  reports by default, replies ending at their end of sequence (VARIANT-acceptance-server.json,
+  keys prefixed server_),
 - the first step's seconds (its compilation: what the recipe's warm-up compile saves) and the
   stages' seconds (timings.json, with `wall_s`, the pipeline's wall time).
 """
@@ -44,17 +47,18 @@ def read_json(path: Path) -> dict[str, Any]:
         return {}
 
 
-def online(acceptance: Path) -> dict[str, Any]:
-    """Online tau (mean over prompts) and per prompt, DFlash and prompt lookup; {} when the
-    evaluation wrote nothing."""
+def online(acceptance: Path, prefix: str = "") -> dict[str, Any]:
+    """Online tau (mean over prompts) and per prompt, DFlash and prompt lookup, the keys
+    prefixed by `prefix`; {} when the evaluation wrote nothing."""
     record = read_json(acceptance)
     if not record:
         return {}
     out: dict[str, Any] = {}
     for method in ("dflash", "prompt_lookup"):
         figures = record.get(method, {})
-        out[f"{method}_tau"] = figures.get("tau")
-        out[f"{method}_tau_per_prompt"] = [round(t, 2) for t in figures.get("tau_per_prompt", [])]
+        out[f"{prefix}{method}_tau"] = figures.get("tau")
+        per_prompt = [round(t, 2) for t in figures.get("tau_per_prompt", [])]
+        out[f"{prefix}{method}_tau_per_prompt"] = per_prompt
     return out
 
 
@@ -84,6 +88,8 @@ def summarize_variant(results: Path, variant: str, skip: int) -> dict[str, Any]:
         **fit_decisions(results / f"{variant}-train.log"),
         "evaluations": evaluations,
         **online(results / f"{variant}-acceptance.json"),
+        # as `dflash evaluate` reports by default (each reply ends at its end of sequence)
+        **online(results / f"{variant}-acceptance-server.json", "server_"),
         "timings": read_json(results / "timings.json"),  # the stages' seconds, wall_s
     }
 

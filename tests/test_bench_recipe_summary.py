@@ -35,6 +35,11 @@ def write_results(folder: Path) -> None:
         "prompt_lookup": {"tau": 2.0, "tau_per_prompt": [1.5, 2.5]},
     }
     (folder / "v-acceptance.json").write_text(json.dumps(acceptance))
+    server = {  # replies ended at their end of sequence: the second prompt dropped out
+        "dflash": {"tau": 3.0, "tau_per_prompt": [3.0]},
+        "prompt_lookup": {"tau": 1.5, "tau_per_prompt": [1.5]},
+    }
+    (folder / "v-acceptance-server.json").write_text(json.dumps(server))
     (folder / "timings.json").write_text('{"generate_s": 300, "wall_s": 1400}\n')
 
 
@@ -56,6 +61,8 @@ def test_recipe_summary_reads_the_figures(tmp_path: Path) -> None:
     assert summary["evaluations"] == [{"step": 60, "eval_tau": 5.5, "dev_chained_tau": 4.25}]
     assert summary["dflash_tau"] == 4.5 and summary["dflash_tau_per_prompt"] == [3.0, 6.0]
     assert summary["prompt_lookup_tau_per_prompt"] == [1.5, 2.5]
+    assert (summary["server_dflash_tau"], summary["server_prompt_lookup_tau"]) == (3.0, 1.5)
+    assert summary["server_dflash_tau_per_prompt"] == [3.0]
     assert summary["first_step_s"] == 30.0
     assert summary["timings"] == {"generate_s": 300, "wall_s": 1400}
 
