@@ -64,6 +64,13 @@ while [ ! -f "$job/exit" ] && (( $(date +%s) < started + CALL_S - 30 )); do
   sleep 5
 done
 tail -5 "$job/recipe.log"
+# the compile warm-up trains a few steps on the GPU while generate and extract run: the first
+# sign, in the first call's reply, that the training step works on this machine and torch
+if grep -q "warm-up failed" "$job/results/warm-compile.log" 2>/dev/null; then
+  echo "warm compile: FAILED, the training step may fail too (results/warm-compile.log)"
+elif grep -q '"warm_compile_s"' "$job/results/timings.txt" 2>/dev/null; then
+  echo "warm compile: done (the training step ran on this GPU)"
+fi
 # AFTER (a command): run once the recipe is done, in the same call, while the machine is warm
 # and the GPU free (the recipe's last call ended 156 s before its CALL_S in the twenty-second
 # session): a short benchmark for the slack. It writes under $OUT (its results come back in

@@ -141,6 +141,7 @@ def test_recipe_background_runs_after_once_the_recipe_is_done(tmp_path: Path) ->
     (job / "pid").write_text("999999\n")  # finished: the exit file below says so
     (job / "exit").write_text("0\n")
     (job / "recipe.log").write_text("recipe log\n")
+    (job / "results" / "warm-compile.log").write_text("...\nwarm-up failed (exit 1)\n")
     env = {
         **os.environ,
         "WORK": str(work),
@@ -162,6 +163,7 @@ def test_recipe_background_runs_after_once_the_recipe_is_done(tmp_path: Path) ->
     first = call()
     assert first.returncode == 0, (first.stdout, first.stderr)
     assert "after the recipe: exit 0" in first.stdout and "recipe done" in first.stdout
+    assert "warm compile: FAILED" in first.stdout  # said in every call's reply
     (archive,) = results.glob("call-*.tgz")
     with tarfile.open(archive) as tar:
         member = tar.extractfile("results/after/figure.txt")
