@@ -140,8 +140,8 @@ def key_parts(
     if attrs["hidden_dtype"] != "bfloat16":
         parts["hidden_dtype"] = attrs["hidden_dtype"]
     # likewise TF32 matmuls (other values, so another store) only when they ran
-    if matmul_precision(cfg["target"]) != "highest":
-        parts["matmul_precision"] = matmul_precision(cfg["target"])
+    if (precision := matmul_precision(cfg["target"])) != "highest":
+        parts["matmul_precision"] = precision
     return parts
 
 

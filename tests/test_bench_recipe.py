@@ -16,6 +16,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _bash(
+    script: str | Path, cwd: Path, env: dict[str, str], timeout: int
+) -> subprocess.CompletedProcess:
+    """A bench shell script run as the device runs it: `bash SCRIPT` in `cwd`, output captured."""
+    return subprocess.run(
+        ["bash", str(script)], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
 def test_a_failed_data_stage_is_not_marked_done(tmp_path: Path) -> None:
     work = tmp_path / "work"
     env = {
@@ -31,14 +40,7 @@ def test_a_failed_data_stage_is_not_marked_done(tmp_path: Path) -> None:
     tree = tmp_path / "tree"
     for folder in ("bench", "configs"):
         shutil.copytree(ROOT / folder, tree / folder)
-    done = subprocess.run(
-        ["bash", str(tree / "bench" / "recipe_call.sh")],
-        cwd=tree,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    done = _bash(tree / "bench" / "recipe_call.sh", tree, env, 240)
     assert done.returncode == 0, done.stderr  # the call itself ends normally, results packed
     assert "stage generate cut or failed" in done.stdout
     assert not list(work.glob("done-*")), sorted(p.name for p in work.glob("done-*"))
@@ -81,14 +83,7 @@ def test_recipe_background_follow_up_on_a_fresh_machine_says_so(tmp_path: Path) 
     $WORK (the machine is a fresh one) exits 4 with the reason, instead of starting a recipe
     without its model and data."""
     env = {**os.environ, "WORK": str(tmp_path / "work"), "OUT": str(tmp_path / "results")}
-    done = subprocess.run(
-        ["bash", str(ROOT / "bench" / "recipe_background.sh")],
-        cwd=tmp_path,  # no .carry here
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = _bash(ROOT / "bench" / "recipe_background.sh", tmp_path, env, 60)  # no .carry here
     assert done.returncode == 4, (done.stdout, done.stderr)
     assert "fresh one" in done.stdout and "start over" in done.stdout
     assert not (tmp_path / "work" / "background" / "pid").exists()
@@ -117,14 +112,7 @@ def test_recipe_variants_run_and_the_diagnostics_wait_finds_its_job(
         "STAGES": "extract,train,evaluate",
         "VARIANTS": variants,
     }
-    done = subprocess.run(
-        ["bash", "bench/recipe_pystd.sh"],
-        cwd=tree,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = _bash("bench/recipe_pystd.sh", tree, env, 120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "not a child" not in done.stdout + done.stderr
     timings = (out / "timings.txt").read_text()
@@ -151,14 +139,7 @@ def test_recipe_background_runs_after_once_the_recipe_is_done(tmp_path: Path) ->
     }
 
     def call() -> subprocess.CompletedProcess:
-        return subprocess.run(
-            ["bash", str(ROOT / "bench" / "recipe_background.sh")],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        return _bash(ROOT / "bench" / "recipe_background.sh", tmp_path, env, 60)
 
     first = call()
     assert first.returncode == 0, (first.stdout, first.stderr)
