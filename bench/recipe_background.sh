@@ -10,6 +10,8 @@
 # If the machine stopped the job between calls, the call says "job gone" and exits 3: every
 # stage resumes, so go on with bench/recipe_call.sh and the same settings and $WORK. A
 # follow-up call that finds a fresh machine (no job, no .carry carried) says so and exits 4.
+# Each call still training returns the best drafter so far (RUN/export-best, when new), the
+# call that finds the recipe done the final ones (RUN/export).
 # The job runs from a snapshot (bench/, configs/, .carry/ and the package installed into
 # $WORK/background/site), since the device replaces the working tree and the carried folders at
 # each call. Settings as bench/recipe_pystd.sh (VARIANTS, GEN_SETS, EXTRACT_SETS, DEVICE, ...).
@@ -91,31 +93,49 @@ fi
 nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv > "$job/results/nvidia-smi.csv" 2>&1
 df -h "$WORK" > "$job/results/df.txt" 2>&1
 # the host's memory and its largest processes when the call ends: the machine went between
-# calls in three of the last four sessions, always with the trainer running; if a later one
+# calls in four of the last six sessions, always with the trainer running; if a later one
 # goes too, these say whether memory or disk was short when it was last seen
 { free -m; echo; ps -eo pid,rss,pcpu,etimes,args --sort=-rss | head -25 | cut -c1-200; } \
   > "$job/results/host.txt" 2>&1
 tar czf "$RESULTS/call-$started.tgz" -C "$job" results recipe.log
-if [ -f "$job/exit" ]; then
-  echo "recipe done (exit $(cat "$job/exit"))"
-  # the drafters themselves come back too (in parts under the device's 16 MiB a file): a
-  # machine lost before they are evaluated again, or a figure to re-check, needs no re-run
-  # (each archive unpacks to run-NAME/export: `cat run-NAME-export.tar.part-* | tar xf -`); up
-  # to 56 MiB in all, the device returns 64 MiB and 8 files a call: one drafter of the pystd
-  # recipe is ~36 MB (3 parts); further ones are left there, named
-  budget=$(( 56 * 1024 * 1024 ))
-  for export in "$WORK"/run-*/export; do
+
+# return_drafters DIR: each run's RUN/DIR (an exported drafter) in parts under the device's
+# 16 MiB a file (`cat run-NAME-DIR.tar.part-* | tar xf -` unpacks to run-NAME/DIR), up to 56 MiB
+# a call (the device returns 64 MiB and 8 files a call: one pystd drafter is 36-44 MB, 3 parts);
+# further ones are left there, named. One already returned unchanged is not sent again.
+return_drafters() {
+  local dir=$1 budget=$(( 56 * 1024 * 1024 )) export run size stamp
+  for export in "$WORK"/run-*/"$dir"; do
     [ -f "$export/model.safetensors" ] || continue
     run=$(basename "$(dirname "$export")")
+    stamp=$(stat -c %Y "$export/model.safetensors")
+    [ "$(cat "$job/returned-$run-$dir" 2>/dev/null)" = "$stamp" ] && continue
     size=$(du -sb "$export" | cut -f1)
     if (( size > budget )); then
-      echo "$run/export ($size bytes) not returned: over what one call brings back"
+      echo "$run/$dir ($size bytes) not returned: over what one call brings back"
       continue
     fi
     budget=$(( budget - size ))
-    tar cf - -C "$WORK" "$run/export" | split -b 15M - "$RESULTS/$run-export.tar.part-"
+    tar cf - -C "$WORK" "$run/$dir" | split -b 15M - "$RESULTS/$run-$dir.tar.part-"
+    if [ "$(stat -c %Y "$export/model.safetensors")" != "$stamp" ]; then
+      # the trainer re-exported it while it was packed: the next call sends the new one
+      rm -f "$RESULTS/$run-$dir.tar.part-"*
+      echo "$run/$dir not returned: rewritten while packed"
+      continue
+    fi
+    echo "$stamp" > "$job/returned-$run-$dir"
+    echo "returned $run/$dir ($size bytes)"
   done
+}
+if [ -f "$job/exit" ]; then
+  echo "recipe done (exit $(cat "$job/exit"))"
+  # the final drafters: a figure to re-check needs no re-run
+  return_drafters export
 else
+  # the best drafter so far: a machine lost before the next call (the nineteenth and
+  # twenty-third sessions lost theirs between the second and third) still leaves a drafter to
+  # evaluate on the CPU (`dflash evaluate ... --device cpu`, a minute)
+  return_drafters export-best
   echo "still running: call again within 30 s"
 fi
 echo "call took $(( $(date +%s) - started )) s; results in $RESULTS/call-$started.tgz"

@@ -152,3 +152,46 @@ def test_recipe_background_runs_after_once_the_recipe_is_done(tmp_path: Path) ->
     archive.unlink()
     second = call()
     assert second.returncode == 0 and "after the recipe" not in second.stdout, second.stdout
+
+
+def test_recipe_background_returns_the_best_drafter_while_training(tmp_path: Path) -> None:
+    """A call that finds the recipe still running returns each run's export-best/ (a machine
+    lost before the next call still leaves a drafter to evaluate), once per export: an
+    unchanged one is not sent again, a newer one is."""
+    work, results = tmp_path / "work", tmp_path / "results"
+    job = work / "background"
+    (job / "results").mkdir(parents=True)
+    (job / "pid").write_text(f"{os.getpid()}\n")  # alive, no exit file: still running
+    (job / "recipe.log").write_text("training\n")
+    best = work / "run-L10" / "export-best"
+    best.mkdir(parents=True)
+    weights = best / "model.safetensors"
+    weights.write_bytes(os.urandom(4096))
+    (best / "best.json").write_text('{"step": 1500, "dev_chained_tau": 3.7}\n')
+    env = {**os.environ, "WORK": str(work), "OUT": str(results), "CALL_S": "31"}
+
+    def call() -> tuple[subprocess.CompletedProcess, list[Path]]:
+        for old in results.glob("*"):
+            old.unlink()
+        done = _bash(ROOT / "bench" / "recipe_background.sh", tmp_path, env, 60)
+        assert done.returncode == 0, (done.stdout, done.stderr)
+        assert "still running" in done.stdout
+        return done, sorted(results.glob("run-L10-export-best.tar.part-*"))
+
+    first, parts = call()
+    assert "returned run-L10/export-best" in first.stdout and parts
+    unpacked = tmp_path / "unpacked"
+    unpacked.mkdir()
+    joined = unpacked / "joined.tar"
+    joined.write_bytes(b"".join(part.read_bytes() for part in parts))
+    with tarfile.open(joined) as tar:
+        tar.extractall(unpacked, filter="data")
+    assert (unpacked / "run-L10" / "export-best" / "model.safetensors").read_bytes() == (
+        weights.read_bytes()
+    )
+    second, parts = call()
+    assert not parts and "returned" not in second.stdout
+    stamp = weights.stat().st_mtime + 5
+    os.utime(weights, (stamp, stamp))  # the trainer exported a better drafter
+    third, parts = call()
+    assert parts and "returned run-L10/export-best" in third.stdout
