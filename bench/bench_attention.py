@@ -81,6 +81,9 @@ def make_timer(dev: str) -> Callable[[Callable[[], object]], float]:
     return host_median
 
 
+LAYOUT = "tokens"  # --layout: how q/k/v (and the output's gradient) are laid out in memory
+
+
 def inputs(dev: str, dtype: torch.dtype = torch.bfloat16) -> tuple:
     gen = torch.Generator(device="cpu").manual_seed(0)
     cuts = torch.sort(torch.randperm(CTX - 1, generator=gen)[: NUM_DOCS - 1] + 1).values
@@ -89,8 +92,11 @@ def inputs(dev: str, dtype: torch.dtype = torch.bfloat16) -> tuple:
         doc_S[c:] += 1
     anchors_A = torch.sort(torch.randperm(CTX - B, generator=gen)[:A] + 1).values
 
-    def rand(*shape: int) -> torch.Tensor:  # in the layout the drafter's layers feed flex
-        return tokens_major(torch.randn(*shape, device=dev, dtype=dtype))
+    def rand(*shape: int) -> torch.Tensor:
+        x = torch.randn(*shape, device=dev, dtype=dtype)  # [1, H, N, E] contiguous: heads-major
+        # tokens-major is the layout the drafter's layers feed flex; heads-major the one they
+        # fed it before the twenty-second session (each q/k/v made contiguous first)
+        return tokens_major(x) if LAYOUT == "tokens" else x
 
     q = rand(1, HQ, Q, E).requires_grad_()
     k = rand(1, HKV, KV, E).requires_grad_()
@@ -134,6 +140,7 @@ def run_sweep(args: argparse.Namespace) -> None:
     emit(
         {
             "what": "sweep_setup",
+            "layout": LAYOUT,
             "shape": {"HQ": HQ, "HKV": HKV, "E": E, "CTX": CTX, "A": A, "B": B, "docs": NUM_DOCS},
             "dtype": str(dtype),
             "device": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu",
@@ -203,7 +210,16 @@ def main() -> None:
         help="sweep: comma-separated variant names (order_* for the orderings, gqa_packed for the "
         "query heads folded into rows)",
     )
+    parser.add_argument(
+        "--layout",
+        choices=["tokens", "heads"],
+        default="tokens",
+        help="q/k/v in memory: tokens-major ([N, H, E], as the drafter's layers feed flex) or "
+        "heads-major ([H, N, E] contiguous, as they fed it before); the same values either way",
+    )
     args = parser.parse_args()
+    global LAYOUT
+    LAYOUT = args.layout
     if args.tiny:
         use_tiny_shape()
     if args.sweep:
@@ -237,6 +253,7 @@ def measure_all() -> None:
     emit(
         {
             "what": "block_mask_build",
+            "layout": LAYOUT,
             "first_call_s": round(first, 3),
             "median_ms": round(build_ms, 3),
             "sparsity_pct": round(block_mask.sparsity(), 1),

@@ -1,0 +1,39 @@
+"""bench/bench_attention.py's CPU smoke mode: what its GPU runs compare is checked here too."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("layout", ["tokens", "heads"])
+def test_bench_attention_runs_in_either_layout_on_the_cpu(tmp_path: Path, layout: str) -> None:
+    """bench/bench_attention.py --layout: the project's region checks out against the fp32
+    reference with q/k/v tokens-major (as the layers feed flex) and heads-major (as they did
+    before), and the results say which layout they timed (a GPU A/B reads the two files)."""
+    env = {**os.environ, "OUT": str(tmp_path)}
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "bench_attention.py"),
+            *("--sweep", "--device", "cpu", "--tiny", "--only", "none", "--layout", layout),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = [json.loads(line) for line in (tmp_path / "attention_sweep.jsonl").open()]
+    setup = next(r for r in records if r["what"] == "sweep_setup")
+    baseline = next(r for r in records if r.get("name") == "project_region")
+    assert setup["layout"] == layout
+    assert baseline["valid"] is True and baseline["rel_err_out"] < 1e-5, baseline
