@@ -51,6 +51,7 @@ def emit(record: dict) -> None:
     print(line, flush=True)
     out = os.environ.get("OUT")
     if out:
+        os.makedirs(out, exist_ok=True)  # OUT=$OUT/name: one folder per process in a call
         with open(os.path.join(out, RESULTS), "a") as f:
             f.write(line + "\n")
 

@@ -18,7 +18,8 @@ def test_bench_attention_runs_in_either_layout_on_the_cpu(tmp_path: Path, layout
     """bench/bench_attention.py --layout: the project's region checks out against the fp32
     reference with q/k/v tokens-major (as the layers feed flex) and heads-major (as they did
     before), and the results say which layout they timed (a GPU A/B reads the two files)."""
-    env = {**os.environ, "OUT": str(tmp_path)}
+    out = tmp_path / "att"  # not there yet: the bench makes it
+    env = {**os.environ, "OUT": str(out)}
     done = subprocess.run(
         [
             sys.executable,
@@ -32,7 +33,7 @@ def test_bench_attention_runs_in_either_layout_on_the_cpu(tmp_path: Path, layout
         cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    records = [json.loads(line) for line in (tmp_path / "attention_sweep.jsonl").open()]
+    records = [json.loads(line) for line in (out / "attention_sweep.jsonl").open()]
     setup = next(r for r in records if r["what"] == "sweep_setup")
     baseline = next(r for r in records if r.get("name") == "project_region")
     assert setup["layout"] == layout
