@@ -87,7 +87,9 @@ def tokens_major(x_1HNE: Tensor) -> Tensor:
     in place (it needs only the head dimension contiguous) and writes its output alike, so the
     layer's q/k/v need no transposing copies (24 a step at 8 layers, 2.0 ms of the pystd
     step's 69 ms while they were made contiguous here) and its output reshapes for o_proj
-    without one."""
+    without one. Measured on an H200 (BENCHMARKS.md, twenty-third session): the pystd step
+    69.03 vs 69.31 ms, no gain beyond the noise; a seed-shape attention reading since then fell
+    outside the known spread (A/B owed: bench/bench_attention.py --layout heads)."""
     assert x_1HNE.size(0) == 1, x_1HNE.shape  # one packed sequence
     if not x_1HNE.transpose(1, 2).is_contiguous():
         x_1HNE = x_1HNE.transpose(1, 2).contiguous().transpose(1, 2)

@@ -234,7 +234,8 @@ class TrainRunConfig:
         "~90% GPU-busy at the pystd shape, so at most ~10%); the flex attention region and the "
         "loss chunks stay as they are; inputs the graphs do not own (each layer's context "
         "features, RoPE tables, the attention's output) are copied into their buffers at every "
-        "replay; no effect on the CPU; speed not yet measured on a GPU "
+        "replay; no effect on the CPU; measured slower on an H200 at the pystd shape (73.0 vs "
+        "69.0 ms a step, every graph replayed: BENCHMARKS.md), so off "
         "(bench/profile_train_step.py --set run.cuda_graphs=true)",
     )
     fp8_linear: Literal["tensorwise", "rowwise"] | None = doc(
