@@ -97,6 +97,15 @@ df -h "$WORK" > "$job/results/df.txt" 2>&1
 # goes too, these say whether memory or disk was short when it was last seen
 { free -m; echo; ps -eo pid,rss,pcpu,etimes,args --sort=-rss | head -25 | cut -c1-200; } \
   > "$job/results/host.txt" 2>&1
+if [ ! -f "$job/exit" ]; then
+  # each run's training metrics so far (the recipe copies them when a run ends): a machine lost
+  # mid-run still leaves its curve to read (bench/recipe_summary.py RESULTS NAME)
+  for metrics in "$WORK"/run-*/metrics.jsonl; do
+    [ -f "$metrics" ] || continue
+    run=$(basename "$(dirname "$metrics")")
+    cp "$metrics" "$job/results/${run#run-}-metrics.jsonl"
+  done
+fi
 tar czf "$RESULTS/call-$started.tgz" -C "$job" results recipe.log
 
 # return_drafters DIR: each run's RUN/DIR (an exported drafter) in parts under the device's

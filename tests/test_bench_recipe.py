@@ -157,7 +157,7 @@ def test_recipe_background_runs_after_once_the_recipe_is_done(tmp_path: Path) ->
 def test_recipe_background_returns_the_best_drafter_while_training(tmp_path: Path) -> None:
     """A call that finds the recipe still running returns each run's export-best/ (a machine
     lost before the next call still leaves a drafter to evaluate), once per export: an
-    unchanged one is not sent again, a newer one is."""
+    unchanged one is not sent again, a newer one is; and each run's metrics so far."""
     work, results = tmp_path / "work", tmp_path / "results"
     job = work / "background"
     (job / "results").mkdir(parents=True)
@@ -168,6 +168,7 @@ def test_recipe_background_returns_the_best_drafter_while_training(tmp_path: Pat
     weights = best / "model.safetensors"
     weights.write_bytes(os.urandom(4096))
     (best / "best.json").write_text('{"step": 1500, "dev_chained_tau": 3.7}\n')
+    (best.parent / "metrics.jsonl").write_text('{"step": 1500, "eval_tau": 5.9}\n')
     env = {**os.environ, "WORK": str(work), "OUT": str(results), "CALL_S": "31"}
 
     def call() -> tuple[subprocess.CompletedProcess, list[Path]]:
@@ -180,6 +181,10 @@ def test_recipe_background_returns_the_best_drafter_while_training(tmp_path: Pat
 
     first, parts = call()
     assert "returned run-L10/export-best" in first.stdout and parts
+    (archive,) = results.glob("call-*.tgz")
+    with tarfile.open(archive) as tar:  # the curve so far travels too
+        member = tar.extractfile("results/L10-metrics.jsonl")
+        assert member is not None and b'"eval_tau": 5.9' in member.read()
     unpacked = tmp_path / "unpacked"
     unpacked.mkdir()
     joined = unpacked / "joined.tar"
