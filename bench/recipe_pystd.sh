@@ -11,6 +11,7 @@
 #       generate and extract once, then train and evaluate the variants side by side, variant k
 #       on GPU k mod the count of TRAIN_GPUS (e.g. TRAIN_GPUS=0,1; DEVICE=0,1 runs generate and
 #       extract data parallel). STAGES=train,evaluate reuses $WORK's gen/ and store/.
+#   FOLLOW=1 bash bench/recipe_pystd.sh              train while extract writes the store
 set -uo pipefail
 OUT=${OUT:-runs/recipe}
 WORK=${WORK:-/tmp/recipe}
@@ -124,21 +125,41 @@ if has generate; then
     || failed+=(generate)
   stamp generate "$t"
 fi
-if has extract; then
-  t=$(date +%s)
+extract_stage() {  # a failure is a file: with FOLLOW=1 this runs as a background job
+  local t; t=$(date +%s)
+  rm -f "$WORK/extract.failed"
   dflash extract --config "$CFG" --model $M --data "$WORK/gen" --out "$WORK/store" \
     --devices "$DEVICE" --set run.progress=false "${EXTRACT_SETS[@]}" 2>&1 | tee "$OUT/extract.log" | tail -2 \
-    || failed+=(extract)
+    || touch "$WORK/extract.failed"
   stamp extract "$t"
-  # the store's summary and what one loader worker spends per batch on this machine's cores
-  # (sizes data.num_workers): ~20 s of diagnostics, beside the trainer's start instead of
-  # before it (waited for at the end; an inspect failure fails the extract stage)
+}
+# the store's summary and what one loader worker spends per batch on this machine's cores
+# (sizes data.num_workers): ~20 s of diagnostics, beside the trainer's start instead of
+# before it (waited for at the end; an inspect failure fails the extract stage)
+diagnostics() {
   rm -f "$WORK/inspect.failed"
-  {
-    dflash inspect "$WORK/store" > "$OUT/inspect.txt" || touch "$WORK/inspect.failed"
-    python3 bench/loader_cost.py --store "$WORK/store" --sequences 8 16 > "$OUT/loader_cost.jsonl" 2>&1
-  } &
-  diagnostics_pid=$!
+  dflash inspect "$WORK/store" > "$OUT/inspect.txt" || touch "$WORK/inspect.failed"
+  python3 bench/loader_cost.py --store "$WORK/store" --sequences 8 16 > "$OUT/loader_cost.jsonl" 2>&1
+}
+# FOLLOW=1: the variants train while extract writes the store (`dflash train --follow`, the
+# first epoch in shard order as shards are committed), from generate's end instead of
+# extract's: extract is far from GPU-bound at pystd's size (376k tokens/s), so its ~140 s
+# become training time. A trainer that catches up waits for the next shard; one whose
+# extract died stops after FOLLOW_TIMEOUT_S without a shard.
+FOLLOW_ARGS=()
+if [ "${FOLLOW:-0}" = 1 ] && has extract && has train; then
+  FOLLOW_ARGS=(--follow --set data.follow_timeout_s="${FOLLOW_TIMEOUT_S:-120}")
+fi
+if has extract; then
+  if (( ${#FOLLOW_ARGS[@]} )); then
+    { extract_stage; diagnostics; } &
+    diagnostics_pid=$!  # extract and its diagnostics, waited for at the end
+  else
+    extract_stage
+    [ -f "$WORK/extract.failed" ] && failed+=(extract)
+    diagnostics &
+    diagnostics_pid=$!
+  fi
 fi
 variant() {  # $1 = name, $2 = GPU, the rest: train --set arguments
   local name=$1 gpu=$2; shift 2
@@ -160,7 +181,8 @@ variant() {  # $1 = name, $2 = GPU, the rest: train --set arguments
     # shellcheck disable=SC2068
     timeout "$limit" dflash train --config "$CFG" --store "$WORK/store" \
       --out "$WORK/run-$name" --devices "$gpu" --set run.progress=false \
-      --set run.time_limit_s="$own_limit" --set data.dev_store="$WORK/dev-store" $@ \
+      --set run.time_limit_s="$own_limit" --set data.dev_store="$WORK/dev-store" \
+      "${FOLLOW_ARGS[@]}" $@ \
       >> "$OUT/$name-train.log" 2>&1 || echo "$name: train stopped (limit or error)" >> "$OUT/$name-train.log"
     if has evaluate && [ ! -f "$WORK/run-$name/export/model.safetensors" ]; then
       dflash export "$WORK/run-$name" >> "$OUT/$name-train.log" 2>&1
@@ -255,6 +277,7 @@ else
 fi
 if [ -n "${diagnostics_pid:-}" ]; then
   wait "$diagnostics_pid"
+  if (( ${#FOLLOW_ARGS[@]} )) && [ -f "$WORK/extract.failed" ]; then failed+=(extract); fi
   [ -f "$WORK/inspect.failed" ] && failed+=(extract)
 fi
 # the wall time of the stages this run ran (the dev stage overlaps generate and extract)

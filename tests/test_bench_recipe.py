@@ -200,3 +200,46 @@ def test_recipe_background_returns_the_best_drafter_while_training(tmp_path: Pat
     os.utime(weights, (stamp, stamp))  # the trainer exported a better drafter
     third, parts = call()
     assert parts and "returned run-L10/export-best" in third.stdout
+
+
+@pytest.mark.parametrize("follow", ["1", "0"])
+def test_recipe_follow_trains_while_extract_writes(tmp_path: Path, follow: str) -> None:
+    """FOLLOW=1: `dflash train --follow` starts while extract still runs (the store's shards
+    as they are committed), and the script still waits for extract and its diagnostics and
+    times every stage; without it, train starts after extract and is not told to follow. The
+    stages' commands are stubbed: this is the script's own control flow."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    calls = tmp_path / "calls.log"
+    (shim / "dflash").write_text(
+        "#!/bin/bash\n"
+        f'echo "$1 start $*" >> {calls}\n'
+        'if [ "$1" = extract ]; then sleep 2; else sleep 0.3; fi\n'
+        f'echo "$1 end" >> {calls}\n'
+    )
+    (shim / "dflash").chmod(0o755)
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT / "bench", tree / "bench")
+    out = tmp_path / "results"
+    env = {
+        **os.environ,
+        "PATH": f"{shim}{os.pathsep}{os.environ['PATH']}",
+        "WORK": str(tmp_path / "work"),
+        "OUT": str(out),
+        "STAGES": "extract,train,evaluate",
+        "FOLLOW": follow,
+    }
+    done = _bash("bench/recipe_pystd.sh", tree, env, 120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = calls.read_text().splitlines()
+    order = [" ".join(line.split()[:2]) for line in lines]
+    train = next(line for line in lines if line.startswith("train start"))
+    if follow == "1":
+        assert order.index("train start") < order.index("extract end"), order
+        assert "--follow" in train and "data.follow_timeout_s=120" in train
+        assert "inspect start" in order  # the diagnostics ran after extract, in its job
+    else:
+        assert order.index("extract end") < order.index("train start"), order
+        assert "--follow" not in train
+    timings = (out / "timings.txt").read_text()
+    assert '"extract_s"' in timings and '"recipe-train_s"' in timings, timings
