@@ -38,6 +38,7 @@ from flex_variants import VARIANTS
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
+import stage2_train.attention as attention_module
 from stage2_train.attention import block_attention, tokens_major
 from stage2_train.masks import anchor_block_mask, anchor_block_mask_mod, context_intervals
 
@@ -141,7 +142,8 @@ def run_sweep(args: argparse.Namespace) -> None:
     emit(
         {
             "what": "sweep_setup",
-            "layout": LAYOUT,
+            "layout": LAYOUT,  # of the inputs; and of what the project's region hands flex:
+            "region_layout": attention_module.FLEX_LAYOUT,
             "shape": {"HQ": HQ, "HKV": HKV, "E": E, "CTX": CTX, "A": A, "B": B, "docs": NUM_DOCS},
             "dtype": str(dtype),
             "device": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu",
@@ -215,12 +217,15 @@ def main() -> None:
         "--layout",
         choices=["tokens", "heads"],
         default="tokens",
-        help="q/k/v in memory: tokens-major ([N, H, E], as the drafter's layers feed flex) or "
-        "heads-major ([H, N, E] contiguous, as they fed it before); the same values either way",
+        help="q/k/v in memory, as made and as the project's region hands them to flex: "
+        "tokens-major ([N, H, E], the default) or heads-major ([H, N, E] contiguous, as before "
+        "the 22nd session; DFLASH_FLEX_LAYOUT=heads in training); the same values either way",
     )
     args = parser.parse_args()
     global LAYOUT
     LAYOUT = args.layout
+    # and the layout the project's region hands flex (block_attention converts its inputs)
+    attention_module.FLEX_LAYOUT = args.layout
     if args.tiny:
         use_tiny_shape()
     if args.sweep:
@@ -255,6 +260,7 @@ def measure_all() -> None:
         {
             "what": "block_mask_build",
             "layout": LAYOUT,
+            "region_layout": attention_module.FLEX_LAYOUT,
             "first_call_s": round(first, 3),
             "median_ms": round(build_ms, 3),
             "sparsity_pct": round(block_mask.sparsity(), 1),

@@ -65,6 +65,10 @@ fi
 while [ ! -f "$job/exit" ] && (( $(date +%s) < started + CALL_S - 30 )); do
   sleep 5
 done
+# whether the recipe has ended, read once: the AFTER hook, what is returned and the reply all
+# follow this one reading (a recipe ending while the call packs is the next call's news)
+finished=0
+[ -f "$job/exit" ] && finished=1
 tail -5 "$job/recipe.log"
 # the compile warm-up trains a few steps on the GPU while generate and extract run: the first
 # sign, in the first call's reply, that the training step works on this machine and torch
@@ -77,7 +81,7 @@ fi
 # and the GPU free (the recipe's last call ended 156 s before its CALL_S in the twenty-second
 # session): a short benchmark for the slack. It writes under $OUT (its results come back in
 # this call's archive, results/after/) and is cut 45 s before the call's end; it needs 60 s.
-if [ -f "$job/exit" ] && [ -n "${AFTER:-}" ] && [ ! -f "$job/after-ran" ]; then
+if (( finished )) && [ -n "${AFTER:-}" ] && [ ! -f "$job/after-ran" ]; then
   left=$(( started + CALL_S - 45 - $(date +%s) ))
   if (( left >= 60 )); then
     touch "$job/after-ran"
@@ -97,46 +101,53 @@ df -h "$WORK" > "$job/results/df.txt" 2>&1
 # goes too, these say whether memory or disk was short when it was last seen
 { free -m; echo; ps -eo pid,rss,pcpu,etimes,args --sort=-rss | head -25 | cut -c1-200; } \
   > "$job/results/host.txt" 2>&1
-if [ ! -f "$job/exit" ]; then
+if (( ! finished )); then
   # each run's training metrics so far (the recipe copies them when a run ends): a machine lost
   # mid-run still leaves its curve to read (bench/recipe_summary.py RESULTS NAME)
   for metrics in "$WORK"/run-*/metrics.jsonl; do
-    [ -f "$metrics" ] || continue
     run=$(basename "$(dirname "$metrics")")
+    [ -f "$metrics" ] && [ "$run" != run-warm ] || continue  # (the compile warm-up's)
     cp "$metrics" "$job/results/${run#run-}-metrics.jsonl"
   done
 fi
 tar czf "$RESULTS/call-$started.tgz" -C "$job" results recipe.log
 
 # return_drafters DIR: each run's RUN/DIR (an exported drafter) in parts under the device's
-# 16 MiB a file (`cat run-NAME-DIR.tar.part-* | tar xf -` unpacks to run-NAME/DIR), up to 56 MiB
-# a call (the device returns 64 MiB and 8 files a call: one pystd drafter is 36-44 MB, 3 parts);
-# further ones are left there, named. One already returned unchanged is not sent again.
+# 16 MiB a file (`cat run-NAME-DIR.tar.part-* | tar xf -` unpacks to run-NAME/DIR), within 56
+# MiB and 7 files a call (the device returns 64 MiB and 8 files, the call's archive one of
+# them: one pystd drafter is 36-44 MB, 3 parts); further ones are left there, named. One
+# already returned unchanged is not sent again (its weights' and best.json's times: an
+# export-best is complete once best.json is written after its files).
 return_drafters() {
-  local dir=$1 budget=$(( 56 * 1024 * 1024 )) export run size stamp
+  local dir=$1 bytes_left=$(( 56 * 1024 * 1024 )) files_left=7 export run size parts stamp
   for export in "$WORK"/run-*/"$dir"; do
     [ -f "$export/model.safetensors" ] || continue
+    [ "$dir" = export-best ] && [ ! -f "$export/best.json" ] && continue
     run=$(basename "$(dirname "$export")")
-    stamp=$(stat -c %Y "$export/model.safetensors")
+    stamp=$(stat -c %Y "$export/model.safetensors" "$export/best.json" 2>/dev/null | tr '\n' ' ')
     [ "$(cat "$job/returned-$run-$dir" 2>/dev/null)" = "$stamp" ] && continue
     size=$(du -sb "$export" | cut -f1)
-    if (( size > budget )); then
-      echo "$run/$dir ($size bytes) not returned: over what one call brings back"
+    parts=$(( (size + 15 * 1024 * 1024 - 1) / (15 * 1024 * 1024) ))
+    if (( size > bytes_left || parts > files_left )); then
+      echo "$run/$dir ($size bytes) not returned: over what is left of this call's 56 MiB / 7 files"
       continue
     fi
-    budget=$(( budget - size ))
-    tar cf - -C "$WORK" "$run/$dir" | split -b 15M - "$RESULTS/$run-$dir.tar.part-"
-    if [ "$(stat -c %Y "$export/model.safetensors")" != "$stamp" ]; then
-      # the trainer re-exported it while it was packed: the next call sends the new one
+    rm -f "$RESULTS/$run-$dir.tar.part-"*
+    if ! tar cf - -C "$WORK" "$run/$dir" | split -b 15M - "$RESULTS/$run-$dir.tar.part-" \
+        || [ "$(stat -c %Y "$export/model.safetensors" "$export/best.json" 2>/dev/null \
+                | tr '\n' ' ')" != "$stamp" ]; then
+      # packing failed, or the trainer re-exported it meanwhile: the next call sends it
       rm -f "$RESULTS/$run-$dir.tar.part-"*
-      echo "$run/$dir not returned: rewritten while packed"
+      echo "$run/$dir not returned: packing failed or it was rewritten meanwhile"
       continue
     fi
+    bytes_left=$(( bytes_left - size ))
+    files_left=$(( files_left - parts ))
     echo "$stamp" > "$job/returned-$run-$dir"
     echo "returned $run/$dir ($size bytes)"
   done
 }
-if [ -f "$job/exit" ]; then
+if (( finished )); then
   echo "recipe done (exit $(cat "$job/exit"))"
   # the final drafters: a figure to re-check needs no re-run
   return_drafters export

@@ -145,13 +145,17 @@ diagnostics() {
 # first epoch in shard order as shards are committed), from generate's end instead of
 # extract's: extract is far from GPU-bound at pystd's size (376k tokens/s), so its ~140 s
 # become training time. A trainer that catches up waits for the next shard; one whose
-# extract died stops after FOLLOW_TIMEOUT_S without a shard.
+# extract died stops after FOLLOW_TIMEOUT_S without a shard. Every train run of a FOLLOW
+# recipe follows, a resumed one too (bench/recipe_call.sh's STAGES=train: a run started
+# with --follow resumes only with it).
 FOLLOW_ARGS=()
-if [ "${FOLLOW:-0}" = 1 ] && has extract && has train; then
-  FOLLOW_ARGS=(--follow --set data.follow_timeout_s="${FOLLOW_TIMEOUT_S:-120}")
+if [ "${FOLLOW:-0}" = 1 ] && has train; then
+  FOLLOW_ARGS=(--follow --set data.follow_timeout_s="${FOLLOW_TIMEOUT_S:-300}")
 fi
+extract_in_background=0
 if has extract; then
   if (( ${#FOLLOW_ARGS[@]} )); then
+    extract_in_background=1
     { extract_stage; diagnostics; } &
     diagnostics_pid=$!  # extract and its diagnostics, waited for at the end
   else
@@ -277,8 +281,11 @@ else
 fi
 if [ -n "${diagnostics_pid:-}" ]; then
   wait "$diagnostics_pid"
-  if (( ${#FOLLOW_ARGS[@]} )) && [ -f "$WORK/extract.failed" ]; then failed+=(extract); fi
-  [ -f "$WORK/inspect.failed" ] && failed+=(extract)
+  if (( extract_in_background )) && [ -f "$WORK/extract.failed" ]; then
+    failed+=(extract)
+  elif [ -f "$WORK/inspect.failed" ]; then
+    failed+=(extract)
+  fi
 fi
 # the wall time of the stages this run ran (the dev stage overlaps generate and extract)
 stamp wall "$started"

@@ -23,6 +23,7 @@ R = H/G query heads per key/value head, P = Q*R packed query rows (`pack_heads`)
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 import torch
@@ -63,6 +64,19 @@ def _flex_region(q_1HQE: Tensor, k_1GKE: Tensor, v_1GKE: Tensor, block_mask: Blo
 _compiled_flex_region = torch.compile(_flex_region, dynamic=False, fullgraph=True)
 
 
+def _layout_from_env() -> str:
+    """How q/k/v reach the flex kernel: tokens-major (default, `tokens_major`), or
+    DFLASH_FLEX_LAYOUT=heads, contiguous heads-major as before the twenty-second session (each
+    made contiguous first): the two compared on a GPU in one call (BENCHMARKS.md)."""
+    value = os.environ.get("DFLASH_FLEX_LAYOUT", "tokens")
+    if value not in ("tokens", "heads"):
+        raise ValueError(f"DFLASH_FLEX_LAYOUT must be tokens or heads, got {value!r}")
+    return value
+
+
+FLEX_LAYOUT = _layout_from_env()
+
+
 @torch.compiler.disable
 def block_attention(
     q_1HQE: Tensor, k_1GKE: Tensor, v_1GKE: Tensor, block_mask: BlockMask
@@ -77,8 +91,14 @@ def block_attention(
     """
     if q_1HQE.is_cuda and block_mask.BLOCK_SIZE[0] < 128:
         flex_tiles.install()  # inductor's default kernel tiles do not divide 64-token tiles
-    q_1HQE, k_1GKE, v_1GKE = tokens_major(q_1HQE), tokens_major(k_1GKE), tokens_major(v_1GKE)
+    layout = tokens_major if FLEX_LAYOUT == "tokens" else heads_major
+    q_1HQE, k_1GKE, v_1GKE = layout(q_1HQE), layout(k_1GKE), layout(v_1GKE)
     return _compiled_flex_region(q_1HQE, k_1GKE, v_1GKE, block_mask)
+
+
+def heads_major(x_1HNE: Tensor) -> Tensor:
+    """`x_1HNE` contiguous ([1, H, N, E] in memory): DFLASH_FLEX_LAYOUT=heads."""
+    return x_1HNE.contiguous()
 
 
 def tokens_major(x_1HNE: Tensor) -> Tensor:
@@ -89,7 +109,7 @@ def tokens_major(x_1HNE: Tensor) -> Tensor:
     step's 69 ms while they were made contiguous here) and its output reshapes for o_proj
     without one. Measured on an H200 (BENCHMARKS.md, twenty-third session): the pystd step
     69.03 vs 69.31 ms, no gain beyond the noise; a seed-shape attention reading since then fell
-    outside the known spread (A/B owed: bench/bench_attention.py --layout heads)."""
+    outside the known spread (A/B owed: DFLASH_FLEX_LAYOUT=heads)."""
     assert x_1HNE.size(0) == 1, x_1HNE.shape  # one packed sequence
     if not x_1HNE.transpose(1, 2).is_contiguous():
         x_1HNE = x_1HNE.transpose(1, 2).contiguous().transpose(1, 2)

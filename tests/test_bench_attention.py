@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_bench_attention_runs_in_either_layout_on_the_cpu(tmp_path: Path, layout: str) -> None:
     """bench/bench_attention.py --layout: the project's region checks out against the fp32
     reference with q/k/v tokens-major (as the layers feed flex) and heads-major (as they did
-    before), and the results say which layout they timed (a GPU A/B reads the two files)."""
+    before), made so and handed so to flex by the region (DFLASH_FLEX_LAYOUT's switch, whose
+    effect tests/test_model.py checks), and the results say which (a GPU A/B reads them)."""
     out = tmp_path / "att"  # not there yet: the bench makes it
     env = {**os.environ, "OUT": str(out)}
     done = subprocess.run(
@@ -36,5 +37,5 @@ def test_bench_attention_runs_in_either_layout_on_the_cpu(tmp_path: Path, layout
     records = [json.loads(line) for line in (out / "attention_sweep.jsonl").open()]
     setup = next(r for r in records if r["what"] == "sweep_setup")
     baseline = next(r for r in records if r.get("name") == "project_region")
-    assert setup["layout"] == layout
+    assert setup["layout"] == setup["region_layout"] == layout
     assert baseline["valid"] is True and baseline["rel_err_out"] < 1e-5, baseline

@@ -4,6 +4,7 @@ stages after it do not run on its missing output."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -179,6 +180,11 @@ def test_recipe_background_returns_the_best_drafter_while_training(tmp_path: Pat
         assert "still running" in done.stdout
         return done, sorted(results.glob("run-L10-export-best.tar.part-*"))
 
+    (best / "best.json").rename(best / "pending")  # exported, best.json not yet written
+    _, parts = call()
+    assert not parts
+    (best / "pending").rename(best / "best.json")
+
     first, parts = call()
     assert "returned run-L10/export-best" in first.stdout and parts
     (archive,) = results.glob("call-*.tgz")
@@ -200,6 +206,16 @@ def test_recipe_background_returns_the_best_drafter_while_training(tmp_path: Pat
     os.utime(weights, (stamp, stamp))  # the trainer exported a better drafter
     third, parts = call()
     assert parts and "returned run-L10/export-best" in third.stdout
+    final = best.parent / "export"  # the recipe ends: the call that sees it returns the final
+    final.mkdir()
+    (final / "model.safetensors").write_bytes(os.urandom(2048))
+    (job / "exit").write_text("0\n")
+    for old in results.glob("*"):
+        old.unlink()
+    done = _bash(ROOT / "bench" / "recipe_background.sh", tmp_path, env, 60)
+    assert "recipe done" in done.stdout and "returned run-L10/export " in done.stdout
+    assert sorted(results.glob("run-L10-export.tar.part-*"))
+    assert not list(results.glob("run-L10-export-best.tar.part-*"))
 
 
 @pytest.mark.parametrize("follow", ["1", "0"])
@@ -211,10 +227,16 @@ def test_recipe_follow_trains_while_extract_writes(tmp_path: Path, follow: str) 
     shim = tmp_path / "shim"
     shim.mkdir()
     calls = tmp_path / "calls.log"
+    # extract waits (up to 3 s) for train to start: with FOLLOW it does, without it extract
+    # ends first; an order fixed by the scripts, not by sleeps on a loaded machine
+    started = tmp_path / "train.started"
     (shim / "dflash").write_text(
         "#!/bin/bash\n"
         f'echo "$1 start $*" >> {calls}\n'
-        'if [ "$1" = extract ]; then sleep 2; else sleep 0.3; fi\n'
+        f'[ "$1" = train ] && touch {started}\n'
+        'if [ "$1" = extract ]; then\n'
+        f"  for _ in $(seq 30); do [ -f {started} ] && break; sleep 0.1; done\n"
+        "fi\n"
         f'echo "$1 end" >> {calls}\n'
     )
     (shim / "dflash").chmod(0o755)
@@ -236,10 +258,33 @@ def test_recipe_follow_trains_while_extract_writes(tmp_path: Path, follow: str) 
     train = next(line for line in lines if line.startswith("train start"))
     if follow == "1":
         assert order.index("train start") < order.index("extract end"), order
-        assert "--follow" in train and "data.follow_timeout_s=120" in train
+        assert "--follow" in train and "data.follow_timeout_s=300" in train
         assert "inspect start" in order  # the diagnostics ran after extract, in its job
     else:
         assert order.index("extract end") < order.index("train start"), order
         assert "--follow" not in train
-    timings = (out / "timings.txt").read_text()
-    assert '"extract_s"' in timings and '"recipe-train_s"' in timings, timings
+    # timings.json is written once the script has waited for every job: extract's time in it
+    timings = json.loads((out / "timings.json").read_text())
+    assert {"extract_s", "recipe-train_s", "recipe-evaluate_s"} <= set(timings), timings
+
+
+def test_recipe_follow_reports_a_failed_extract(tmp_path: Path) -> None:
+    """With FOLLOW=1 extract runs as a background job: its failure still fails the script,
+    named once."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "dflash").write_text('#!/bin/bash\n[ "$1" = extract ] && exit 1\nexit 0\n')
+    (shim / "dflash").chmod(0o755)
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT / "bench", tree / "bench")
+    env = {
+        **os.environ,
+        "PATH": f"{shim}{os.pathsep}{os.environ['PATH']}",
+        "WORK": str(tmp_path / "work"),
+        "OUT": str(tmp_path / "results"),
+        "STAGES": "extract,train",
+        "FOLLOW": "1",
+    }
+    done = _bash("bench/recipe_pystd.sh", tree, env, 120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "failed: extract (" in done.stdout, done.stdout

@@ -340,6 +340,31 @@ def test_block_attention_feeds_flex_uncopied(monkeypatch: pytest.MonkeyPatch) ->
         assert x.transpose(1, 2).is_contiguous()
 
 
+def test_flex_layout_heads_feeds_flex_contiguous(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DFLASH_FLEX_LAYOUT=heads (the A/B of the layouts): block_attention hands flex q/k/v
+    contiguous heads-major, the same values; an unknown layout is refused with the choices."""
+    import stage2_train.attention as attention_module
+
+    b = make_batch()
+    flex = BlockAttention(b["anchors"], b["docs"], BSZ, backend="flex")
+    assert flex.block_mask is not None
+    fed = []
+    monkeypatch.setattr(
+        attention_module, "_compiled_flex_region", lambda q, k, v, mask: fed.extend((q, k, v)) or q
+    )
+    monkeypatch.setattr(attention_module, "FLEX_LAYOUT", "heads")
+    n_q, n_kv = flex.num_queries, flex.context_len + flex.num_queries
+    views = [
+        torch.randn(n, h, 8).transpose(0, 1)[None] for n, h in ((n_q, 4), (n_kv, 2), (n_kv, 2))
+    ]
+    block_attention(*views, flex.block_mask)
+    for x, view in zip(fed, views, strict=True):
+        assert x.is_contiguous() and not view.is_contiguous() and torch.equal(x, view)
+    monkeypatch.setenv("DFLASH_FLEX_LAYOUT", "rows")
+    with pytest.raises(ValueError, match="tokens or heads"):
+        attention_module._layout_from_env()
+
+
 def test_flex_refuses_to_run_unfused(compiled_once) -> None:
     _, b, _, _ = compiled_once
     attention = BlockAttention(b["anchors"], b["docs"], BSZ, backend="flex")
