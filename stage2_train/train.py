@@ -31,6 +31,7 @@ from tqdm import tqdm
 from common.distributed import WorkerContext, finish_worker, init_worker, launch, parse_devices
 from common.errors import report_to_launcher
 from common.logging import get_logger, init_logger
+from common.store import StoreError
 from common.store_files import check_store_files
 from evaluation.chained import chained_tau_on_store, open_dev_store
 from evaluation.heldout import evaluate
@@ -406,6 +407,8 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
             try:
                 if plan.epoch_done(state.epoch, state.step_in_epoch):  # --follow: may wait
                     state.epoch, state.step_in_epoch = state.epoch + 1, 0
+                    if state.stream and state.epoch == 1:  # extract is done: a new pace
+                        fit.restart_measuring(state.step)
                 if batches is None:  # one iterator for the run: workers read on past epoch ends
                     sampler.set_position(state.epoch, state.step_in_epoch, total_steps - state.step)
                     batches = iter(loader)
@@ -414,6 +417,15 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
                 data_s = time.perf_counter() - started  # the wait for the loader
             except WaitInterrupted as interrupted:
                 stop_now(interrupted.code)
+            except StoreError:
+                # --follow: extraction stopped (its timeout); the steps trained so far are
+                # kept, as the error's rerun advice says (one rank: a checkpoint of several
+                # gathers from all of them, which may not all have raised yet)
+                if ctx.world_size == 1:
+                    write_unread()
+                    if saved_step != state.step:
+                        checkpoint()
+                raise
             # the last step fetches nothing past the run; --follow's streamed epoch fetches in turn,
             # since its next batch may wait for extract (a step would wait with its metrics unsaved)
             streaming = state.stream and state.epoch == 0

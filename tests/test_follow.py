@@ -357,3 +357,45 @@ def test_sigterm_while_caught_up_with_extraction_stops_without_waiting(
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
     streamed = [i for r in rows if r["epoch"] == 0 for i in r["seqs"][0] if i >= 0]
     assert streamed == list(range(11))  # in store order, each exactly once
+
+
+def test_a_dead_extraction_keeps_the_steps_trained_before_the_error(tmp_path: Path) -> None:
+    """One rank caught up with an extraction that died (shards 3-4 never come, no writer lock):
+    past data.follow_timeout_s it stops with the error, and the steps it trained are in a
+    checkpoint (run.checkpoint_every is far off), as the error's rerun advice promises."""
+    store, _, _ = store_being_extracted(tmp_path)
+    out = tmp_path / "run"
+    sets = ["optim.epochs=1", "run.progress=false", "data.holdout_sequences=2"]
+    sets += ["data.follow_poll_s=0.01", "data.follow_timeout_s=0.05", "run.checkpoint_every=100"]
+    args = ["train", "--config", str(DEBUG), "--store", str(store), "--out", str(out)]
+    args += ["--devices", "cpu", "--follow", *[a for s in sets for a in ("--set", s)]]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code != 0 and "extraction seems to have stopped" in result.output
+    trained = [r["step"] for r in _metrics(out)]
+    assert trained == list(range(1, len(trained) + 1)) and trained
+    assert sorted(p.name for p in out.glob("step-*")) == [f"step-{trained[-1]:06d}"]
+
+
+def test_the_time_fit_measures_afresh_once_the_streamed_epoch_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step rate of the streamed epoch (extract sharing the GPU, its shards awaited) is
+    dropped when it ends: the time fit restarts its measure there, once, at that step."""
+    from stage2_train.time_fit import TimeFit
+
+    store = build_store(tmp_path / "store", FactorySpec(num_sequences=13, sequences_per_shard=3))
+    restarts: list[int] = []
+    original = TimeFit.restart_measuring
+    monkeypatch.setattr(
+        TimeFit, "restart_measuring", lambda fit, step: restarts.append(step) or original(fit, step)
+    )
+    out = tmp_path / "run"
+    sets = ["optim.epochs=2", "run.progress=false", "data.holdout_sequences=2"]
+    sets += ["data.follow_poll_s=0.01", "run.time_limit_s=600"]
+    args = ["train", "--config", str(DEBUG), "--store", str(store), "--out", str(out)]
+    args += ["--devices", "cpu", "--follow", *[a for s in sets for a in ("--set", s)]]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    rows = _metrics(out)
+    first_of_epoch_1 = next(r["step"] for r in rows if r["epoch"] == 1)
+    assert restarts == [first_of_epoch_1 - 1], (restarts, first_of_epoch_1)

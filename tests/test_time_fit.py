@@ -80,10 +80,12 @@ def fitted_run(
     limit: float | None,
     s_per_step: float | Callable[[int], float],
     world: int = 1,
+    restart_at: int | None = None,
 ) -> tuple[list[float], TimeFit, dict[int, FittedEnd]]:
     """Scheduler steps (no model) to the end, the clock moving `s_per_step` a step (or
     `s_per_step(step)`): the lr of every step (1-based step = list index + 1), the planner, and
-    what observe() returned, by step."""
+    what observe() returned, by step; `restart_at`: the step after which the rate is measured
+    afresh (as --follow's streamed epoch ends)."""
     model = torch.nn.Linear(2, 2)
     optimizer = build_optimizer(list(model.parameters()), cfg, torch.device("cpu"))
     end = ScheduleEnd()
@@ -107,6 +109,8 @@ def fitted_run(
         if (fitted := fit.observe(step)) is not None:
             frozen[step] = fitted
             total = fitted.end
+        if step == restart_at:
+            fit.restart_measuring(step)
         if step == total:
             break
     return lrs, fit, frozen
@@ -296,6 +300,26 @@ def test_a_pessimistic_first_fit_is_lengthened_early_and_stays_continuous(
     # the lengthening stops once a third of the fitted decay is done
     last_move = list(fitted)[-1]
     assert 3 * (last_move - (list(fitted.values())[-2].decay_from - 1)) < ends[-2] - 1
+
+
+def test_a_restarted_rate_forgets_the_streamed_epochs_pace(clock: FakeClock) -> None:
+    """--follow on pystd's scale: 667 steps at 0.15 s (the streamed epoch: sharing the GPU with
+    extract, waiting for its shards), then 0.086 s, an evaluation of 5 s every 1,500 steps,
+    1,100 s. Measured on from the start, the slow mean keeps pulling the end in (8 re-maps);
+    measured afresh when the streamed epoch ends, the fit lengthens at once and settles (3),
+    with more steps at a higher lr, still annealed and inside the limit."""
+    cfg = OptimConfig(lr=2e-3, schedule="cosine", warmup_ratio=0.04, min_lr_ratio=0.0)
+
+    def pace(step: int) -> float:
+        return (0.15 if step <= 667 else 0.086) + (5.0 if step % 1500 == 0 else 0.0)
+
+    kept, _, kept_fits = fitted_run(clock, cfg, 16000, 1100.0, pace)
+    clock.now = 0.0
+    fresh, _, fresh_fits = fitted_run(clock, cfg, 16000, 1100.0, pace, restart_at=667)
+    assert len(fresh_fits) < len(kept_fits) and len(fresh) > len(kept), (fresh_fits, kept_fits)
+    assert sum(fresh) / len(fresh) > 1.05 * sum(kept) / len(kept)
+    assert sum(pace(step) for step in range(1, len(fresh) + 1)) <= 1100.0
+    assert_annealed(fresh, cfg, 16000)  # the lr never rose after the warmup
 
 
 def h200_step_times(doubled_from: int | None = None) -> list[float]:
