@@ -227,8 +227,9 @@ class TimeFit:
         """Measure the rate afresh from step `step` on (alike on every rank: called at the
         same step). `dflash train --follow` calls it when its streamed first epoch ends: those
         steps shared the GPU with extract and waited for its shards, and the mean since the
-        first step would carry their slower pace into every later projection (a 1,100-s run
-        with 100 s at 0.15 s/step, then 0.086: five re-fits and 0.93x the mean lr, replayed).
+        first step would carry their slower pace into every later projection (a 1,100-s run,
+        667 steps at 0.15 s then 0.086: eight re-maps and 0.93x the mean lr, where measuring
+        afresh makes three; tests/test_time_fit.py replays it).
         The fit still acts during that epoch, so a limit shorter than extraction anneals."""
         self.measure_from = step + WARM_STEPS
         self.rate = StepRate()
