@@ -281,9 +281,9 @@ else
 fi
 if [ -n "${diagnostics_pid:-}" ]; then
   wait "$diagnostics_pid"
-  if (( extract_in_background )) && [ -f "$WORK/extract.failed" ]; then
-    failed+=(extract)
-  elif [ -f "$WORK/inspect.failed" ]; then
+  # extract's own failure (a background job's is a file) or its inspection's, named once
+  if [[ " ${failed[*]} " != *" extract "* ]] && { [ -f "$WORK/inspect.failed" ] \
+      || { (( extract_in_background )) && [ -f "$WORK/extract.failed" ]; }; }; then
     failed+=(extract)
   fi
 fi
