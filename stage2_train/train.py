@@ -77,7 +77,9 @@ log = get_logger()
 def run_train(cfg: TrainConfig) -> None:
     """Check inputs, then train on every device of `run.devices` (see the module docstring)."""
     if cfg.data.follow:  # extract may have just started: its store and first shard come later
+        waiting_since = time.monotonic()
         wait_for_store(cfg.data)
+        cfg = limit_after_wait(cfg, time.monotonic() - waiting_since)
     info, _ = check_inputs(cfg)
     if info.complete:  # (--follow before completion: each sequence's files after its read)
         check_store_files(info)  # a deleted or cut file reads as zeros: caught before step 1
@@ -86,6 +88,20 @@ def run_train(cfg: TrainConfig) -> None:
     devices = parse_devices(cfg.run.devices)
     Path(cfg.run.out).mkdir(parents=True, exist_ok=True)
     launch(_worker, devices, cfg, devices)
+
+
+def limit_after_wait(cfg: TrainConfig, waited_s: float) -> TrainConfig:
+    """`cfg` with the seconds --follow waited for the store taken off `run.time_limit_s`: the
+    limit counts the training process's seconds (a job's wall clock), and the workers' clocks
+    start after that wait, which lasts as long as extract takes to tokenize and load its
+    target (minutes for a large one). A limit the wait used up leaves the workers one second:
+    they stop after their first step, resumably."""
+    limit = cfg.run.time_limit_s
+    if limit is None or waited_s < 1.0:
+        return cfg
+    left = max(limit - waited_s, 1.0)
+    log.info("waited %.0f s for the store: %.0f s left of run.time_limit_s", waited_s, left)
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, time_limit_s=left))
 
 
 def _worker(cfg: TrainConfig, devices: list[str]) -> None:

@@ -399,3 +399,21 @@ def test_the_time_fit_measures_afresh_once_the_streamed_epoch_ends(
     rows = _metrics(out)
     first_of_epoch_1 = next(r["step"] for r in rows if r["epoch"] == 1)
     assert restarts == [first_of_epoch_1 - 1], (restarts, first_of_epoch_1)
+
+
+def test_the_wait_for_the_store_counts_in_the_time_limit() -> None:
+    """run.time_limit_s counts the training process's seconds: --follow's wait for the store
+    (before the workers' clocks start) comes off it; one the wait used up leaves one second;
+    no limit, or a wait under a second, changes nothing."""
+    from common.config import build_config
+    from stage2_train.config import TrainConfig
+    from stage2_train.train import limit_after_wait
+
+    def cfg(limit: str) -> TrainConfig:
+        sets = ["run.out=x", "data.store=s", f"run.time_limit_s={limit}"]
+        return build_config(TrainConfig, DEBUG, "train", sets)
+
+    assert limit_after_wait(cfg("600"), 45.0).run.time_limit_s == 555.0
+    assert limit_after_wait(cfg("600"), 900.0).run.time_limit_s == 1.0
+    assert limit_after_wait(cfg("600"), 0.2).run.time_limit_s == 600.0
+    assert limit_after_wait(cfg("null"), 45.0).run.time_limit_s is None
