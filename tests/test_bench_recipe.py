@@ -26,6 +26,29 @@ def _bash(
     )
 
 
+def _stubbed_recipe(
+    tmp_path: Path, dflash_body: str, **settings: str
+) -> tuple[subprocess.CompletedProcess, Path]:
+    """bench/recipe_pystd.sh from a copy of bench/, with `dflash` a stub script (`dflash_body`
+    after its #!) on the PATH and `settings` in its environment: the script's own control
+    flow. Returns the run and its $OUT."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "dflash").write_text(f"#!/bin/bash\n{dflash_body}")
+    (shim / "dflash").chmod(0o755)
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT / "bench", tree / "bench")
+    out = tmp_path / "results"
+    env = {
+        **os.environ,
+        "PATH": f"{shim}{os.pathsep}{os.environ['PATH']}",
+        "WORK": str(tmp_path / "work"),
+        "OUT": str(out),
+        **settings,
+    }
+    return _bash("bench/recipe_pystd.sh", tree, env, 120), out
+
+
 def test_a_failed_data_stage_is_not_marked_done(tmp_path: Path) -> None:
     work = tmp_path / "work"
     env = {
@@ -98,22 +121,9 @@ def test_recipe_variants_run_and_the_diagnostics_wait_finds_its_job(
     script's wait for the store diagnostics finds that job: a bare `wait` for the variants or
     for the evaluations used to reap it first, and bash then printed "not a child of this
     shell". The stages' commands are stubbed: this is the script's own control flow."""
-    shim = tmp_path / "shim"
-    shim.mkdir()
-    (shim / "dflash").write_text("#!/bin/bash\nsleep 0.5\n")
-    (shim / "dflash").chmod(0o755)
-    tree = tmp_path / "tree"
-    shutil.copytree(ROOT / "bench", tree / "bench")
-    out = tmp_path / "results"
-    env = {
-        **os.environ,
-        "PATH": f"{shim}{os.pathsep}{os.environ['PATH']}",
-        "WORK": str(tmp_path / "work"),
-        "OUT": str(out),
-        "STAGES": "extract,train,evaluate",
-        "VARIANTS": variants,
-    }
-    done = _bash("bench/recipe_pystd.sh", tree, env, 120)
+    done, out = _stubbed_recipe(
+        tmp_path, "sleep 0.5\n", STAGES="extract,train,evaluate", VARIANTS=variants
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "not a child" not in done.stdout + done.stderr
     timings = (out / "timings.txt").read_text()
@@ -224,14 +234,11 @@ def test_recipe_follow_trains_while_extract_writes(tmp_path: Path, follow: str) 
     as they are committed), and the script still waits for extract and its diagnostics and
     times every stage; without it, train starts after extract and is not told to follow. The
     stages' commands are stubbed: this is the script's own control flow."""
-    shim = tmp_path / "shim"
-    shim.mkdir()
     calls = tmp_path / "calls.log"
     # extract waits (up to 3 s) for train to start: with FOLLOW it does, without it extract
     # ends first; an order fixed by the scripts, not by sleeps on a loaded machine
     started = tmp_path / "train.started"
-    (shim / "dflash").write_text(
-        "#!/bin/bash\n"
+    stub = (
         f'echo "$1 start $*" >> {calls}\n'
         f'[ "$1" = train ] && touch {started}\n'
         'if [ "$1" = extract ]; then\n'
@@ -239,19 +246,7 @@ def test_recipe_follow_trains_while_extract_writes(tmp_path: Path, follow: str) 
         "fi\n"
         f'echo "$1 end" >> {calls}\n'
     )
-    (shim / "dflash").chmod(0o755)
-    tree = tmp_path / "tree"
-    shutil.copytree(ROOT / "bench", tree / "bench")
-    out = tmp_path / "results"
-    env = {
-        **os.environ,
-        "PATH": f"{shim}{os.pathsep}{os.environ['PATH']}",
-        "WORK": str(tmp_path / "work"),
-        "OUT": str(out),
-        "STAGES": "extract,train,evaluate",
-        "FOLLOW": follow,
-    }
-    done = _bash("bench/recipe_pystd.sh", tree, env, 120)
+    done, out = _stubbed_recipe(tmp_path, stub, STAGES="extract,train,evaluate", FOLLOW=follow)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = calls.read_text().splitlines()
     order = [" ".join(line.split()[:2]) for line in lines]
@@ -271,20 +266,7 @@ def test_recipe_follow_trains_while_extract_writes(tmp_path: Path, follow: str) 
 def test_recipe_follow_reports_a_failed_extract(tmp_path: Path) -> None:
     """With FOLLOW=1 extract runs as a background job: its failure still fails the script,
     named once."""
-    shim = tmp_path / "shim"
-    shim.mkdir()
-    (shim / "dflash").write_text('#!/bin/bash\n[ "$1" = extract ] && exit 1\nexit 0\n')
-    (shim / "dflash").chmod(0o755)
-    tree = tmp_path / "tree"
-    shutil.copytree(ROOT / "bench", tree / "bench")
-    env = {
-        **os.environ,
-        "PATH": f"{shim}{os.pathsep}{os.environ['PATH']}",
-        "WORK": str(tmp_path / "work"),
-        "OUT": str(tmp_path / "results"),
-        "STAGES": "extract,train",
-        "FOLLOW": "1",
-    }
-    done = _bash("bench/recipe_pystd.sh", tree, env, 120)
+    stub = '[ "$1" = extract ] && exit 1\nexit 0\n'
+    done, _ = _stubbed_recipe(tmp_path, stub, STAGES="extract,train", FOLLOW="1")
     assert done.returncode == 1, done.stdout + done.stderr
     assert "failed: extract (" in done.stdout, done.stdout

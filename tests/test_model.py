@@ -303,19 +303,26 @@ def test_layers_hand_attention_tokens_major_views(dtype: str) -> None:
     assert fed.stride() == tokens_major(seen[0][:, :4, :96, :8].clone()).stride()
 
 
-def test_block_attention_feeds_flex_uncopied(monkeypatch: pytest.MonkeyPatch) -> None:
-    """block_attention hands tokens-major q/k/v (the layers' layout) to the compiled flex
-    region as they are (no copy forward, views only backward: no zero-filled gradient), and
-    anything else converted once, with the same values."""
+def _record_flex_inputs(monkeypatch: pytest.MonkeyPatch) -> tuple[BlockAttention, list]:
+    """A flex BlockAttention of a small batch, and the list that the compiled flex region,
+    replaced by a recorder, fills with each call's q, k and v (it returns q)."""
     import stage2_train.attention as attention_module
 
     b = make_batch()
     flex = BlockAttention(b["anchors"], b["docs"], BSZ, backend="flex")
     assert flex.block_mask is not None
-    fed = []
+    fed: list = []
     monkeypatch.setattr(
         attention_module, "_compiled_flex_region", lambda q, k, v, mask: fed.extend((q, k, v)) or q
     )
+    return flex, fed
+
+
+def test_block_attention_feeds_flex_uncopied(monkeypatch: pytest.MonkeyPatch) -> None:
+    """block_attention hands tokens-major q/k/v (the layers' layout) to the compiled flex
+    region as they are (no copy forward, views only backward: no zero-filled gradient), and
+    anything else converted once, with the same values."""
+    flex, fed = _record_flex_inputs(monkeypatch)
     n_q, n_kv = flex.num_queries, flex.context_len + flex.num_queries
     leaves = [
         torch.randn(n, heads, 8).requires_grad_() for n, heads in ((n_q, 4), (n_kv, 2), (n_kv, 2))
@@ -345,13 +352,7 @@ def test_flex_layout_heads_feeds_flex_contiguous(monkeypatch: pytest.MonkeyPatch
     contiguous heads-major, the same values; an unknown layout is refused with the choices."""
     import stage2_train.attention as attention_module
 
-    b = make_batch()
-    flex = BlockAttention(b["anchors"], b["docs"], BSZ, backend="flex")
-    assert flex.block_mask is not None
-    fed = []
-    monkeypatch.setattr(
-        attention_module, "_compiled_flex_region", lambda q, k, v, mask: fed.extend((q, k, v)) or q
-    )
+    flex, fed = _record_flex_inputs(monkeypatch)
     monkeypatch.setattr(attention_module, "FLEX_LAYOUT", "heads")
     n_q, n_kv = flex.num_queries, flex.context_len + flex.num_queries
     views = [
