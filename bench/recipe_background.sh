@@ -118,13 +118,17 @@ tar czf "$RESULTS/call-$started.tgz" -C "$job" results recipe.log
 # them: one pystd drafter is 36-44 MB, 3 parts); further ones are left there, named. One
 # already returned unchanged is not sent again (its weights' and best.json's times: an
 # export-best is complete once best.json is written after its files).
+# export_stamp EXPORT: its weights' and best.json's modification times (what a re-export moves)
+export_stamp() {
+  stat -c %Y "$1/model.safetensors" "$1/best.json" 2>/dev/null | tr '\n' ' '
+}
 return_drafters() {
   local dir=$1 bytes_left=$(( 56 * 1024 * 1024 )) files_left=7 export run size parts stamp
   for export in "$WORK"/run-*/"$dir"; do
     [ -f "$export/model.safetensors" ] || continue
     [ "$dir" = export-best ] && [ ! -f "$export/best.json" ] && continue
     run=$(basename "$(dirname "$export")")
-    stamp=$(stat -c %Y "$export/model.safetensors" "$export/best.json" 2>/dev/null | tr '\n' ' ')
+    stamp=$(export_stamp "$export")
     [ "$(cat "$job/returned-$run-$dir" 2>/dev/null)" = "$stamp" ] && continue
     size=$(du -sb "$export" | cut -f1)
     parts=$(( (size + 15 * 1024 * 1024 - 1) / (15 * 1024 * 1024) ))
@@ -134,8 +138,7 @@ return_drafters() {
     fi
     rm -f "$RESULTS/$run-$dir.tar.part-"*
     if ! tar cf - -C "$WORK" "$run/$dir" | split -b 15M - "$RESULTS/$run-$dir.tar.part-" \
-        || [ "$(stat -c %Y "$export/model.safetensors" "$export/best.json" 2>/dev/null \
-                | tr '\n' ' ')" != "$stamp" ]; then
+        || [ "$(export_stamp "$export")" != "$stamp" ]; then
       # packing failed, or the trainer re-exported it meanwhile: the next call sends it
       rm -f "$RESULTS/$run-$dir.tar.part-"*
       echo "$run/$dir not returned: packing failed or it was rewritten meanwhile"
