@@ -409,10 +409,14 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
             write(finish(*unread, ended))
             unread = None
 
-    def stop_now(code: int) -> NoReturn:
+    def keep_progress() -> None:
+        """The steps trained so far into the metrics and a checkpoint (a stop, an error)."""
         write_unread()  # its tokens count into the checkpoint's state
         if saved_step != state.step:
             checkpoint()
+
+    def stop_now(code: int) -> NoReturn:
+        keep_progress()
         bar.close()
         trackers.close()
         saved = str(step_dir(out, state.step)) if state.step else None
@@ -438,9 +442,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
                 # kept, as the error's rerun advice says (one rank: a checkpoint of several
                 # gathers from all of them, which may not all have raised yet)
                 if ctx.world_size == 1:
-                    write_unread()
-                    if saved_step != state.step:
-                        checkpoint()
+                    keep_progress()
                 raise
             # the last step fetches nothing past the run; --follow's streamed epoch fetches in turn,
             # since its next batch may wait for extract (a step would wait with its metrics unsaved)
