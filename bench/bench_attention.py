@@ -83,7 +83,7 @@ def make_timer(dev: str) -> Callable[[Callable[[], object]], float]:
     return host_median
 
 
-LAYOUT = "tokens"  # --layout: how q/k/v (and the output's gradient) are laid out in memory
+LAYOUT = "heads"  # --layout: how q/k/v (and the output's gradient) are laid out in memory
 
 
 def inputs(dev: str, dtype: torch.dtype = torch.bfloat16) -> tuple:
@@ -96,8 +96,8 @@ def inputs(dev: str, dtype: torch.dtype = torch.bfloat16) -> tuple:
 
     def rand(*shape: int) -> torch.Tensor:
         x = torch.randn(*shape, device=dev, dtype=dtype)  # [1, H, N, E] contiguous: heads-major
-        # tokens-major is the layout the drafter's layers feed flex; heads-major the one they
-        # fed it before the twenty-second session (each q/k/v made contiguous first)
+        # heads-major is what training hands flex (each q/k/v made contiguous first);
+        # tokens-major what the layers' projections write (DFLASH_FLEX_LAYOUT=tokens)
         return tokens_major(x) if LAYOUT == "tokens" else x
 
     q = rand(1, HQ, Q, E).requires_grad_()
@@ -216,10 +216,11 @@ def main() -> None:
     parser.add_argument(
         "--layout",
         choices=["tokens", "heads"],
-        default="tokens",
+        default="heads",
         help="q/k/v in memory, as made and as the project's region hands them to flex: "
-        "tokens-major ([N, H, E], the default) or heads-major ([H, N, E] contiguous, as before "
-        "the 22nd session; DFLASH_FLEX_LAYOUT=heads in training); the same values either way",
+        "heads-major ([H, N, E] contiguous, the default, as training's) or tokens-major "
+        "([N, H, E], as the layers' projections write them; DFLASH_FLEX_LAYOUT=tokens in "
+        "training); the same values either way",
     )
     args = parser.parse_args()
     global LAYOUT

@@ -65,10 +65,14 @@ _compiled_flex_region = torch.compile(_flex_region, dynamic=False, fullgraph=Tru
 
 
 def _layout_from_env() -> str:
-    """How q/k/v reach the flex kernel: tokens-major (default, `tokens_major`), or
-    DFLASH_FLEX_LAYOUT=heads, contiguous heads-major as before the twenty-second session (each
-    made contiguous first): the two compared on a GPU in one call (BENCHMARKS.md)."""
-    value = os.environ.get("DFLASH_FLEX_LAYOUT", "tokens")
+    """How q/k/v reach the flex kernel: contiguous heads-major (default, `heads_major`), or
+    DFLASH_FLEX_LAYOUT=tokens, as the layers' projections write them (`tokens_major`). On an
+    H200 (BENCHMARKS.md, twenty-fourth session, two processes each, one call) flex's kernels
+    ran the seed shape's forward and backward in 0.857 / 0.809 ms heads-major against 1.173 /
+    1.002 ms tokens-major, and the pystd step took 70.4 / 71.5 ms against 72.4 / 72.7 ms,
+    the copies that make q/k/v contiguous (24 a step at 8 layers) included: the kernels read
+    strided tokens-major tiles more slowly than those copies cost."""
+    value = os.environ.get("DFLASH_FLEX_LAYOUT", "heads")
     if value not in ("tokens", "heads"):
         raise ValueError(f"DFLASH_FLEX_LAYOUT must be tokens or heads, got {value!r}")
     return value
@@ -84,10 +88,11 @@ def block_attention(
     """Fused flex_attention under ``block_mask`` (GQA: H a multiple of G); scale 1/sqrt(E).
 
     The disable decorator makes an enclosing torch.compile break the graph here, so this
-    region keeps its own options and graph cache instead of being inlined. Inputs come in one
-    layout, tokens-major (`tokens_major`), because the static graph guards on strides: a
-    caller passing transposed views one time and contiguous tensors another would otherwise
-    recompile. The output has the query's layout (flex's lowering matches it).
+    region keeps its own options and graph cache instead of being inlined. Inputs are brought
+    to one layout (FLEX_LAYOUT: heads-major unless DFLASH_FLEX_LAYOUT=tokens) because the
+    static graph guards on strides: a caller passing transposed views one time and contiguous
+    tensors another would otherwise recompile. The output has the query's layout (flex's
+    lowering matches it).
     """
     if q_1HQE.is_cuda and block_mask.BLOCK_SIZE[0] < 128:
         flex_tiles.install()  # inductor's default kernel tiles do not divide 64-token tiles
@@ -97,19 +102,17 @@ def block_attention(
 
 
 def heads_major(x_1HNE: Tensor) -> Tensor:
-    """`x_1HNE` contiguous ([1, H, N, E] in memory): DFLASH_FLEX_LAYOUT=heads."""
+    """`x_1HNE` contiguous ([1, H, N, E] in memory): the default layout (`_layout_from_env`)."""
     return x_1HNE.contiguous()
 
 
 def tokens_major(x_1HNE: Tensor) -> Tensor:
     """`x_1HNE` stored as [1, N, H, E] (viewed [1, H, N, E]), copied only if it is not: the
-    layout the drafter's projections write ([N, H*E] rows, heads side by side). flex reads it
-    in place (it needs only the head dimension contiguous) and writes its output alike, so the
-    layer's q/k/v need no transposing copies (24 a step at 8 layers, 2.0 ms of the pystd
-    step's 69 ms while they were made contiguous here) and its output reshapes for o_proj
-    without one. Measured on an H200 (BENCHMARKS.md, twenty-third session): the pystd step
-    69.03 vs 69.31 ms, no gain beyond the noise; a seed-shape attention reading since then fell
-    outside the known spread (A/B owed: DFLASH_FLEX_LAYOUT=heads)."""
+    layout the drafter's projections write ([N, H*E] rows, heads side by side), with
+    DFLASH_FLEX_LAYOUT=tokens. flex reads it in place (it needs only the head dimension
+    contiguous) and writes its output alike, so the layer's q/k/v need no transposing copies;
+    but its kernels run slower on it than those copies cost (`_layout_from_env`), so it is not
+    the default."""
     assert x_1HNE.size(0) == 1, x_1HNE.shape  # one packed sequence
     if not x_1HNE.transpose(1, 2).is_contiguous():
         x_1HNE = x_1HNE.transpose(1, 2).contiguous().transpose(1, 2)
@@ -122,7 +125,8 @@ def pack_heads(x_1HQE: Tensor, groups: int) -> Tensor:
     """Query heads folded into rows per key/value group: [1,H,Q,E] -> [1,G,Q*R,E] with R = H/G
     and row q*R + r holding query q of the group's head r (head g*R + r, as GQA maps heads), so
     the R rows of one query are adjacent and an anchor block of B queries is B*R rows. Written
-    tokens-major ([Q*R, G, E] in memory, `tokens_major`): one copy, none in block_attention."""
+    tokens-major ([Q*R, G, E] in memory, `tokens_major`): one copy, and block_attention's
+    heads-major default makes it contiguous with a second (pack_heads is off and loses)."""
     _, heads, q_len, dim = x_1HQE.shape
     per_group = heads // groups
     rows_1QRGE = x_1HQE.reshape(1, groups, per_group, q_len, dim).permute(0, 3, 2, 1, 4)

@@ -319,10 +319,13 @@ def _record_flex_inputs(monkeypatch: pytest.MonkeyPatch) -> tuple[BlockAttention
 
 
 def test_block_attention_feeds_flex_uncopied(monkeypatch: pytest.MonkeyPatch) -> None:
-    """block_attention hands tokens-major q/k/v (the layers' layout) to the compiled flex
-    region as they are (no copy forward, views only backward: no zero-filled gradient), and
-    anything else converted once, with the same values."""
+    """DFLASH_FLEX_LAYOUT=tokens: block_attention hands tokens-major q/k/v (the layers'
+    layout) to the compiled flex region as they are (no copy forward, views only backward: no
+    zero-filled gradient), and anything else converted once, with the same values."""
+    import stage2_train.attention as attention_module
+
     flex, fed = _record_flex_inputs(monkeypatch)
+    monkeypatch.setattr(attention_module, "FLEX_LAYOUT", "tokens")
     n_q, n_kv = flex.num_queries, flex.context_len + flex.num_queries
     leaves = [
         torch.randn(n, heads, 8).requires_grad_() for n, heads in ((n_q, 4), (n_kv, 2), (n_kv, 2))
@@ -348,12 +351,14 @@ def test_block_attention_feeds_flex_uncopied(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_flex_layout_heads_feeds_flex_contiguous(monkeypatch: pytest.MonkeyPatch) -> None:
-    """DFLASH_FLEX_LAYOUT=heads (the A/B of the layouts): block_attention hands flex q/k/v
-    contiguous heads-major, the same values; an unknown layout is refused with the choices."""
+    """The default layout (faster on an H200): block_attention hands flex q/k/v contiguous
+    heads-major, the same values; an unknown layout is refused with the choices."""
     import stage2_train.attention as attention_module
 
+    monkeypatch.delenv("DFLASH_FLEX_LAYOUT", raising=False)
+    monkeypatch.setattr(attention_module, "FLEX_LAYOUT", attention_module._layout_from_env())
+    assert attention_module.FLEX_LAYOUT == "heads"
     flex, fed = _record_flex_inputs(monkeypatch)
-    monkeypatch.setattr(attention_module, "FLEX_LAYOUT", "heads")
     n_q, n_kv = flex.num_queries, flex.context_len + flex.num_queries
     views = [
         torch.randn(n, h, 8).transpose(0, 1)[None] for n, h in ((n_q, 4), (n_kv, 2), (n_kv, 2))
