@@ -10,7 +10,8 @@
 # If the machine stopped the job between calls, the call says "job gone" and exits 3: every
 # stage resumes, so go on with bench/recipe_call.sh and the same settings and $WORK. A
 # follow-up call that finds a fresh machine (no job, no .carry carried) says so and exits 4.
-# Each call still training returns the best drafter so far (RUN/export-best, when new), the
+# Each follow-up call still training returns the best drafter so far (RUN/export-best, when
+# new; RETURN_BEST=0 or 1 decides, by default 1 but 0 in the call that starts the recipe), the
 # call that finds the recipe done the final ones (RUN/export).
 # The job runs from a snapshot (bench/, configs/, .carry/ and the package installed into
 # $WORK/background/site), since the device replaces the working tree and the carried folders at
@@ -48,6 +49,10 @@ if [ ! -f "$job/pid" ]; then
     echo $! > "$job/pid"
   )
   echo "started the recipe as pid $(cat "$job/pid") (log: $job/recipe.log)"
+  # its best drafter is at most a few minutes' training, and its ~44 MB would lengthen the
+  # transfer before the next call, which must come within 30 s (the machine went between
+  # the first two calls in the twenty-fourth session, after a call that returned one)
+  RETURN_BEST=${RETURN_BEST:-0}
   # the machine's uptime when the recipe started, beside the call's held time the device tool
   # reports: whether a later plan can read the machine's start cost from inside the call
   echo "{\"uptime_s\": $(cut -d' ' -f1 /proc/uptime 2>/dev/null || echo null), \"epoch_s\": $started}" \
@@ -158,7 +163,11 @@ else
   # the best drafter so far: a machine lost before the next call (the nineteenth and
   # twenty-third sessions lost theirs between the second and third) still leaves a drafter to
   # evaluate on the CPU (`dflash evaluate ... --device cpu`, a minute)
-  return_drafters export-best
+  if (( ${RETURN_BEST:-1} )); then
+    return_drafters export-best
+  else
+    echo "best drafter so far: not returned (RETURN_BEST=0; the call that starts the recipe)"
+  fi
   echo "still running: call again within 30 s"
 fi
 echo "call took $(( $(date +%s) - started )) s; results in $RESULTS/call-$started.tgz"

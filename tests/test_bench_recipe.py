@@ -168,7 +168,8 @@ def test_recipe_background_runs_after_once_the_recipe_is_done(tmp_path: Path) ->
 def test_recipe_background_returns_the_best_drafter_while_training(tmp_path: Path) -> None:
     """A call that finds the recipe still running returns each run's export-best/ (a machine
     lost before the next call still leaves a drafter to evaluate), once per export: an
-    unchanged one is not sent again, a newer one is; and each run's metrics so far."""
+    unchanged one is not sent again, a newer one is; none with RETURN_BEST=0 (the default of
+    the call that starts the recipe); and each run's metrics so far."""
     work, results = tmp_path / "work", tmp_path / "results"
     job = work / "background"
     (job / "results").mkdir(parents=True)
@@ -194,6 +195,10 @@ def test_recipe_background_returns_the_best_drafter_while_training(tmp_path: Pat
     _, parts = call()
     assert not parts
     (best / "pending").rename(best / "best.json")
+    env["RETURN_BEST"] = "0"  # as in the call that starts the recipe: nothing sent
+    held_back, parts = call()
+    assert not parts and "not returned (RETURN_BEST=0" in held_back.stdout
+    del env["RETURN_BEST"]
 
     first, parts = call()
     assert "returned run-L10/export-best" in first.stdout and parts
