@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from stage2_train.attention import tokens_major
+from stage2_train.attention import flex_layout
 
 
 @dataclass
@@ -78,13 +78,14 @@ def permute_rows(x_1HQE: Tensor, perm_A: Tensor, block_size: int) -> Tensor:
 def permute_blocks(p: Problem, perm_A: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """q rows and the block part of k/v in block order perm_A, as new leaves."""
     S, B, grads = p.context_len, p.block_size, p.q.requires_grad
-    # new leaves in the layout the drafter's layers feed flex (stage2_train.attention)
-    q = tokens_major(permute_rows(p.q.detach(), perm_A, B)).requires_grad_(grads)
+    # new leaves in the layout block_attention hands flex, as the unpermuted inputs are
+    # (bench_attention's --layout), so no conversion inside the timed region
+    q = flex_layout(permute_rows(p.q.detach(), perm_A, B)).requires_grad_(grads)
     kv = []
     for t in (p.k, p.v):
         t = t.detach()
         block_part = permute_rows(t[:, :, S:], perm_A, B)
-        kv.append(tokens_major(torch.cat([t[:, :, :S], block_part], dim=2)).requires_grad_(grads))
+        kv.append(flex_layout(torch.cat([t[:, :, :S], block_part], dim=2)).requires_grad_(grads))
     return q, kv[0], kv[1]
 
 

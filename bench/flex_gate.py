@@ -88,7 +88,7 @@ def _problem(
     lo_A, hi_A = context_intervals(anchors_A.to(device), docs_S.to(device))
     kv = CTX + A * B
 
-    def leaf(*shape: int) -> torch.Tensor:  # in the layout the drafter's layers feed flex
+    def leaf(*shape: int) -> torch.Tensor:  # as the layers' projections write q/k/v
         return tokens_major(torch.randn(*shape, generator=g).to(device, dtype)).requires_grad_()
 
     return Problem(

@@ -36,7 +36,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from stage2_train import flex_tiles
-from stage2_train.attention import block_attention, pack_heads, unpack_heads
+from stage2_train.attention import block_attention, flex_layout, pack_heads, unpack_heads
 from stage2_train.masks import TILE, anchor_block_mask
 
 
@@ -246,10 +246,11 @@ class Sweep:
                     record["region_fwd_bwd_ms"] = self._time_packed_region(mask, groups)
 
     def _time_packed_region(self, mask: BlockMask, groups: int) -> float:
-        """fwd+bwd ms of the compiled region alone on packed leaves (no pack/unpack copies)."""
+        """fwd+bwd ms of the compiled region alone on packed leaves (no pack/unpack copies:
+        the leaves already in the layout block_attention hands flex)."""
         p = self.p
-        q = pack_heads(p.q.detach(), groups).requires_grad_(True)
-        grad = pack_heads(p.grad, groups)
+        q = flex_layout(pack_heads(p.q.detach(), groups)).requires_grad_(True)
+        grad = flex_layout(pack_heads(p.grad, groups))
 
         def fwd_bwd() -> None:
             q.grad = p.k.grad = p.v.grad = None

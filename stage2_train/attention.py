@@ -67,11 +67,12 @@ _compiled_flex_region = torch.compile(_flex_region, dynamic=False, fullgraph=Tru
 def _layout_from_env() -> str:
     """How q/k/v reach the flex kernel: contiguous heads-major (default, `heads_major`), or
     DFLASH_FLEX_LAYOUT=tokens, as the layers' projections write them (`tokens_major`). On an
-    H200 (BENCHMARKS.md, twenty-fourth session, two processes each, one call) flex's kernels
-    ran the seed shape's forward and backward in 0.857 / 0.809 ms heads-major against 1.173 /
-    1.002 ms tokens-major, and the pystd step took 70.4 / 71.5 ms against 72.4 / 72.7 ms,
-    the copies that make q/k/v contiguous (24 a step at 8 layers) included: the kernels read
-    strided tokens-major tiles more slowly than those copies cost."""
+    H200 (BENCHMARKS.md, twenty-fourth session; two processes a layout, one call) the seed
+    shape's forward + backward took 0.857 and 0.809 ms heads-major against 1.173 and 1.002 ms
+    tokens-major, and the pystd step 70.4 and 71.5 ms against 72.4 and 72.7 ms, the copies
+    heads-major costs included (q/k/v made contiguous, 24 a step at 8 layers, and the output's
+    reshape for o_proj): the kernels read strided tokens-major tiles more slowly than those
+    copies cost."""
     value = os.environ.get("DFLASH_FLEX_LAYOUT", "heads")
     if value not in ("tokens", "heads"):
         raise ValueError(f"DFLASH_FLEX_LAYOUT must be tokens or heads, got {value!r}")
@@ -96,9 +97,14 @@ def block_attention(
     """
     if q_1HQE.is_cuda and block_mask.BLOCK_SIZE[0] < 128:
         flex_tiles.install()  # inductor's default kernel tiles do not divide 64-token tiles
-    layout = tokens_major if FLEX_LAYOUT == "tokens" else heads_major
-    q_1HQE, k_1GKE, v_1GKE = layout(q_1HQE), layout(k_1GKE), layout(v_1GKE)
+    q_1HQE, k_1GKE, v_1GKE = flex_layout(q_1HQE), flex_layout(k_1GKE), flex_layout(v_1GKE)
     return _compiled_flex_region(q_1HQE, k_1GKE, v_1GKE, block_mask)
+
+
+def flex_layout(x_1HNE: Tensor) -> Tensor:
+    """`x_1HNE` in the layout block_attention hands flex (FLEX_LAYOUT), copied only if it is
+    not: benchmarks build their inputs so to time the region without the conversion."""
+    return tokens_major(x_1HNE) if FLEX_LAYOUT == "tokens" else heads_major(x_1HNE)
 
 
 def heads_major(x_1HNE: Tensor) -> Tensor:

@@ -50,7 +50,8 @@ def test_pack_heads_layout() -> None:
             for r in range(3):
                 assert packed[0, g, q * 3 + r, 0] == x[0, g * 3 + r, q, 0]
     assert torch.equal(unpack_heads(packed, heads=6), x)
-    # both written tokens-major, so block_attention and o_proj's reshape copy neither again
+    # both written tokens-major, so block_attention under DFLASH_FLEX_LAYOUT=tokens and
+    # o_proj's reshape copy neither again
     for tokens_major_x in (x, x.transpose(1, 2).contiguous().transpose(1, 2)):
         packed = pack_heads(tokens_major_x, groups=2)
         assert tokens_major(packed).data_ptr() == packed.data_ptr()

@@ -271,10 +271,10 @@ def test_tables_from_the_loader_give_the_same_outputs(compiled_once) -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "mixed"])
 def test_layers_hand_attention_tokens_major_views(dtype: str) -> None:
-    """The q, k and v a layer passes to the attention are already in the layout flex is fed
-    (`tokens_major`: [N, heads, E] rows, viewed [1, H, N, E]), so it copies none of them, under
-    autocast too; a [1, H, N, E]-contiguous tensor is copied once into that layout, same
-    values."""
+    """The q, k and v a layer passes to the attention are views of its projections' rows
+    (`tokens_major`: [N, heads, E] rows, viewed [1, H, N, E]), under autocast too, so
+    DFLASH_FLEX_LAYOUT=tokens copies none of them; a [1, H, N, E]-contiguous tensor is copied
+    once into that layout, same values."""
     model, b = make_model(), make_batch()
     seen = []
 
