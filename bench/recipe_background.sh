@@ -10,9 +10,10 @@
 # If the machine stopped the job between calls, the call says "job gone" and exits 3: every
 # stage resumes, so go on with bench/recipe_call.sh and the same settings and $WORK. A
 # follow-up call that finds a fresh machine (no job, no .carry carried) says so and exits 4.
-# Each follow-up call still training returns the best drafter so far (RUN/export-best, when
-# new; RETURN_BEST=0 or 1 decides, by default 1 but 0 in the call that starts the recipe), the
-# call that finds the recipe done the final ones (RUN/export).
+# A call that finds the recipe still training returns the best drafter so far
+# (RUN/export-best, when new) if RETURN_BEST=1, the default of follow-up calls (the call that
+# starts the recipe defaults to 0); the call that finds the recipe done returns the final
+# ones (RUN/export).
 # The job runs from a snapshot (bench/, configs/, .carry/ and the package installed into
 # $WORK/background/site), since the device replaces the working tree and the carried folders at
 # each call. Settings as bench/recipe_pystd.sh (VARIANTS, GEN_SETS, EXTRACT_SETS, DEVICE, ...).
@@ -162,11 +163,12 @@ if (( finished )); then
 else
   # the best drafter so far: a machine lost before the next call (the nineteenth and
   # twenty-third sessions lost theirs between the second and third) still leaves a drafter to
-  # evaluate on the CPU (`dflash evaluate ... --device cpu`, a minute)
-  if (( ${RETURN_BEST:-1} )); then
+  # evaluate on the CPU (`dflash evaluate ... --device cpu`, a minute); not from the call that
+  # starts the recipe (RETURN_BEST=0 there), whose loss leaves none
+  if [ "${RETURN_BEST:-1}" != 0 ]; then
     return_drafters export-best
   else
-    echo "best drafter so far: not returned (RETURN_BEST=0; the call that starts the recipe)"
+    echo "best drafter so far: not returned (RETURN_BEST=0, the default of the call that starts the recipe)"
   fi
   echo "still running: call again within 30 s"
 fi

@@ -233,6 +233,47 @@ def test_recipe_background_returns_the_best_drafter_while_training(tmp_path: Pat
     assert not list(results.glob("run-L10-export-best.tar.part-*"))
 
 
+def test_recipe_background_first_call_holds_its_best_drafter_back(tmp_path: Path) -> None:
+    """The call that starts the recipe returns no best drafter (RETURN_BEST defaults to 0
+    there: a first-minutes drafter, tens of MB before a call due within 30 s); the next call
+    returns it. The recipe is a stub that exports at once and runs until told to stop;
+    `python3` (the package install) and `setsid` are stubs on PATH."""
+    work, results, stubs = tmp_path / "work", tmp_path / "results", tmp_path / "stubs"
+    for folder in ("bench", "configs", ".carry", "stubs"):
+        (tmp_path / folder).mkdir()
+    (tmp_path / "bench" / "recipe_pystd.sh").write_text(
+        'best="$WORK/run-L10/export-best"; mkdir -p "$best"\n'
+        'head -c 4096 /dev/urandom > "$best/model.safetensors"\n'
+        'echo \'{"step": 1500}\' > "$best/best.json"\n'
+        'while [ ! -f "$WORK/stop" ]; do sleep 0.2; done\n'
+    )
+    (stubs / "python3").write_text("#!/usr/bin/env bash\nexit 0\n")
+    (stubs / "setsid").write_text('#!/usr/bin/env bash\nexec "$@"\n')
+    for stub in stubs.iterdir():
+        stub.chmod(0o755)
+    env = {
+        **os.environ,
+        "WORK": str(work),
+        "OUT": str(results),
+        "CALL_S": "33",  # watch ~3 s: the stub has exported by then
+        "PATH": f"{stubs}:{os.environ['PATH']}",
+    }
+    env.pop("RETURN_BEST", None)
+    try:
+        first = _bash(ROOT / "bench" / "recipe_background.sh", tmp_path, env, 60)
+        assert first.returncode == 0, (first.stdout, first.stderr)
+        assert "started the recipe" in first.stdout and "still running" in first.stdout
+        assert "not returned (RETURN_BEST=0" in first.stdout, first.stdout
+        assert not list(results.glob("run-L10-export-best.tar.part-*"))
+        second = _bash(ROOT / "bench" / "recipe_background.sh", tmp_path, env, 60)
+        assert second.returncode == 0, (second.stdout, second.stderr)
+        assert "returned run-L10/export-best" in second.stdout, second.stdout
+        assert list(results.glob("run-L10-export-best.tar.part-*"))
+    finally:
+        work.mkdir(parents=True, exist_ok=True)
+        (work / "stop").touch()
+
+
 @pytest.mark.parametrize("follow", ["1", "0"])
 def test_recipe_follow_trains_while_extract_writes(tmp_path: Path, follow: str) -> None:
     """FOLLOW=1: `dflash train --follow` starts while extract still runs (the store's shards
