@@ -22,11 +22,12 @@ at E, annealed; a resumed run continues the same curve, with or without a limit.
   frozen when that decay is due to start; it never moves after that (a decay re-planned would
   jump). Had the limit come before E after all, it stops the run as before, mid-decay.
 - cosine decays from the warmup on, so it is fitted at the first projection that falls short
-  (the first comes after `MIN_STEPS` measured steps): from the step just run, k, where its
-  progress (the share of the decay done) was p, the rest of the cosine is re-mapped onto the
-  steps to E: the progress at step s is p + (s - k) / (E - k) * (1 - p), continuous at k and
-  1 (the floor) at E. Decided during the warmup, the warmup runs as configured and the
-  re-mapped cosine starts at its first step (p = 0, the peak). A later projection that falls
+  (the first comes after `MIN_STEPS` measured steps, and not before the warmup's last step:
+  the warmup runs as configured whatever is decided, and its steps measure the rate better
+  than the first 20): from the step just run, k, where its progress (the share of the decay
+  done) was p, the rest of the cosine is re-mapped onto the steps to E: the progress at step
+  s is p + (s - k) / (E - k) * (1 - p), continuous at k and 1 (the floor) at E. Decided at
+  the warmup's last step, the re-mapped cosine starts at its first step (p = 0, the peak). A later projection that falls
   short of E by more than `REFIT_MARGIN` of the steps left re-maps again, the same way from
   the step just run (the lr stays continuous and never rises, whichever way E moves); one
   short by less is the rate's noise. E also moves later, up to the configured end, when a
@@ -159,9 +160,15 @@ def refitted_cosine(
     sized to it). The fitted curve covers every step from its anchor on, and the anchor only
     moves later."""
     if current is None:
+        warmup = warmup_steps(total_steps, cfg.warmup_ratio)
+        if step < warmup:
+            # the warmup runs as configured whatever is decided, so the first fit waits for its
+            # last step and a rate measured over the warmup rather than over its first
+            # MIN_STEPS steps (pystd, 640 warmup steps: fitted at step 30 from 0.116 s/step
+            # against the 0.087 that followed, lengthened only at step 1,441)
+            return None
         end = total_steps
-        # in the warmup, the cosine's first step: the warmup runs as configured
-        anchor = max(step, warmup_steps(total_steps, cfg.warmup_ratio) + 1)
+        anchor = max(step, warmup + 1)  # the cosine's first step
     else:
         end, anchor = current.end, max(step, current.decay_from - 1)
     # a step at least, past the limit if need be; never past the configured end

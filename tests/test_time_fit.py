@@ -248,13 +248,31 @@ def test_cosine_is_remapped_onto_the_steps_the_limit_leaves(clock: FakeClock) ->
     assert half == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def test_cosine_fitted_in_the_warmup_finishes_the_warmup_first(clock: FakeClock) -> None:
-    cfg = dataclasses.replace(COSINE, warmup_ratio=0.05)  # 50 steps, the fit after step 30
+def test_cosine_is_first_fitted_at_the_warmups_last_step(clock: FakeClock) -> None:
+    """A projection that falls short during the warmup waits for its last step (the warmup
+    runs as configured either way); the re-mapped cosine starts at the peak."""
+    cfg = dataclasses.replace(COSINE, warmup_ratio=0.05)  # 50 steps; projections from step 30
     lrs, _, fitted = fitted_run(clock, cfg, 1000, limit=600.0, s_per_step=1.0)
-    assert fitted == {30: FittedEnd(end=588, decay_from=52, progress=0.0)}
+    assert fitted == {50: FittedEnd(end=589, decay_from=52, progress=0.0)}
     reference = [0.1 * old_lr_factor(s, 1000, *shape(cfg)) for s in range(1000)]
     assert lrs[:51] == reference[:51] and lrs[49] == lrs[50] == 0.1  # warmup, then the peak
-    assert_annealed(lrs, cfg, 1000) and len(lrs) == 588
+    assert_annealed(lrs, cfg, 1000) and len(lrs) == 589
+
+
+def test_a_long_warmup_measures_the_rate_before_the_first_fit(clock: FakeClock) -> None:
+    """pystd's shape (16,000 steps configured, a 640-step warmup, 884 s): the first 40 steps
+    slow (0.15 s: the loader starting, the first compilations), then 0.087 s. Fitted at step
+    30 from the slow steps, the end came out ~40% short and was lengthened only ~800 steps
+    later; fitted at the warmup's last step, it is within a few percent of where the run ends
+    (the slow steps still weigh a little in the mean: one small lengthening at most)."""
+    cfg = OptimConfig(lr=2e-3, schedule="cosine", warmup_ratio=0.04, min_lr_ratio=0.0)
+    lrs, _, fitted = fitted_run(clock, cfg, 16000, 884.0, lambda s: 0.15 if s <= 40 else 0.087)
+    assert list(fitted)[0] == 640 and len(fitted) <= 2, fitted  # not at step 30
+    assert fitted[640].progress == 0.0 and fitted[640].decay_from == 642
+    assert fitted[640].end > 0.95 * len(lrs)
+    assert len(lrs) == list(fitted.values())[-1].end and clock.now <= 884.0
+    assert len(lrs) > 0.97 * (640 + (884.0 - 40 * 0.15 - 600 * 0.087) / 0.087)
+    assert_annealed(lrs, cfg, 16000)
 
 
 def test_a_slowdown_remaps_cosine_again_continuously(clock: FakeClock) -> None:
