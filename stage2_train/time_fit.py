@@ -27,7 +27,9 @@ at E, annealed; a resumed run continues the same curve, with or without a limit.
   than the first 20): from the step just run, k, where its progress (the share of the decay
   done) was p, the rest of the cosine is re-mapped onto the steps to E: the progress at step
   s is p + (s - k) / (E - k) * (1 - p), continuous at k and 1 (the floor) at E. Decided at
-  the warmup's last step, the re-mapped cosine starts at its first step (p = 0, the peak). A later projection that falls
+  the warmup's last step, the re-mapped cosine starts at its first step (p = 0, the peak); a
+  limit that ends the run inside the warmup fits nothing (it stops unannealed, as it would at
+  any fitted end past it). A later projection that falls
   short of E by more than `REFIT_MARGIN` of the steps left re-maps again, the same way from
   the step just run (the lr stays continuous and never rises, whichever way E moves); one
   short by less is the rate's noise. E also moves later, up to the configured end, when a
@@ -151,7 +153,8 @@ def refitted_cosine(
 ) -> FittedEnd | None:
     """The cosine re-mapped after step `step` to end at `projected` (from `current`, the curve
     in force: None is the configured one), or None when that is not far enough from the end in
-    force: the first fit whenever it is sooner, a later one when sooner by more than
+    force: the first fit whenever it is sooner, from the warmup's last step on, a later one
+    when sooner by more than
     REFIT_MARGIN of the steps left (the rate's noise re-maps nothing), or later by more than
     LENGTHEN_MARGIN of them in the first third of the fitted decay; either only COOLDOWN of
     total_steps after the last re-map (its anchor), unless sooner by more than URGENT_MARGIN
