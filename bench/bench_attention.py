@@ -39,7 +39,7 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
 import stage2_train.attention as attention_module
-from stage2_train.attention import block_attention, tokens_major
+from stage2_train.attention import block_attention, flex_layout
 from stage2_train.masks import anchor_block_mask, anchor_block_mask_mod, context_intervals
 
 HQ, HKV, E, CTX, B, A, NUM_DOCS = 32, 8, 128, 8192, 16, 128, 8
@@ -83,9 +83,6 @@ def make_timer(dev: str) -> Callable[[Callable[[], object]], float]:
     return host_median
 
 
-LAYOUT = "heads"  # --layout: how q/k/v (and the output's gradient) are laid out in memory
-
-
 def inputs(dev: str, dtype: torch.dtype = torch.bfloat16) -> tuple:
     gen = torch.Generator(device="cpu").manual_seed(0)
     cuts = torch.sort(torch.randperm(CTX - 1, generator=gen)[: NUM_DOCS - 1] + 1).values
@@ -95,10 +92,9 @@ def inputs(dev: str, dtype: torch.dtype = torch.bfloat16) -> tuple:
     anchors_A = torch.sort(torch.randperm(CTX - B, generator=gen)[:A] + 1).values
 
     def rand(*shape: int) -> torch.Tensor:
-        x = torch.randn(*shape, device=dev, dtype=dtype)  # [1, H, N, E] contiguous: heads-major
-        # heads-major is what training hands flex (each q/k/v made contiguous first);
-        # tokens-major what the layers' projections write (DFLASH_FLEX_LAYOUT=tokens)
-        return tokens_major(x) if LAYOUT == "tokens" else x
+        # in the layout the project's region hands flex (--layout sets it): heads-major as
+        # training's, or tokens-major as the layers' projections write (DFLASH_FLEX_LAYOUT)
+        return flex_layout(torch.randn(*shape, device=dev, dtype=dtype))
 
     q = rand(1, HQ, Q, E).requires_grad_()
     k = rand(1, HKV, KV, E).requires_grad_()
@@ -142,7 +138,8 @@ def run_sweep(args: argparse.Namespace) -> None:
     emit(
         {
             "what": "sweep_setup",
-            "layout": LAYOUT,  # of the inputs; and of what the project's region hands flex:
+            # of the inputs, made in the layout the project's region hands flex
+            "layout": attention_module.FLEX_LAYOUT,
             "region_layout": attention_module.FLEX_LAYOUT,
             "shape": {"HQ": HQ, "HKV": HKV, "E": E, "CTX": CTX, "A": A, "B": B, "docs": NUM_DOCS},
             "dtype": str(dtype),
@@ -223,9 +220,7 @@ def main() -> None:
         "training); the same values either way",
     )
     args = parser.parse_args()
-    global LAYOUT
-    LAYOUT = args.layout
-    # and the layout the project's region hands flex (block_attention converts its inputs)
+    # the layout the project's region hands flex, and so of every input made here
     attention_module.FLEX_LAYOUT = args.layout
     if args.tiny:
         use_tiny_shape()
@@ -260,7 +255,7 @@ def measure_all() -> None:
     emit(
         {
             "what": "block_mask_build",
-            "layout": LAYOUT,
+            "layout": attention_module.FLEX_LAYOUT,
             "region_layout": attention_module.FLEX_LAYOUT,
             "first_call_s": round(first, 3),
             "median_ms": round(build_ms, 3),
