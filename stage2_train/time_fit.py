@@ -162,8 +162,8 @@ def refitted_cosine(
     fitted run passes its fitted end, so a resumed job only shortens; the loader's sampler was
     sized to it). The fitted curve covers every step from its anchor on, and the anchor only
     moves later."""
+    warmup = warmup_steps(total_steps, cfg.warmup_ratio)
     if current is None:
-        warmup = warmup_steps(total_steps, cfg.warmup_ratio)
         if step < warmup:
             # the warmup runs as configured whatever is decided, so the first fit waits for its
             # last step and a rate measured over the warmup rather than over its first
@@ -187,7 +187,6 @@ def refitted_cosine(
         due = fitted_end < end - URGENT_MARGIN * left or (cooled and (shorter or longer))
     if not due:
         return None
-    warmup = warmup_steps(total_steps, cfg.warmup_ratio)
     progress = cosine_progress(anchor - 1, total_steps, warmup, current)
     return FittedEnd(end=fitted_end, decay_from=anchor + 1, progress=progress)
 
