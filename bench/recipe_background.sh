@@ -20,6 +20,8 @@
 set -uo pipefail
 started=$(date +%s)
 CALL_S=${CALL_S:-570}
+# how often a call looks at the job, in seconds (the tests look more often than a device call)
+POLL_S=${POLL_S:-5}
 WORK=${WORK:-/tmp/recipe}
 RESULTS=${OUT:-runs/recipe}
 job="$WORK/background"
@@ -69,7 +71,7 @@ fi
 
 # watch until the job ends or the call's time is up (the last 30 s pack the results)
 while [ ! -f "$job/exit" ] && (( $(date +%s) < started + CALL_S - 30 )); do
-  sleep 5
+  sleep "$POLL_S"
 done
 # whether the recipe has ended, read once: the AFTER hook, what is returned and the reply all
 # follow this one reading (a recipe ending while the call packs is the next call's news)

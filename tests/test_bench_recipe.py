@@ -181,7 +181,7 @@ def test_recipe_background_returns_the_best_drafter_while_training(tmp_path: Pat
     weights.write_bytes(os.urandom(4096))
     (best / "best.json").write_text('{"step": 1500, "dev_chained_tau": 3.7}\n')
     (best.parent / "metrics.jsonl").write_text('{"step": 1500, "eval_tau": 5.9}\n')
-    env = {**os.environ, "WORK": str(work), "OUT": str(results), "CALL_S": "31"}
+    env = {**os.environ, "WORK": str(work), "OUT": str(results), "CALL_S": "31", "POLL_S": "0.2"}
 
     def call() -> tuple[subprocess.CompletedProcess, list[Path]]:
         for old in results.glob("*"):
@@ -256,6 +256,7 @@ def test_recipe_background_first_call_holds_its_best_drafter_back(tmp_path: Path
         "WORK": str(work),
         "OUT": str(results),
         "CALL_S": "33",  # watch ~3 s: the stub has exported by then
+        "POLL_S": "0.2",
         "PATH": f"{stubs}:{os.environ['PATH']}",
     }
     env.pop("RETURN_BEST", None)
