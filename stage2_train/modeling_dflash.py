@@ -28,6 +28,8 @@ G key/value heads, E head dim, V vocabulary.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -144,6 +146,13 @@ def _logits(lm_head: nn.Module | Tensor, hidden: Tensor) -> Tensor:
     if isinstance(lm_head, Tensor):
         return hidden.to(lm_head.dtype) @ lm_head.T
     return lm_head(hidden.to(lm_head.weight.dtype))
+
+
+def _cache_kwarg(target: nn.Module) -> str:
+    """The name `target.forward` takes its KV cache under: transformers 5.2x renamed
+    `past_key_values` to `cache` (the old name warns and goes in 5.40); older releases, the
+    GPU image's among them, know only the old one."""
+    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
 
 
 def _crop(cache: DynamicCache, length: int) -> None:
@@ -268,9 +277,8 @@ class DFlashDraftModel(PreTrainedModel):
         embed, head = target.get_input_embeddings(), target.get_output_embeddings()
         n0 = input_ids.size(1)
         target_cache, draft_cache = DynamicCache(), DynamicCache()
-        out = target(
-            input_ids, past_key_values=target_cache, use_cache=True, output_hidden_states=True
-        )
+        cached = {_cache_kwarg(target): target_cache, "use_cache": True}
+        out = target(input_ids, output_hidden_states=True, **cached)
         ids = torch.cat([input_ids, _pick(out.logits[:, -1:], temperature)], dim=1)
         features = self.target_features(out.hidden_states)
         stops = set(stop_token_ids or [])
@@ -280,9 +288,7 @@ class DFlashDraftModel(PreTrainedModel):
                 features, ids[:, -1], start, embed, head, draft_cache, temperature
             )
             block = torch.cat([ids[:, -1:], draft], dim=1)
-            out = target(
-                block, past_key_values=target_cache, use_cache=True, output_hidden_states=True
-            )
+            out = target(block, output_hidden_states=True, **cached)
             verified = _pick(out.logits, temperature)
             accepted = int((draft == verified[:, :-1]).cumprod(dim=1).sum())
             ids = torch.cat([ids, draft[:, :accepted], verified[:, accepted : accepted + 1]], dim=1)
