@@ -65,9 +65,13 @@ class InvalidRow(Exception):
         )
 
 
-def normalize_conversation(raw: Any, fmt: str) -> list[dict[str, Any]]:
+def normalize_conversation(
+    raw: Any, fmt: str, empty_replies_ok: bool = False
+) -> list[dict[str, Any]]:
     """A row's `messages` ([{role, content}]) or ShareGPT `conversations` ([{from, value}]) as
-    chat-template messages; raises InvalidRow for rows that cannot train the drafter."""
+    chat-template messages; raises InvalidRow for rows that cannot train the drafter.
+    `empty_replies_ok`: every assistant turn will be rewritten (`dflash generate`), so empty ones
+    are placeholders, not rows without loss."""
     if not raw:
         raise InvalidRow("empty_conversation", "the conversation has no messages")
     role_key, content_key = ("from", "value") if fmt == "sharegpt" else ("role", "content")
@@ -96,7 +100,7 @@ def normalize_conversation(raw: Any, fmt: str) -> list[dict[str, Any]]:
     assistants = [m for m in messages if m["role"] == "assistant"]
     if not assistants:
         raise InvalidRow("no_assistant", "the conversation has no assistant message")
-    if all(is_empty_turn(m) for m in assistants):
+    if not empty_replies_ok and all(is_empty_turn(m) for m in assistants):
         raise InvalidRow("empty_assistant", "every assistant message has empty content")
     return messages
 

@@ -14,13 +14,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from common.logging import get_logger
 from stage1_generate.config import SamplingConfig
 from stage1_generate.preallocated_cache import cache_kwargs, unsupported_reason
 
 KV_CACHES = ("auto", "dynamic", "static", "preallocated")
+# what a target's generation_config.json keeps when generate runs: its special token ids and
+# the KV cache it names (a sliding-window model's own), nothing that shapes the logits
+GENERATION_KEPT = (
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "decoder_start_token_id",
+    "cache_implementation",
+    "cache_config",
+)
 
 
 @dataclass
@@ -53,6 +63,28 @@ def plan_batches(
     if current:
         batches.append(current)
     return batches
+
+
+def plain_generation_config(model: torch.nn.Module) -> None:
+    """Give `model` a generation config of its special token ids and named KV cache alone. A
+    target's generation_config.json may set sampling defaults (Qwen2.5-Instruct's repetition penalty
+    1.05, top_k, min_p ...) that `generate` would apply on top of ours: the rows would then not
+    be the target's argmax, the text a greedy-verified drafter must predict, nor the
+    configured sampling. Said once in the log when it drops anything."""
+    own = getattr(model, "generation_config", None)
+    own_diff = own.to_diff_dict() if own is not None else {}
+    kept = {k: own_diff[k] for k in GENERATION_KEPT if k in own_diff}
+    dropped = {
+        k: v
+        for k, v in own_diff.items()
+        if k not in kept and k != "transformers_version" and not k.startswith("_")
+    }
+    if dropped:
+        get_logger().info(
+            f"the target's generation_config sets {dropped}: not applied (the rows follow "
+            "sampling.* alone; greedy is the target's argmax)"
+        )
+    model.generation_config = GenerationConfig(**kept)
 
 
 class LocalBackend:
@@ -100,8 +132,10 @@ class LocalBackend:
         self.static_row = 0
         self.device = next(model.parameters()).device
         self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
+        self.max_positions_source = "the target's max_position_embeddings"
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else stop_ids[0]
+        plain_generation_config(model)
 
     def generate(
         self,

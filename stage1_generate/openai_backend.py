@@ -54,7 +54,10 @@ def _server_message(body: bytes) -> str:
 class OpenAIBackend:
     """Replies from an OpenAI-compatible server; the same interface as `LocalBackend`."""
 
-    max_positions: int | None = None  # the server refuses prompts past its context itself
+    # the server's context (vLLM's model card says it: max_model_len), else None: the server
+    # refuses a prompt past it with an HTTP 400 that names it
+    max_positions: int | None = None
+    max_positions_source = "the server's max_model_len"
 
     def __init__(
         self,
@@ -116,6 +119,12 @@ class OpenAIBackend:
             "max_tokens": max_new,
             "temperature": self.sampling.temperature,
             "top_p": self.sampling.top_p,
+            # vLLM applies the target's generation_config.json defaults to what a request leaves
+            # out (Qwen2.5-Instruct's repetition penalty 1.05, Qwen3's top_k 20): the rows follow
+            # sampling.* alone, as the local backend's (greedy: the target's argmax)
+            "repetition_penalty": 1.0,
+            "top_k": -1,
+            "min_p": 0.0,
             "stop_token_ids": self.stop_ids,
             "skip_special_tokens": True,
             "return_token_ids": True,  # vLLM: the reply's ids, so text rows decode without a seam
@@ -224,15 +233,21 @@ class OpenAIBackend:
                 f"endpoint {self.url}/models: HTTP {status}: {_server_message(data)}; {hint}"
             )
         try:
-            served = [m["id"] for m in json.loads(data)["data"]]
+            cards = {m["id"]: m for m in json.loads(data)["data"]}
         except (ValueError, KeyError, TypeError):
             raise ValueError(
                 f"endpoint {self.url}/models did not answer an OpenAI model list "
                 f"({data[:200]!r}); is --endpoint an OpenAI-compatible server's API root?"
             ) from None
+        served = list(cards)
         if self.model not in served:
             raise ValueError(
                 f"endpoint {self.url} serves {served}, not {self.model!r}; pass "
                 "--set endpoint.model=NAME with one of those, or serve the target under that "
                 f"name (vllm serve ... --served-model-name {self.model})"
             )
+        # a row past the context is then an invalid row (too_long, data.on_invalid), as with
+        # the local backend, not a 400 that stops the run at the same chunk on every rerun
+        limit = cards[self.model].get("max_model_len")
+        if isinstance(limit, int) and limit > 0:
+            self.max_positions = limit

@@ -30,8 +30,10 @@ from stage1_generate.local_backend import Completion
 
 
 class Backend(Protocol):
-    # the target's positions (max_position_embeddings), when the backend knows them
+    # the positions a row may use (the target's max_position_embeddings, a server's
+    # max_model_len), when the backend knows them, and which of those it is
     max_positions: int | None
+    max_positions_source: str
 
     def generate(
         self,
@@ -123,8 +125,8 @@ def _check_fits(backend: Backend, prompt: list[int], max_new: int) -> None:
     if limit is not None and len(prompt) + max_new > limit:
         raise InvalidRow(
             "too_long",
-            f"the prompt has {len(prompt)} tokens, which with {max_new} new tokens exceeds the "
-            f"target's {limit} positions (max_position_embeddings); shorten it, or lower "
+            f"the prompt has {len(prompt)} tokens, which with {max_new} new tokens exceeds "
+            f"{backend.max_positions_source} ({limit}); shorten it, or lower "
             "sampling.max_new_tokens",
         )
 
@@ -152,10 +154,9 @@ def generate_chat(
     turns: dict[int, list[int]] = {}
     for k, raw in enumerate(raw_rows):
         try:
-            messages = normalize_conversation(raw, fmt)
+            # an empty assistant turn is a place for the target's reply (a prompt-only set)
+            messages = normalize_conversation(raw, fmt, empty_replies_ok=True)
             positions = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-            if not positions:
-                raise InvalidRow("no_assistant_turn", "the conversation has no assistant turn")
             if positions[0] == 0:  # the template has nothing to render a prompt from
                 raise InvalidRow(
                     "assistant_first",
@@ -221,8 +222,7 @@ def generate_text(
     if limit is not None and cfg.text.prompt_tokens + cfg.text.new_tokens > limit:
         raise ValueError(
             f"text.prompt_tokens {cfg.text.prompt_tokens} + text.new_tokens "
-            f"{cfg.text.new_tokens} exceed the target's {limit} positions "
-            "(max_position_embeddings); lower them"
+            f"{cfg.text.new_tokens} exceed {backend.max_positions_source} ({limit}); lower them"
         )
     result = ChunkResult()
     windows: list[tuple[int, int, list[int]]] = []  # (source index, start, prompt ids)
@@ -231,7 +231,9 @@ def generate_text(
         if not (isinstance(text, str) and text.strip()):
             err = InvalidRow("empty_text", f"{cfg.data.text_field!r} is empty or not a string")
             _invalid(cfg, indices[k], err, result)
-    encoded = tokenizer([t for _, t in valid], add_special_tokens=False)["input_ids"]
+    # (a chunk of empty rows only: the tokenizer refuses an empty batch)
+    texts = [t for _, t in valid]
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     # extract tokenizes the written row with the tokenizer's defaults (e.g. Llama's BOS first):
     # the target writes after that same prefix, so it sees what the drafter's context will be
     prefix = special_prefix(tokenizer)
@@ -268,8 +270,12 @@ def _split_row(
     prompt_text = tokenizer.decode(prompt, skip_special_tokens=True)
     if completion.token_ids is not None:
         text = tokenizer.decode(prompt + completion.token_ids, skip_special_tokens=True)
-        if not text.startswith(prompt_text):  # the seam split a character: cut before it
-            prompt_text = tokenizer.decode(prompt[:-1], skip_special_tokens=True)
+        # the seam split a character (its bytes over several tokens): the prompt ends before
+        # that character's first token, so prompt + completion is the text itself
+        cut = len(prompt)
+        while cut > 0 and not text.startswith(prompt_text):
+            cut -= 1
+            prompt_text = tokenizer.decode(prompt[:cut], skip_special_tokens=True)
     else:
         text = prompt_text + completion.text
     if as_text:

@@ -5,7 +5,8 @@ local model through the local backend itself, greedily and one prompt at a time,
 are the local backend's with `run.batch_size=1`. It answers as vLLM does: the stop token counts
 in `usage.completion_tokens` and ends `token_ids` (returned when `return_ids`, else omitted as
 SGLang does). `fail(n)` true makes the n-th completion request (from 1) answer HTTP 500;
-a prompt plus `max_tokens` longer than `max_model_len` gets vLLM's HTTP 400.
+a prompt plus `max_tokens` longer than `max_model_len` gets vLLM's HTTP 400; `advertise_len`
+puts `max_model_len` in the model card, as vLLM does. `requests` holds every completion request.
 
     with OpenAIServer(model_dir, served_name="tiny") as server:
         ... --endpoint server.url ...
@@ -39,9 +40,12 @@ class OpenAIServer:
         return_ids: bool = True,
         fail: Callable[[int], bool] | None = None,
         max_model_len: int = 4096,
+        advertise_len: bool = False,
     ) -> None:
         self.served_name = served_name or str(model_dir)
         self.return_ids, self.fail, self.max_model_len = return_ids, fail, max_model_len
+        self.advertise_len = advertise_len
+        self.requests: list[dict[str, Any]] = []
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         # loaded as the local backend loads it, so both compute the same logits
         target = TargetConfig(model=str(model_dir), dtype="float32")
@@ -63,6 +67,7 @@ class OpenAIServer:
     def complete(self, request: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         with self.lock:
             self.num_completions += 1
+            self.requests.append(request)
             if self.fail is not None and self.fail(self.num_completions):
                 return 500, {"error": {"message": "injected failure"}}
             wanted = len(request["prompt"]) + request["max_tokens"]
@@ -92,7 +97,10 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path == "/v1/models":
             owner = self.server.owner  # type: ignore[attr-defined]
-            self._send(200, {"object": "list", "data": [{"id": owner.served_name}]})
+            card: dict[str, Any] = {"id": owner.served_name}
+            if owner.advertise_len:
+                card["max_model_len"] = owner.max_model_len
+            self._send(200, {"object": "list", "data": [card]})
         else:
             self._send(404, {"detail": "Not Found"})
 

@@ -548,3 +548,74 @@ def test_tf32_matmuls_keyed_recorded_and_shown(tiny_qwen3: Path, tmp_path: Path)
         assert not torch.backends.cuda.matmul.allow_tf32
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def test_the_targets_generation_config_does_not_shape_the_rows(
+    tiny_qwen3: Path, tmp_path: Path
+) -> None:
+    """A target whose generation_config.json sets a repetition penalty (Qwen2.5-Instruct ships
+    1.05): greedy rows stay the target's argmax, the text a greedy-verified drafter predicts;
+    the token ids and the KV cache it names are kept."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_qwen3, target)
+    own = GenerationConfig.from_pretrained(tiny_qwen3)
+    own.repetition_penalty, own.no_repeat_ngram_size = 3.0, 2
+    own.save_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    assert model.generation_config.repetition_penalty == 3.0
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    stops = stop_token_ids(tokenizer, None, {})
+    prompts = [[5, 17, 9, 23, 5, 17], [40, 41, 40, 41], [7] * 9]
+    backend = LocalBackend(model, tokenizer, SamplingConfig(), stops, 2, 1 << 20, "dynamic")
+    got = [c.token_ids for c in backend.generate(prompts, 10)]
+    assert got == [greedy_reply(tiny_qwen3, p, 10) for p in prompts]
+    assert model.generation_config.repetition_penalty in (None, 1.0)  # unset (transformers 5)
+    assert model.generation_config.no_repeat_ngram_size in (None, 0)
+    assert model.generation_config.pad_token_id == own.pad_token_id is not None
+
+
+def test_a_chunk_of_empty_text_rows_is_skipped_not_a_crash(
+    tiny_qwen3: Path, tmp_path: Path
+) -> None:
+    rows = [{"text": TEXTS[0]}, {"text": TEXTS[2]}, {"text": ""}, {"text": "  "}]  # chunk 1: none
+    data = write_jsonl(tmp_path / "text.jsonl", rows)
+    manifest = run_generate(config(tiny_qwen3, data, tmp_path / "out", "data.on_invalid=skip"))
+    assert manifest["complete"] and manifest["counts"]["skipped"] == {"empty_text": 2}
+    assert {r["source_index"] for r in read_rows(tmp_path / "out")} == {0, 1}
+
+
+def test_a_window_cut_inside_a_character_keeps_the_whole_text(tiny_qwen3: Path) -> None:
+    """A prompt window that ends inside a character of several byte tokens: the row's prompt
+    ends before that character, and prompt + completion is the whole text at every cut."""
+    from stage1_generate.local_backend import Completion
+    from stage1_generate.rows import _split_row
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    ids = tokenizer("hello \U0001f600 world", add_special_tokens=False)["input_ids"]
+    whole = tokenizer.decode(ids)
+    assert len(ids) >= 5  # the emoji spans several byte tokens
+    for cut in range(1, len(ids)):
+        reply = ids[cut:]
+        completion = Completion(tokenizer.decode(reply), len(reply), True, reply)
+        row = _split_row(tokenizer, ids[:cut], completion, as_text=False)
+        assert row["prompt"] + row["completion"] == whole, cut
+        assert "\ufffd" not in row["prompt"] + row["completion"]
+
+
+def test_empty_assistant_turns_are_places_for_the_targets_replies(
+    tiny_qwen3: Path, tmp_path: Path
+) -> None:
+    """A prompt-only chat set (assistant turns left empty): generate writes them, it does not
+    skip the row as extract would (extract has no loss tokens in it; generate fills them)."""
+    rows = [
+        {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": ""}]}
+    ]
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    manifest = run_generate(config(tiny_qwen3, data, tmp_path / "out"))
+    (row,) = read_rows(tmp_path / "out")
+    assert manifest["counts"]["skipped"] == {} and row["generated_turns"] == 1
+    assert row["messages"][0] == rows[0]["messages"][0]

@@ -171,6 +171,43 @@ def test_server_errors_are_named(tiny_qwen3: Path, chat_data: Path, tmp_path: Pa
         assert server.num_completions == 1
 
 
+def test_a_row_past_the_servers_context_is_too_long(
+    tiny_qwen3: Path, chat_data: Path, tmp_path: Path
+) -> None:
+    """A server whose model card gives max_model_len (vLLM's does): a row past it is an invalid
+    row, skipped and counted under data.on_invalid=skip, as with the local backend, instead of
+    an HTTP 400 that stops the run at the same chunk on every rerun."""
+    with OpenAIServer(tiny_qwen3, "tiny-target", max_model_len=40, advertise_len=True) as server:
+        manifest = _generate(
+            tiny_qwen3,
+            chat_data,
+            tmp_path / "out",
+            server.url,
+            "endpoint.model=tiny-target",
+            "data.on_invalid=skip",
+        )
+        # every request sent fitted the context: no 400 was answered
+        assert all(len(r["prompt"]) + r["max_tokens"] <= 40 for r in server.requests)
+    skipped = manifest["counts"]["skipped"]
+    assert manifest["complete"] and skipped.get("too_long", 0) >= 1, skipped
+    assert len(_rows(tmp_path / "out")) == len(CHAT) - skipped["too_long"]
+
+
+def test_requests_leave_no_sampling_default_to_the_server(tiny_qwen3: Path) -> None:
+    """vLLM fills what a request leaves out from the target's generation_config.json (a
+    repetition penalty, top_k, min_p): each request sets them to what changes nothing."""
+    from stage1_generate.config import EndpointConfig, SamplingConfig
+
+    with OpenAIServer(tiny_qwen3, served_name="tiny") as server:
+        endpoint = EndpointConfig(url=server.url, model="tiny")
+        openai_backend.OpenAIBackend(endpoint, SamplingConfig(), [0], "unused").generate(
+            [[5, 6, 7]], 2
+        )
+    (request,) = server.requests
+    assert request["repetition_penalty"] == 1.0 and request["top_k"] == -1
+    assert request["min_p"] == 0.0 and request["temperature"] == 0.0
+
+
 @pytest.mark.parametrize("return_ids", [True, False])
 def test_reply_ending_at_a_stop_id(tiny_qwen3: Path, return_ids: bool) -> None:
     """The server counts the stop token, the local backend does not: the backend agrees with
