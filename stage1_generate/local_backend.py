@@ -21,8 +21,9 @@ from stage1_generate.config import SamplingConfig
 from stage1_generate.preallocated_cache import cache_kwargs, unsupported_reason
 
 KV_CACHES = ("auto", "dynamic", "static", "preallocated")
-# what a target's generation_config.json keeps when generate runs: its special token ids and
-# the KV cache it names (a sliding-window model's own), nothing that shapes the logits
+# what a target's generation_config.json keeps when generate runs: its special token ids, the
+# KV cache it names (a sliding-window model's own) and what it returns, nothing that shapes
+# the logits
 GENERATION_KEPT = (
     "bos_token_id",
     "eos_token_id",
@@ -30,6 +31,9 @@ GENERATION_KEPT = (
     "decoder_start_token_id",
     "cache_implementation",
     "cache_config",
+    "use_cache",
+    "output_attentions",
+    "output_hidden_states",
 )
 
 
