@@ -110,8 +110,10 @@ def lr_factor(
             end, stable_end = fitted.end, fitted.decay_from - 1
         if step < stable_end:
             return 1.0
-        # reaches the floor at the last step
-        progress = min((step - stable_end + 1) / (end - stable_end), 1.0)
+        # reaches the floor at the last step (a decay of no steps: at the floor; checkpoints of
+        # an earlier release could record one)
+        span = end - stable_end
+        progress = min((step - stable_end + 1) / span, 1.0) if span > 0 else 1.0
         return min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - math.sqrt(progress))
     progress = cosine_progress(step, total_steps, warmup, fitted)
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
@@ -124,7 +126,8 @@ def cosine_progress(step: int, total_steps: int, warmup: int, fitted: FittedEnd 
     if anchor is not None and step + 1 >= anchor:
         # linear in the step from the progress at the anchor: the lr is continuous there and
         # falls at a constant pace in progress, as the configured cosine does, to the floor
-        share = (step + 1 - anchor) / (fitted.end - anchor)
+        span = fitted.end - anchor
+        share = (step + 1 - anchor) / span if span > 0 else 1.0  # no steps left: the floor
         return min(fitted.progress + share * (1.0 - fitted.progress), 1.0)
     span = max(total_steps - warmup, 1)
     return min((step - warmup) / span, 1.0)

@@ -39,11 +39,13 @@ at E, annealed; a resumed run continues the same curve, with or without a limit.
   steps for good. (Not later in the decay: the time held back, `SAFETY` of what is left,
   shrinks as the run goes on, so a steady run's projections creep past E near its end.)
   After a re-map the next waits `COOLDOWN` of the run's steps (5%: ~450 at pystd's 9,000, so at
-  most 20 such re-maps a run) unless the projection falls short by more than `URGENT_MARGIN` of the steps
-  left (10%, past the 300-step median's noise): a real slowdown re-maps at once. 5% still lets
-  a first fit three times too short (E at 30% of the run) lengthen in the first third of its
-  decay. A replayed trace like the H200's (tests/test_time_fit.py) makes 6 decisions, where a
-  50-step window and no cooldown made 34; a step time that doubles re-maps within 150 steps.
+  most 20 such re-maps a run) unless the projection falls short by more than `URGENT_MARGIN` of
+  the steps left (10%, past the 300-step median's noise): a real slowdown re-maps at once. 5%
+  still lets a first fit three times too short (E at 30% of the run) lengthen in the first
+  third of its decay. A replayed trace like the H200's (tests/test_time_fit.py) makes 6
+  decisions, where a 50-step window and no cooldown made 34; a step time that doubles re-maps
+  within 150 steps. A projection with no step left (one slow step carried the clock past the
+  limit) fits nothing: the limit then stops the run as interrupted, resumable.
   The price: a slowdown in the last ~150 steps shows too late, and the limit stops the run in
   the last ~2% of its decay, where the cosine is ~0.1% of the peak above its floor.
 
@@ -84,7 +86,8 @@ LENGTHEN_MARGIN = 0.05  # cosine: ... or pass it by, early in the fitted decay
 URGENT_MARGIN = 0.10  # cosine: ... fall short by to re-map within the cooldown
 COOLDOWN = 0.05  # cosine: share of the run's steps from a re-map to the next (not urgent)
 NO_PROPOSAL = 2**62  # a rank with nothing to propose (the ranks agree on the minimum)
-ANNEALED = 1e-3  # the next step's lr at most this share of optim.lr: the fitted decay is over
+ANNEALED = 1e-3  # the next step's lr within this share of the way from the floor to optim.lr:
+# the fitted decay is over
 
 log = get_logger()
 
@@ -263,7 +266,10 @@ class TimeFit:
         if self.rate.steps >= MIN_STEPS:
             seconds_left = self.deadline - now
             projected = projected_end(step, seconds_left, self.rate.seconds_per_step())
-            if self.plan(step, projected) is not None:
+            # a projection with no step left (a slow step, an evaluation, carried the clock to
+            # the limit) has nothing to anneal in: the limit stops the run as interrupted,
+            # resumable, not "finished" at the lr it trained at
+            if projected > step and self.plan(step, projected) is not None:
                 proposed = projected
         agreed = self._agree(proposed)
         # planned again from the agreed end, alike on every rank: a proposal read a step late
@@ -289,12 +295,19 @@ class TimeFit:
 
     def finish_at_limit(self, step: int) -> bool:
         """Called when the time limit stops the run after step `step`: True when the fitted
-        decay is over (the next step's lr at most ANNEALED of optim.lr; the limit came a step
-        or so before the planned end, as the last evaluations take longer than the rate the
-        fit planned with), and the schedule then ends at `step`: the run is finished, not
-        interrupted, and a rerun finds nothing left to train. Alike on every rank (the lr is)."""
+        decay is over (it began by `step`, and the next step's lr is within ANNEALED of the way
+        from the floor to optim.lr; the limit came a step or so before the planned end, as the
+        last evaluations take longer than the rate the fit planned with), and the schedule then
+        ends at `step`: the run is finished, not interrupted, and a rerun finds nothing left to
+        train. A limit that one slow step carried the clock past, at a high lr, is an
+        interruption (observe fits nothing with no step left). Alike on every rank (the lr is)."""
         fitted = self.end.fitted
-        if fitted is None or self.scheduler.get_last_lr()[0] > ANNEALED * self.cfg.lr:
+        # "annealed" is near the schedule's floor, whatever optim.min_lr_ratio puts it at
+        floor = self.cfg.min_lr_ratio
+        annealed = self.cfg.lr * (floor + ANNEALED * (1.0 - floor))
+        # and the decay began by the step just trained (a fit decided past the limit would
+        # put its whole decay after it)
+        if fitted is None or fitted.decay_from > step or self.scheduler.get_last_lr()[0] > annealed:
             return False
         self.end.fitted = dataclasses.replace(fitted, end=step)
         return True

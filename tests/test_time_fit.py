@@ -184,6 +184,44 @@ def test_without_a_limit_the_schedule_is_the_same_as_before(
                 assert lr_factor(step, total, *args, None) == old_lr_factor(step, total, *args)
 
 
+@pytest.mark.parametrize("schedule", ["wsd", "cosine"])
+def test_a_step_that_carries_the_clock_past_the_limit_fits_nothing(
+    clock: FakeClock, schedule: str
+) -> None:
+    """One slow step (an evaluation) at peak lr carries the clock past the limit: no fit is
+    made with no step left to anneal in, so the limit stops the run as interrupted (resumable),
+    not "finished" at the lr it trained at; and a schedule that ends where its decay would start
+    (as an earlier release could record) reads the floor instead of dividing by zero."""
+    cfg = dataclasses.replace(WSD if schedule == "wsd" else COSINE, min_lr_ratio=0.0)
+    model = torch.nn.Linear(2, 2)
+    optimizer = build_optimizer(list(model.parameters()), cfg, torch.device("cpu"))
+    end = ScheduleEnd()
+    scheduler = build_scheduler(optimizer, cfg, 1000, end)
+    fit = TimeFit(
+        cfg, 1000.0, 1000, scheduler, end, first_step=0, device=torch.device("cpu"), world_size=1
+    )
+    for step in range(1, 41):  # 0.1 s a step: the limit is far; then step 40 takes 999 s
+        optimizer.step()
+        scheduler.step()
+        clock.now += 0.1 if step < 40 else 999.0
+        assert fit.observe(step) is None
+    assert clock.now >= 1000.0 and end.fitted is None
+    assert not fit.finish_at_limit(40)  # interrupted: a rerun trains on
+    progress = None if schedule == "wsd" else 0.03  # cosine's fitted ends carry it
+    for end_step in (41, 40):
+        fitted = FittedEnd(end=end_step, decay_from=41, progress=progress)
+        assert lr_factor(40, 1000, cfg.warmup_ratio, 0.0, schedule, 0.2, fitted) == 0.0
+
+
+def test_a_limit_at_the_end_of_a_decay_to_a_floor_finishes_the_run(clock: FakeClock) -> None:
+    """optim.min_lr_ratio above ANNEALED: the decay is over when the lr is at its floor."""
+    lrs, fit, frozen = fitted_run(clock, COSINE, 1000, 60.0, 0.1)  # min_lr_ratio 0.1
+    (first, *_), fitted = frozen, fit.end.fitted
+    assert fitted is not None and first < fitted.end < 1000
+    assert fit.finish_at_limit(fitted.end - 1)  # the next step's lr is the floor: finished
+    assert fit.end.fitted.end == fitted.end - 1
+
+
 def test_a_generous_limit_or_the_field_off_changes_nothing(clock: FakeClock) -> None:
     for cfg in (WSD, COSINE):
         clock.now = 0.0
