@@ -57,19 +57,16 @@ class EvaluateConfig:
             raise ValueError("invalid evaluate settings: " + "; ".join(problems))
 
 
-def _chat_prompt(
-    tokenizer, messages: list[dict], limit: int, template_kwargs: dict[str, Any]
-) -> list[int]:
-    """The conversation up to its last assistant turn, through the chat template with the
-    generation prompt: what a server sees before the model answers. Truncated from the left so
-    the generation prompt stays."""
-    last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
-    history = messages[:last] if last is not None else messages
+def _chat_prompt(tokenizer, messages: list[dict], template_kwargs: dict[str, Any]) -> list[int]:
+    """The conversation before the reply a server would write next, through the chat template
+    with the generation prompt: without its final assistant turn when it ends with one (the
+    dataset's reply), else all of it (a pending user turn is what the model answers)."""
+    ends_with_reply = bool(messages) and messages[-1].get("role") == "assistant"
+    history = messages[:-1] if ends_with_reply else messages
     rendered = tokenizer.apply_chat_template(
         history, add_generation_prompt=True, tokenize=False, **template_kwargs
     )
-    ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
-    return ids[-limit:]
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
 def load_prompts(cfg: EvaluateConfig, tokenizer) -> list[list[int]]:
@@ -87,17 +84,25 @@ def load_prompts(cfg: EvaluateConfig, tokenizer) -> list[list[int]]:
             raise ValueError(
                 f"{path} holds conversations but the target's tokenizer has no chat template"
             )
-        prompts = []
+        prompts, cut = [], 0
         for i, messages in enumerate(rows["messages"]):
             try:
-                prompts.append(
-                    _chat_prompt(tokenizer, messages, cfg.prompt_tokens, cfg.chat_template_kwargs)
-                )
+                ids = _chat_prompt(tokenizer, messages, cfg.chat_template_kwargs)
             except Exception as err:  # the template's raise_exception, or a Jinja error
                 raise ValueError(
                     f"--data {path} row {i}: the chat template failed ({err}); fix or remove "
                     "the row (a conversation needs a user turn before its last assistant turn)"
                 ) from err
+            cut += len(ids) > cfg.prompt_tokens
+            prompts.append(ids[-cfg.prompt_tokens :])  # from the left: the generation prompt stays
+        if cut:
+            get_logger().warning(
+                "%d of %d chat prompts cut to their last %d tokens (--prompt-tokens): the start "
+                "of those conversations (a system prompt, say) is not in the prompt",
+                cut,
+                len(prompts),
+                cfg.prompt_tokens,
+            )
     elif cfg.text_field not in rows.column_names:
         raise ValueError(
             f"{path}: no column {cfg.text_field!r} or 'messages' (found {rows.column_names})"

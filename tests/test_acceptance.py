@@ -387,3 +387,41 @@ def test_bad_prompt_rows_are_named(
     cfg = EvaluateConfig(target=str(tiny_qwen3), data=str(data))
     with pytest.raises(ValueError, match=message):
         load_prompts(cfg, AutoTokenizer.from_pretrained(tiny_qwen3))
+
+
+def test_a_chat_prompt_ending_in_a_user_turn_is_answered_there(
+    tiny_qwen3: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A conversation whose last message is a user turn: the prompt is all of it (the pending
+    question is what the model answers), not the history before an earlier assistant turn; a
+    prompt cut to --prompt-tokens is said in the log."""
+    from transformers import AutoTokenizer
+
+    from common.logging import get_logger
+    from evaluation.online import EvaluateConfig, load_prompts
+
+    conversation = [
+        {"role": "user", "content": "Write a poem."},
+        {"role": "assistant", "content": "Roses are red."},
+        {"role": "user", "content": "Now translate it to French."},
+    ]
+    import json
+
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": conversation}) + "\n")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    (prompt,) = load_prompts(EvaluateConfig(str(tiny_qwen3), str(chat)), tokenizer)
+    expected = tokenizer.apply_chat_template(
+        conversation, add_generation_prompt=True, tokenize=False
+    )
+    assert tokenizer.decode(prompt) == expected
+    cfg = EvaluateConfig(str(tiny_qwen3), str(chat))
+    cfg.prompt_tokens = 8
+    log = get_logger()  # (it may not propagate to the root logger caplog reads)
+    log.addHandler(caplog.handler)
+    try:
+        (short,) = load_prompts(cfg, tokenizer)
+    finally:
+        log.removeHandler(caplog.handler)
+    assert short == tokenizer(expected, add_special_tokens=False)["input_ids"][-8:]
+    assert "1 of 1 chat prompts cut to their last 8 tokens" in caplog.text
