@@ -63,6 +63,19 @@ def concat_sequences(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Te
     return out
 
 
+def anchor_slots(num_runs: int) -> int:
+    """The anchor count a batch of `num_runs` responses is padded to: a power of two, >= 16."""
+    return max(16, 1 << max(num_runs - 1, 0).bit_length())
+
+
+def blank_sequence(item: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A sequence row of `item`'s shapes holding nothing (no document, no loss): it fills a
+    short last batch to the others' context length, so the attention sees one shape."""
+    blank = {name: torch.zeros_like(value) for name, value in item.items()}
+    blank["document_ids"] = torch.full_like(item["document_ids"], -1)
+    return blank
+
+
 @torch.no_grad()
 def chained_acceptance(
     model: torch.nn.Module,
@@ -88,10 +101,14 @@ def chained_acceptance(
     p_R, last_R = runs[:, 0].clone(), runs[:, 1] - 1  # the last token of a run gains nothing
     gained_R = torch.zeros(num_runs, dtype=torch.long, device=device)
     steps_R = torch.zeros_like(gained_R)
+    # anchor slots: the runs rounded up to a power of two. The compiled attention keeps one
+    # graph per shape and refuses past Dynamo's recompile limit (8), and a dev store's batches
+    # hold different numbers of responses: this way a few shapes serve them all
+    padding_A = torch.full((anchor_slots(num_runs) - num_runs,), -1, device=device)
     while bool((active_R := p_R < last_R).any()):
         # runs are disjoint and in order, so the active anchors are already sorted; padding
         # (-1) to a fixed count keeps the compiled attention's shapes the same every step
-        anchors_A = torch.where(active_R, p_R, -1)
+        anchors_A = torch.cat([torch.where(active_R, p_R, -1), padding_A])
         anchors_A = anchors_A[torch.argsort((anchors_A < 0).to(torch.int8), stable=True)]
         labels_AB, valid_AB = block_labels(
             anchors_A, tokens_T, seq["loss_mask"], docs_T, source_T, block_size
@@ -207,6 +224,8 @@ def chained_tau_on_store(
         items = [rows.read_row(i) for i in range(lo, min(lo + batch_sequences, count))]
         if prompt_lookup:
             lookup_chains += prompt_lookup_chains(items, block_size - 1)
+        if count > batch_sequences:  # the last batch as long as the others (one shape)
+            items += [blank_sequence(items[0])] * (batch_sequences - len(items))
         chains += chained_acceptance(
             model,
             head,

@@ -137,3 +137,45 @@ def test_served_copy_rounds_like_the_export() -> None:
     assert any(
         not torch.equal(q, p) for p, q in zip(model.parameters(), twin.parameters(), strict=True)
     )
+
+
+def test_a_dev_store_of_many_batches_keeps_the_attention_to_few_shapes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dynamo keeps one compiled attention graph per shape and refuses past its recompile
+    limit (8): a dev store whose batches hold different numbers of responses, and a short last
+    batch, must reach the attention in a few shapes; the chains are the same either way (a
+    response's chain does not depend on its batch)."""
+    from store_factory import build_store
+
+    from common.store import open_store
+    from evaluation import chained
+    from stage2_train.step import load_frozen_head
+
+    spec = FactorySpec(num_sequences=75, sequences_per_shard=25, min_doc_len=6, max_doc_len=60)
+    path = build_store(tmp_path / "store", spec)
+    info = open_store(str(path), require_complete=True)
+    shape = drafter_shape(
+        DrafterConfig(num_layers=1, block_size=4), target_config(spec), 2, spec.vocab_size, 3
+    )
+    torch.manual_seed(0)
+    model = DFlashDrafter(shape).eval()
+    head = load_frozen_head(str(path), torch.device("cpu"), torch.float32)
+    shapes: set[tuple[int, int]] = set()
+    forward = chained.forward_batch
+
+    def recording(model, head, batch, **kwargs):  # noqa: ANN001, ANN202
+        shapes.add((batch.tokens_T.numel(), batch.anchors_A.numel()))
+        return forward(model, head, batch, **kwargs)
+
+    monkeypatch.setattr(chained, "forward_batch", recording)
+    settings = dict(block_size=4, mask_token_id=3, backend="sdpa", chunk_tokens=64)
+    batched = chained.chained_tau_on_store(
+        model, head, info, batch_sequences=8, device=torch.device("cpu"), **settings
+    )
+    assert len(shapes) <= 3, sorted(shapes)  # 10 batches of 8, the last of 3 made 8 long
+    whole = chained.chained_tau_on_store(
+        model, head, info, batch_sequences=75, device=torch.device("cpu"), **settings
+    )
+    assert batched["chained_tau_per_response"] == whole["chained_tau_per_response"]
+    assert batched["chained_responses"] > 75
