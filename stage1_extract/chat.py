@@ -138,10 +138,14 @@ def _locate_turn(
     `header` (the generation prompt) or, without one, at the content; it ends after the content
     as given plus `closing`, or, when the template rewrote the content, at the next `closing`."""
     texts = list(dict.fromkeys((content, content.strip())))
-    if header and full.find(header, after) >= 0:
-        start = full.find(header, after) + len(header)
+    found = [i for i in (full.find(t, after) for t in texts) if i >= 0]
+    at = full.find(header, after) if header else -1
+    # the header only where it comes before the content: a header that a later turn alone
+    # renders (Qwen3's empty think block with enable_thinking false, only on the last turn)
+    # found first would place this turn at that one
+    if at >= 0 and (not found or at <= min(found)):
+        start = at + len(header)
     else:
-        found = [i for i in (full.find(t, after) for t in texts) if i >= 0]
         if not found:
             return None
         start = min(found)
@@ -183,6 +187,16 @@ def assistant_char_spans(
         before = _render(tokenizer, messages[:i], gen=False, template_kwargs=kw)
         if before is not None and full.startswith(before):
             after = max(after, len(before))
+        else:  # past the text of the messages since the previous assistant turn, so that
+            # the search cannot find this reply inside the question before it (templates that
+            # render a system prompt into the last user turn only, as Mistral's)
+            j = i - 1
+            while j >= 0 and messages[j]["role"] != "assistant":
+                j -= 1
+            for other in messages[j + 1 : i]:
+                at = full.find(other["content"], after) if other["content"] else -1
+                if at >= 0:
+                    after = at + len(other["content"])
         header = (
             head[len(before) :] if head and before is not None and head.startswith(before) else ""
         )

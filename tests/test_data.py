@@ -168,6 +168,60 @@ def test_template_rewriting_history_falls_back_to_search(think):
     )
 
 
+def test_an_empty_think_block_in_the_generation_prompt_keeps_each_turn_in_place():
+    """Qwen3 with enable_thinking false: the generation prompt ends in an empty think block that
+    history renders on the last assistant turn only. Turn 1 (rendered otherwise once a later
+    turn follows) must not be searched for at the last turn's header."""
+    tok = chatml_tokenizer()
+    tok.chat_template = THINK_TEMPLATE.replace(
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+        "{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{% if enable_thinking is defined and not enable_thinking %}"
+        "<think>\n\n</think>\n\n{% endif %}{% endif %}",
+    )
+    messages = [
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Tell a joke"},
+        {"role": "assistant", "content": "Why did the chicken cross the road?"},
+    ]
+    kwargs = {"enable_thinking": False}
+    [result] = chat.tokenize_conversations(tok, [messages], kwargs)
+    assert not isinstance(result, chat.InvalidRow), result
+    pieces = chatml_pieces(messages[:2]) + [
+        ("<|im_start|>user\nTell a joke<|im_end|>\n", 0),
+        ("<|im_start|>assistant\n<think>\n\n</think>\n\n", 0),  # the generation prompt's
+        (messages[3]["content"], 1),
+        ("<|im_end|>", 1),
+        ("\n", 0),
+    ]
+    assert result == expected_from_pieces(tok, pieces)
+
+
+def test_a_reply_quoted_in_its_question_is_found_after_the_question():
+    """A template that renders the system prompt into the last user turn only (Mistral's): the
+    prefix property fails, and the reply "Paris" must be found after the question that
+    contains it, not inside it."""
+    tok = chatml_tokenizer()
+    tok.chat_template = (
+        "{% if messages[0]['role'] == 'system' %}{% set sys = messages[0]['content'] %}"
+        "{% set rest = messages[1:] %}{% else %}{% set sys = '' %}{% set rest = messages %}"
+        "{% endif %}{% for m in rest %}{% if m['role'] == 'user' %}[INST] "
+        "{% if loop.last and sys %}{{ sys }}\n\n{% endif %}{{ m['content'] }}[/INST]"
+        "{% else %} {{ m['content'] }}<|im_end|>{% endif %}{% endfor %}"
+    )
+    messages = [
+        {"role": "system", "content": "Answer in one word."},
+        {"role": "user", "content": "Is the capital of France Paris or Lyon?"},
+        {"role": "assistant", "content": "Paris"},
+    ]
+    [result] = chat.tokenize_conversations(tok, [messages])
+    assert not isinstance(result, chat.InvalidRow), result
+    pieces = [("[INST] Is the capital of France Paris or Lyon?[/INST] ", 0)]
+    pieces += [("Paris", 1), ("<|im_end|>", 1)]
+    assert result == expected_from_pieces(tok, pieces)
+
+
 def test_sharegpt_roles_are_mapped(tmp_path):
     tok = chatml_tokenizer()
     names = {"system": "system", "user": "human", "assistant": "gpt"}
