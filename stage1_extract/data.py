@@ -287,7 +287,9 @@ def _prompt_completion(
         return InvalidRow("bad_prompt", f"{p_col!r} is not a string")
     if not (isinstance(completion, str) and completion.strip()):
         return InvalidRow("empty_completion", f"{c_col!r} is empty or not a string")
-    prompt_ids = tokenizer(prompt)["input_ids"] if prompt else []
+    # an empty prompt still gets the tokenizer's prefix (Llama's BOS), as the same text as a
+    # text row would: the target runs on what it would see
+    prompt_ids = tokenizer(prompt)["input_ids"]
     completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
     return list(prompt_ids) + list(completion_ids), [0] * len(prompt_ids) + [1] * len(
         completion_ids

@@ -170,6 +170,7 @@ def _worker(cfg: ExtractConfig, devices: list[str], error_dir: str | None, ready
         elif ctx.is_main:  # rank 0 first: it fills the datasets cache the others then reuse
             job = _plan_and_say(cfg)
             _warn_padding(job)
+            _warn_logit_transform(job)
             check_host_memory(job, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
             lock.enter_context(writer_lock(job.store))
             prepare_store(job.store, job.attrs, cfg.store.overwrite)
@@ -218,6 +219,24 @@ def _warn_padding(job: ExtractJob) -> None:
         get_logger().warning(hint)
 
 
+# config fields of models whose forward transforms the LM head's logits after it
+POST_HEAD_TRANSFORMS = ("logits_scaling", "logit_scale", "final_logit_softcapping")
+
+
+def _warn_logit_transform(job: ExtractJob) -> None:
+    """Say so when the target's forward transforms the head's logits (FORMAT.md: the store
+    keeps the raw ones; argmax and top-k ids are the target's either way)."""
+    config = job.attrs["target"]["config"]
+    config = config.get("text_config") or config  # multimodal configs nest the decoder's
+    found = {k: config[k] for k in POST_HEAD_TRANSFORMS if config.get(k) not in (None, 1, 1.0)}
+    if found:
+        get_logger().warning(
+            "the target transforms its logits after the LM head (%s): topk_logits and "
+            "logsumexp are stored raw (FORMAT.md); argmax and top-k ids are its own",
+            ", ".join(f"{k}={v}" for k, v in found.items()),
+        )
+
+
 def _finalize(job: ExtractJob) -> None:
     final = finalize_store(job.store, job.attrs, job.source_documents, job.prepared.skipped)
     counts = final["counts"]
@@ -248,6 +267,7 @@ def run_extract(cfg: ExtractConfig) -> None:
     # several local processes: validate and prepare here, so user errors stay ValueErrors
     job = _plan_and_say(cfg)
     _warn_padding(job)
+    _warn_logit_transform(job)
     check_host_memory(job, procs)
     # this process holds the writer lock for its ranks, which never take it
     with writer_lock(job.store):

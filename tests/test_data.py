@@ -289,6 +289,20 @@ def test_text_rows_match_a_plain_tokenizer_call(tmp_path):
         prepare(path, chatml_tokenizer())
 
 
+def test_an_empty_prompt_keeps_the_tokenizers_bos(tmp_path):
+    """{prompt: "", completion: C} is run through the target as the text C would be: after the
+    tokenizer's BOS (Llama), the loss on C."""
+    bos = llama3_tokenizer()
+    bos_id = bos.convert_tokens_to_ids("<|begin_of_text|>")
+    bos.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos_id)]
+    )
+    path = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "", "completion": "Hello world"}])
+    row = prepare(path, bos).dataset[0]
+    assert row["input_ids"] == bos("Hello world")["input_ids"] and row["input_ids"][0] == bos_id
+    assert row["loss_mask"] == [0] + [1] * (len(row["input_ids"]) - 1)
+
+
 def test_explicit_fields(tmp_path):
     tok = chatml_tokenizer()
     path = write_jsonl(tmp_path / "f.jsonl", [{"dialog": CONVERSATION, "body": "Hello there."}])
@@ -467,3 +481,24 @@ def test_empty_assistant_turn_has_no_loss_and_the_rest_is_kept(tmp_path, monkeyp
         prepare(path, tok)
     skipped = prepare(path, tok, on_invalid="skip")
     assert skipped.skipped == {"empty_assistant": 1} and skipped.dataset["source_index"][:] == [0]
+
+
+def test_a_target_that_transforms_its_logits_is_named(caplog):
+    """Granite scales, Cohere multiplies, Gemma 2 soft-caps the head's logits in its forward:
+    extract says the store keeps them raw (FORMAT.md); a plain target says nothing."""
+    from types import SimpleNamespace
+
+    from common.logging import get_logger
+    from stage1_extract.run import _warn_logit_transform
+
+    log = get_logger()
+    log.addHandler(caplog.handler)
+    try:
+        for config in ({"logits_scaling": 8.0}, {"text_config": {"final_logit_softcapping": 30}}):
+            _warn_logit_transform(SimpleNamespace(attrs={"target": {"config": config}}))
+        _warn_logit_transform(SimpleNamespace(attrs={"target": {"config": {"logit_scale": 1.0}}}))
+    finally:
+        log.removeHandler(caplog.handler)
+    warned = list(dict.fromkeys(r.getMessage() for r in caplog.records))  # (root's copy too)
+    assert len(warned) == 2, warned
+    assert "logits_scaling=8.0" in warned[0] and "final_logit_softcapping=30" in warned[1]
