@@ -53,6 +53,12 @@ _EXPLAINED = [
     ("seq_len", lambda a: a["seq_len"]),
     ("sequences_per_shard", lambda a: a["sequences_per_shard"]),
     ("dataset", lambda a: {k: a["dataset"][k] for k in ("path", "split", "name", "num_rows")}),
+    ("dataset format", lambda a: a["dataset"]["format"]),
+    # the data.* settings besides the path (named by "dataset"): data.format, on_invalid, ...
+    (
+        "data settings",
+        lambda a: {k: v for k, v in keyed_data(a["extract_config"]["data"]).items() if k != "path"},
+    ),
     ("extract_config.packing", lambda a: a["extract_config"]["packing"]),
     # (not byte_shuffle: it changes codecs only, and shards of both kinds read alike)
     (
@@ -94,19 +100,24 @@ def content_key(parts: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def keyed_data(data: dict[str, Any]) -> dict[str, Any]:
+    """The data settings that decide the content. num_proc changes how fast rows are
+    tokenized, never what is stored; options added since the first stores are left out at
+    their defaults, so those stores still resume."""
+    return {
+        k: v
+        for k, v in data.items()
+        if k != "num_proc" and (k not in LATER_DATA_DEFAULTS or v != LATER_DATA_DEFAULTS[k])
+    }
+
+
 def key_parts(
     attrs: dict[str, Any], lengths_sha256: str, skipped: dict[str, int]
 ) -> dict[str, Any]:
     """What decides the content: the root attributes (without bookkeeping such as `complete`
     or `created_by`), the skipped rows and a digest of the tokenized documents' lengths."""
     cfg = attrs["extract_config"]
-    # num_proc changes how fast rows are tokenized, never what is stored; options added since
-    # the first stores are left out at their defaults, so those stores still resume
-    data = {
-        k: v
-        for k, v in cfg["data"].items()
-        if k != "num_proc" and (k not in LATER_DATA_DEFAULTS or v != LATER_DATA_DEFAULTS[k])
-    }
+    data = keyed_data(cfg["data"])
     data["path"] = _canonical_path(data["path"])
     target = dict(attrs["target"], name_or_path=_canonical_path(attrs["target"]["name_or_path"]))
     tokenizer = dict(

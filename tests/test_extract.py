@@ -549,6 +549,25 @@ def test_refusal_names_the_matmul_precision_and_how_to_resume() -> None:
     assert set_back == ["--set target.matmul_precision=highest"]
 
 
+def test_refusal_names_changed_data_settings() -> None:
+    """A rerun with only a data.* setting changed (data.on_invalid, data.format) is refused
+    naming it, not blaming the document lengths; num_proc is not a reason."""
+    from stage1_extract.store_root import _explain_mismatch
+
+    packing = {"seq_len": 64, "overlong": "split"}
+    old, new, faster = (_key_attrs(packing) for _ in range(3))
+    for attrs in (old, new, faster):
+        attrs["seq_len"] = 64
+        attrs["dataset"] |= {"path": "d", "split": "train", "name": None}
+        attrs["target"] |= {"revision": None, "config": {}}
+    new["extract_config"]["data"]["on_invalid"] = "skip"
+    assert _explain_mismatch(old, new)[0] == "data settings"
+    new["dataset"]["format"] = "messages"
+    assert _explain_mismatch(old, new)[0] == "dataset format, data settings"
+    faster["extract_config"]["data"]["num_proc"] = 8
+    assert "data settings" not in _explain_mismatch(old, faster)[0]
+
+
 def test_content_key_of_next_fit_stores_is_unchanged_by_the_strategy_option() -> None:
     from stage1_extract.store_root import content_key, key_parts
 
