@@ -65,7 +65,9 @@ def test_prompt_past_the_target_positions_is_invalid(tiny_short: Path, tmp_path:
         },
     ]
     data = write_jsonl(tmp_path / "chat.jsonl", rows)
-    with pytest.raises(ValueError, match=r"row 1: the prompt has \d+ tokens.*48 positions"):
+    with pytest.raises(
+        ValueError, match=r"row 1: the prompt has \d+ tokens.*max_position_embeddings \(48\)"
+    ):
         run_generate(config(tiny_short, data, tmp_path / "out"))
     manifest = run_generate(config(tiny_short, data, tmp_path / "out", "data.on_invalid=skip"))
     assert manifest["counts"]["skipped"] == {"too_long": 1}
