@@ -29,8 +29,10 @@ def read_array(array: zarr.Array, selection: Any) -> np.ndarray:
         raise Undecodable(array.basename, err) from err
 
 
-# arrays that are never all zeros in a shard, so their data file always exists
-ALWAYS_STORED = ("tokens", "hidden")
+# arrays that are never all zeros in a shard, so their data file always exists (not
+# topk_logits or logsumexp: a store imported without verifier outputs holds a one-hot top-1
+# with logit 0 and log-sum-exp 0, written as no file at all)
+ALWAYS_STORED = ("tokens", "hidden", "hidden_scale", "position_ids", "topk_ids", "target_argmax")
 
 
 def missing_bytes(array_dir: Path, name: str) -> str | None:

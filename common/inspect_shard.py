@@ -300,8 +300,10 @@ def _check_arrays(
     name = tally.shard
     members, unreadable = _members(group, info, tally)
     # The arrays are the truth; attributes that disagree with them are reported, not trusted.
-    n = members["tokens"].shape[0] if "tokens" in members else attrs["num_sequences"]
-    num_docs = members["doc_start"].shape[0] if "doc_start" in members else attrs["num_documents"]
+    # (a member that is a group, not an array, is reported by the metadata checks below)
+    tokens, doc_start = members.get("tokens"), members.get("doc_start")
+    n = tokens.shape[0] if isinstance(tokens, zarr.Array) else attrs["num_sequences"]
+    num_docs = doc_start.shape[0] if isinstance(doc_start, zarr.Array) else attrs["num_documents"]
     per_shard, last = int(info.attrs["sequences_per_shard"]), index == info.num_shards - 1
     if attrs["index"] != index:
         tally.note("attrs", f"index is {attrs['index']}, expected {index}")

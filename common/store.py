@@ -189,8 +189,14 @@ def read_root_attrs(store: str | Path) -> dict[str, Any]:
         raise StoreError(
             f"{store} is not a dflash store (no zarr.json); pass the folder extract wrote"
         )
-    doc = json.loads(meta.read_text())
-    attrs = doc.get("attributes", {}).get(ROOT_ATTR)
+    try:
+        doc = json.loads(meta.read_text())
+    except (ValueError, OSError) as err:  # cut by a full disk, or edited by hand
+        raise StoreError(
+            f"{meta} is unreadable ({err}): the store's root metadata is damaged; rerun the "
+            "same `dflash extract` with --overwrite to write the store again"
+        ) from err
+    attrs = doc.get("attributes", {}).get(ROOT_ATTR) if isinstance(doc, dict) else None
     if doc.get("zarr_format") != 3 or attrs is None:
         raise StoreError(
             f"{store} is a Zarr store but not a dflash store (no '{ROOT_ATTR}' attributes)"

@@ -385,6 +385,8 @@ def bad_file(path: Path, tokens: int = 10, **datasets: np.ndarray) -> Path:
         ("no_layers", "no attribute tapped_layers"),
         ("partial_verifier", "give all four"),
         ("no_target", "no target: pass --target"),
+        ("unmarked_bits", "/hidden is uint16: give float32/float16, or bf16 bits"),
+        ("int_hidden", "/hidden is int32"),
     ],
 )
 def test_bad_inputs_exit_2_with_one_line(case: str, words: str, tmp_path: Path) -> None:
@@ -402,6 +404,9 @@ def test_bad_inputs_exit_2_with_one_line(case: str, words: str, tmp_path: Path) 
         bad_file(path, hidden=hidden, doc_lengths=np.array([4, 5]))
     elif case == "hidden_rows":
         bad_file(path, hidden=hidden[:8], doc_lengths=np.array([10]))
+    elif case in ("unmarked_bits", "int_hidden"):  # bf16 bits without encoding="bfloat16-bits"
+        dtype = np.uint16 if case == "unmarked_bits" else np.int32
+        bad_file(path, hidden=hidden.astype(dtype), doc_lengths=np.array([10]))
     else:
         extra = {"target_argmax": np.zeros(10, np.int32)} if case == "partial_verifier" else {}
         bad_file(path, hidden=hidden, doc_offsets=np.array([0, 4]), **extra)

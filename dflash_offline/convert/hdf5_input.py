@@ -146,6 +146,8 @@ def open_input(path: str | Path) -> Hdf5Input:
             raise _fail(
                 path, f"/{name} has shape {f[name].shape}, expected {list(shape)} (as /tokens)"
             )
+    for name in ("hidden", *(("topk_logits", "logsumexp") if present else ())):
+        _check_floats(path, f[name], name)
     return Hdf5Input(
         path=path,
         file=f,
@@ -156,6 +158,23 @@ def open_input(path: str | Path) -> Hdf5Input:
         verifier=bool(present),
         topk=int(topk),
         attrs={k: _plain(v) for k, v in f.attrs.items()},
+    )
+
+
+def _check_floats(path: Path, ds: h5py.Dataset, name: str) -> None:
+    """A float dataset is floats, or bf16 bits in 16-bit integers marked as such: integers
+    without the mark would be read as numbers (bf16 pattern 16065 as 16065.0) and train on
+    garbage that no later check can tell from features."""
+    encoding = _plain(ds.attrs.get("encoding"))
+    if ds.dtype.kind == "f" and encoding is None:
+        return
+    if ds.dtype in (np.uint16, np.int16) and encoding == BF16_BITS:
+        return
+    marked = f" with encoding={encoding!r}" if encoding is not None else ""
+    raise _fail(
+        path,
+        f"/{name} is {ds.dtype}{marked}: give float32/float16, or bf16 bits as uint16 with the "
+        f"attribute encoding={BF16_BITS!r}",
     )
 
 
@@ -173,6 +192,8 @@ def head_tensors(inp: Hdf5Input) -> dict[str, torch.Tensor] | None:
     group = inp.file["target_head"]
     if missing := [name for name in HEAD_TENSORS if name not in group]:
         raise _fail(inp.path, f"/target_head lacks {missing}")
+    for name in group:
+        _check_floats(inp.path, group[name], f"target_head/{name}")
     return {name: inp.floats(f"target_head/{name}", ()).to(torch.bfloat16) for name in group}
 
 
