@@ -93,6 +93,7 @@ def export_drafter(
     config["dflash_config"].update(block_size=shape.block_size, mask_token=mask_token)
     config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
     config["auto_map"] = AUTO_MAP
+    check_export_target(out_dir)
     tmp = out_dir.with_name(f".tmp-{out_dir.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     needed = sum(v.numel() * v.element_size() for v in state.values())
@@ -105,12 +106,34 @@ def export_drafter(
             for path in tmp.iterdir():
                 path.chmod(FILE_MODE)
             tmp.chmod(FOLDER_MODE)
-            shutil.rmtree(out_dir, ignore_errors=True)
+            # the old export moved aside, not deleted first: a kill in between leaves it whole
+            aside = out_dir.with_name(f".old-{out_dir.name}")
+            shutil.rmtree(aside, ignore_errors=True)
+            if out_dir.exists():
+                out_dir.rename(aside)
             commit_folder(tmp, out_dir)
+            shutil.rmtree(aside, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def check_export_target(out_dir: Path) -> None:
+    """Refuse to replace a folder that is not a drafter export (a run folder, a folder of
+    other files, one above them): an export replaces its folder whole."""
+    if not out_dir.exists() or (out_dir.is_dir() and not any(out_dir.iterdir())):
+        return
+    try:
+        is_export = "dflash_config" in json.loads((out_dir / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        is_export = False
+    if not is_export:
+        raise ValueError(
+            f"--out {out_dir} exists and is not a drafter export (no config.json with "
+            "dflash_config): an export replaces its folder whole, so pass a new folder or an "
+            "earlier export's"
+        )
 
 
 def shape_from_export(config: dict) -> DrafterShape:
@@ -178,7 +201,8 @@ def export_checkpoint(
     """Export the drafter of checkpoint `step` (default: the newest) of run folder `run`."""
     ckpt = step_dir(run, step) if step is not None else latest_checkpoint(run)
     if ckpt is None or not ckpt.is_dir():
-        raise ValueError(f"{run}: no checkpoint {'step ' + str(step) if step else ''} to export")
+        which = f"step {step} " if step is not None else ""
+        raise ValueError(f"{run}: no checkpoint {which}to export")
     try:
         meta = read_meta(ckpt)
         if not (ckpt / "model.pt").is_file():

@@ -135,3 +135,18 @@ def test_file_size_limit_while_exporting_then_a_rerun_exports(
     monkeypatch.setattr(export, "save_file", real_save)
     result = CliRunner().invoke(cli, ["export", str(out), "--out", str(target)])
     assert result.exit_code == 0 and (target / "model.safetensors").is_file()
+
+    # an export replaces its folder whole: a folder that is not an export (the run itself, a
+    # folder of other files) is refused and kept; an earlier export is replaced
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "notes.txt").write_text("mine")
+    before = sorted(p.name for p in out.iterdir())
+    for folder in (out, tmp_path / "models", tmp_path):
+        result = CliRunner().invoke(cli, ["export", str(out), "--out", str(folder)])
+        assert result.exit_code == 2 and "is not a drafter export" in error_line(result)
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert (tmp_path / "models" / "notes.txt").read_text() == "mine"
+    result = CliRunner().invoke(cli, ["export", str(out), "--out", str(target), "--step", "0"])
+    assert result.exit_code == 2 and "no checkpoint step 0 to export" in error_line(result)
+    result = CliRunner().invoke(cli, ["export", str(out), "--out", str(target)])
+    assert result.exit_code == 0 and not (tmp_path / ".old-exported").exists()
