@@ -120,14 +120,52 @@ def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def parse_overrides(overrides: list[str]) -> dict[str, Any]:
-    """Turn ['a.b=1', 'c=[1,2]'] into a nested dict; values are parsed as YAML."""
+def _field_type(cls: type | None, dotted: str) -> Any:
+    """The declared type of `dotted` in dataclass `cls` (None when unknown)."""
+    tp: Any = cls
+    for name in dotted.split("."):
+        if not _is_dataclass_type(tp):
+            return None
+        hints = typing.get_type_hints(tp)
+        if name not in hints:
+            return None
+        tp = hints[name]
+    return tp
+
+
+def _is_text(tp: Any) -> bool:
+    """A plain `str` field, or `str | None`."""
+    if tp is str:
+        return True
+    args = typing.get_args(tp)
+    return (typing.get_origin(tp) in (typing.Union, types.UnionType)) and set(args) == {
+        str,
+        type(None),
+    }
+
+
+def parse_overrides(overrides: list[str], cls: type | None = None) -> dict[str, Any]:
+    """Turn ['a.b=1', 'c=[1,2]'] into a nested dict; values are parsed as YAML, except for the
+    text fields of `cls` (paths, names), which keep their text: YAML would read `--out 0123`
+    as the number 83 and cut `runs/exp #2` at the '#'."""
     tree: dict[str, Any] = {}
     for item in overrides:
         if "=" not in item:
             raise ValueError(f"override {item!r} must look like key.sub=value")
         key, raw = item.split("=", 1)
-        _set_path(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+        key = key.strip()
+        tp = _field_type(cls, key)
+        if not raw.strip():
+            value = None
+        elif _is_text(tp) and not (tp is not str and raw.strip() in ("null", "~")):
+            value = raw
+        else:
+            try:
+                value = yaml.safe_load(raw)
+            except yaml.YAMLError as err:
+                problem = str(err).splitlines()[0]
+                raise ValueError(f"--set {key}={raw}: not a YAML value ({problem})") from None
+        _set_path(tree, key, value)
     return tree
 
 
@@ -148,7 +186,12 @@ def load_section(path: str | Path | None, section: str) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"config file {path} does not exist; pick one from configs/ or pass none")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ValueError(
+            f"config file {path} is not valid YAML: {' '.join(str(err).split())}"
+        ) from None
     if not isinstance(data, dict):
         raise ValueError(f"config file {path}: expected a mapping with sections, got {type(data)}")
     unknown = sorted(set(data) - {"generate", "extract", "train"})
@@ -163,7 +206,7 @@ def build_config(
     cls: type[T], path: str | Path | None, section: str, overrides: list[str] | tuple[str, ...]
 ) -> T:
     """Load `section` of the YAML at `path`, apply overrides, build and validate `cls`."""
-    data = _merge(load_section(path, section), parse_overrides(list(overrides)))
+    data = _merge(load_section(path, section), parse_overrides(list(overrides), cls))
     cfg = from_dict(cls, data)
     problems = collect_problems(cfg)
     if problems:

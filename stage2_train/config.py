@@ -137,6 +137,8 @@ class OptimConfig:
             out.append(f"decay_ratio must be in (0, 1], got {self.decay_ratio}")
         if len(self.betas) != 2:
             out.append(f"betas must have two values, got {self.betas}")
+        if self.max_steps is not None and self.max_steps < 1:
+            out.append(f"max_steps must be >= 1 (or null: all epochs), got {self.max_steps}")
         if self.epochs < 1:
             out.append(f"epochs must be >= 1, got {self.epochs}")
         if self.batch_sequences < 1 or self.grad_accum < 1:
@@ -296,6 +298,11 @@ class TrainRunConfig:
             out.append(f"time_limit_s must be > 0 (or null for none), got {self.time_limit_s}")
         if self.keep_checkpoints < 1:
             out.append(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+        if self.log_every < 1:
+            out.append(f"log_every must be >= 1, got {self.log_every}")
+        for name in ("eval_every", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                out.append(f"{name} must be >= 0 (0: only at the end), got {getattr(self, name)}")
         if self.gc_every < 0:
             out.append(f"gc_every must be >= 0 (0: CPython's own schedule), got {self.gc_every}")
         if len(set(self.report_to)) != len(self.report_to):

@@ -74,8 +74,21 @@ from stage2_train.trainstep import (
 log = get_logger()
 
 
+def expand_paths(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with `~` expanded in its paths, as extract and generate expand theirs: `--out=~/r`
+    (a shell leaves `~` alone after `=`) would otherwise be a folder named `~` here."""
+    home = lambda path: str(Path(path).expanduser()) if path else path  # noqa: E731
+    data = dataclasses.replace(
+        cfg.data, store=home(cfg.data.store), dev_store=home(cfg.data.dev_store)
+    )
+    return dataclasses.replace(
+        cfg, run=dataclasses.replace(cfg.run, out=home(cfg.run.out)), data=data
+    )
+
+
 def run_train(cfg: TrainConfig) -> None:
     """Check inputs, then train on every device of `run.devices` (see the module docstring)."""
+    cfg = expand_paths(cfg)
     if cfg.data.follow:  # extract may have just started: its store and first shard come later
         waiting_since = time.monotonic()
         wait_for_store(cfg.data)

@@ -69,3 +69,47 @@ def test_describe_lists_every_leaf_field() -> None:
     lines = describe(TrainConfig)
     assert any(line.startswith("optim.lr (float") for line in lines)
     assert any(line.startswith("drafter.mask_token_id") for line in lines)
+
+
+def test_text_fields_keep_their_text_and_bad_yaml_is_a_user_error(tmp_path: Path) -> None:
+    """Paths and names are not parsed as YAML (`--out 0123` was the folder 83, `runs/exp #2`
+    was cut at the '#'); a value or config file that is not YAML is one ValueError naming it
+    (a user error, exit 2), not a parser traceback."""
+    cfg = build_config(
+        TrainConfig, None, "train", ["run.out=0123", "data.store=runs/exp #2", "optim.lr=2e-3"]
+    )
+    assert cfg.run.out == "0123" and cfg.data.store == "runs/exp #2" and cfg.optim.lr == 2e-3
+    no_dev = build_config(TrainConfig, None, "train", [*REQUIRED["train"], "data.dev_store=null"])
+    assert no_dev.data.dev_store is None
+    with pytest.raises(ValueError, match=r"--set optim.betas=\[0.9: not a YAML value"):
+        build_config(TrainConfig, None, "train", ["optim.betas=[0.9"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  optim:\n    lr: 1\n   steps: 2\n")
+    with pytest.raises(ValueError, match=f"config file {bad} is not valid YAML"):
+        build_config(TrainConfig, bad, "train", [])
+
+
+def test_step_counts_are_checked_and_train_paths_expand_home() -> None:
+    """max_steps -1 (another trainer's "no limit") trained nothing and exported; log_every 0
+    divided by zero; a negative cadence ran every step. `~` in train's paths is the home
+    folder, as in extract's and generate's."""
+    import os
+
+    from stage2_train.train import expand_paths
+
+    for setting, words in (
+        ("optim.max_steps=-1", "max_steps must be >= 1"),
+        ("run.log_every=0", "log_every must be >= 1"),
+        ("run.eval_every=-1", "eval_every must be >= 0"),
+        ("run.checkpoint_every=-2", "checkpoint_every must be >= 0"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            build_config(TrainConfig, None, "train", [*REQUIRED["train"], setting])
+    sets = ["run.out=~/run", "data.store=~/store", "data.dev_store=~/dev"]
+    cfg = expand_paths(build_config(TrainConfig, None, "train", sets))
+    home = os.path.expanduser("~")
+    assert (cfg.run.out, cfg.data.store, cfg.data.dev_store) == (
+        f"{home}/run",
+        f"{home}/store",
+        f"{home}/dev",
+    )
