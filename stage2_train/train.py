@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import time
 from pathlib import Path
 from typing import Any, NoReturn
@@ -30,6 +31,7 @@ from tqdm import tqdm
 
 from common.distributed import WorkerContext, finish_worker, init_worker, launch, parse_devices
 from common.errors import report_to_launcher
+from common.locks import exclusive_lock
 from common.logging import get_logger, init_logger
 from common.store import StoreError
 from common.store_files import check_store_files
@@ -72,6 +74,7 @@ from stage2_train.trainstep import (
 )
 
 log = get_logger()
+RUN_LOCK = ".train.lock"  # in the run folder, held while a `dflash train` writes it
 
 
 def expand_paths(cfg: TrainConfig) -> TrainConfig:
@@ -100,7 +103,24 @@ def run_train(cfg: TrainConfig) -> None:
     check_fp8_installed(cfg.run.fp8_linear)
     devices = parse_devices(cfg.run.devices)
     Path(cfg.run.out).mkdir(parents=True, exist_ok=True)
-    launch(_worker, devices, cfg, devices)
+    with run_lock(Path(cfg.run.out)):
+        launch(_worker, devices, cfg, devices)
+
+
+def run_lock(out: Path) -> contextlib.AbstractContextManager:
+    """One `dflash train` per run folder: a second one into the same --out would delete the
+    first's checkpoint in the making and interleave its metrics. Held by the process that
+    launches the ranks (under torchrun: global rank 0, whose node holds the run folder)."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return contextlib.nullcontext()
+
+    def refused(holder: str) -> ValueError:
+        return ValueError(
+            f"--out {out}: another `dflash train` is writing this run ({holder}); wait for it "
+            "to end, or pass another --out"
+        )
+
+    return exclusive_lock(out / RUN_LOCK, refused)
 
 
 def limit_after_wait(cfg: TrainConfig, waited_s: float) -> TrainConfig:

@@ -150,3 +150,21 @@ def test_file_size_limit_while_exporting_then_a_rerun_exports(
     assert result.exit_code == 2 and "no checkpoint step 0 to export" in error_line(result)
     result = CliRunner().invoke(cli, ["export", str(out), "--out", str(target)])
     assert result.exit_code == 0 and not (tmp_path / ".old-exported").exists()
+
+
+def test_a_second_train_into_the_same_run_is_refused(store: Path, tmp_path: Path) -> None:
+    """Two `dflash train` into one --out: the second is refused naming the first (it deleted
+    the first's checkpoint in the making and interleaved the metrics); once the first has
+    ended, the run resumes."""
+    from common.locks import exclusive_lock
+    from stage2_train.train import RUN_LOCK
+
+    out = tmp_path / "run"
+    out.mkdir()
+    with exclusive_lock(out / RUN_LOCK, RuntimeError):  # a first run holds it
+        result = train(store, out)
+    assert result.exit_code == 2
+    line = error_line(result)
+    assert f"--out {out}: another `dflash train` is writing this run (pid" in line
+    assert not list(out.glob("step-*"))
+    assert train(store, out).exit_code == 0 and (out / "export").is_dir()
