@@ -87,6 +87,7 @@ def chained_acceptance(
     backend: str,
     chunk_tokens: int,
     device: torch.device,
+    fixed_shapes: bool | None = None,
 ) -> list[tuple[int, int]]:
     """(tokens gained, steps) of every response of `items` (raw sequence rows: tokens,
     position_ids, document_ids, loss_mask, target_argmax, hidden as bf16 or fp8 bits, and
@@ -104,7 +105,10 @@ def chained_acceptance(
     # anchor slots: the runs rounded up to a power of two. The compiled attention keeps one
     # graph per shape and refuses past Dynamo's recompile limit (8), and a dev store's batches
     # hold different numbers of responses: this way a few shapes serve them all
-    padding_A = torch.full((anchor_slots(num_runs) - num_runs,), -1, device=device)
+    # (the compiled flex region's concern: the dense CPU path pads nothing, so costs nothing)
+    fixed = backend == "flex" if fixed_shapes is None else fixed_shapes
+    slots = anchor_slots(num_runs) if fixed else num_runs
+    padding_A = torch.full((slots - num_runs,), -1, device=device)
     while bool((active_R := p_R < last_R).any()):
         # runs are disjoint and in order, so the active anchors are already sorted; padding
         # (-1) to a fixed count keeps the compiled attention's shapes the same every step
@@ -201,10 +205,12 @@ def chained_tau_on_store(
     chunk_tokens: int,
     device: torch.device,
     prompt_lookup: bool = False,
+    fixed_shapes: bool | None = None,
 ) -> dict[str, Any]:
     """`summarize_chains` over the responses of a store's first `max_sequences` sequences
     (all by default), `batch_sequences` at a time; with `prompt_lookup`, prompt lookup's
-    figures on the same responses too (`prompt_lookup_chained_tau`, ...)."""
+    figures on the same responses too (`prompt_lookup_chained_tau`, ...). `fixed_shapes`
+    (default: with the flex backend) pads every batch to a few attention shapes."""
     count = int(info.attrs["counts"]["sequences"])
     count = count if max_sequences is None else min(count, max_sequences)
     rows = StoreSequences(
@@ -224,7 +230,8 @@ def chained_tau_on_store(
         items = [rows.read_row(i) for i in range(lo, min(lo + batch_sequences, count))]
         if prompt_lookup:
             lookup_chains += prompt_lookup_chains(items, block_size - 1)
-        if count > batch_sequences:  # the last batch as long as the others (one shape)
+        fixed = backend == "flex" if fixed_shapes is None else fixed_shapes
+        if fixed and count > batch_sequences:  # the last batch as long as the others
             items += [blank_sequence(items[0])] * (batch_sequences - len(items))
         chains += chained_acceptance(
             model,
@@ -235,6 +242,7 @@ def chained_tau_on_store(
             backend=backend,
             chunk_tokens=chunk_tokens,
             device=device,
+            fixed_shapes=fixed,
         )
     model.train(was_training)
     lookup = summarize_chains(lookup_chains).items() if prompt_lookup else ()

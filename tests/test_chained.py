@@ -169,7 +169,9 @@ def test_a_dev_store_of_many_batches_keeps_the_attention_to_few_shapes(
         return forward(model, head, batch, **kwargs)
 
     monkeypatch.setattr(chained, "forward_batch", recording)
+    # the shapes the flex backend would get, through the dense path (flex runs on a GPU)
     settings = dict(block_size=4, mask_token_id=3, backend="sdpa", chunk_tokens=64)
+    settings["fixed_shapes"] = True
     batched = chained.chained_tau_on_store(
         model, head, info, batch_sequences=8, device=torch.device("cpu"), **settings
     )
