@@ -38,6 +38,18 @@ def commit_folder(tmp: Path, final: Path) -> None:
     fsync_path(final.parent)
 
 
+def replace_folder(tmp: Path, final: Path) -> None:
+    """Commit `tmp` as `final`, replacing a `final` that exists whole: it is moved aside first
+    and removed after, so no moment is left without a complete `final` (a kill in between
+    leaves the old one beside, as `.tmp-old-NAME`)."""
+    aside = final.with_name(".tmp-old-" + final.name)
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        final.rename(aside)
+    commit_folder(tmp, final)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 # A disk full, a quota or a file-size limit: the write cannot succeed until the user acts.
 NO_SPACE_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
 

@@ -224,13 +224,13 @@ def chained_tau_on_store(
     )
     was_training = model.training
     model.eval()
+    fixed = backend == "flex" if fixed_shapes is None else fixed_shapes
     chains: list[tuple[int, int]] = []
     lookup_chains: list[tuple[int, int]] = []
     for lo in range(0, count, batch_sequences):
         items = [rows.read_row(i) for i in range(lo, min(lo + batch_sequences, count))]
         if prompt_lookup:
             lookup_chains += prompt_lookup_chains(items, block_size - 1)
-        fixed = backend == "flex" if fixed_shapes is None else fixed_shapes
         if fixed and count > batch_sequences:  # the last batch as long as the others
             items += [blank_sequence(items[0])] * (batch_sequences - len(items))
         chains += chained_acceptance(

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from common.distributed import barrier
-from common.durable import commit_folder, space_checked
+from common.durable import replace_folder, space_checked
 from common.logging import get_logger
 from stage2_train.schedule import FittedEnd
 
@@ -165,8 +165,8 @@ def save_checkpoint(
                 meta = {"train_state": train_state, "config": config, **(extra_meta or {})}
                 (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
             barrier()
-            if rank == 0:
-                _replace(tmp, final)
+            if rank == 0:  # a step saved again after a resume replaces the old folder whole
+                replace_folder(tmp, final)
     except BaseException:
         if rank == 0:  # a half-written folder must not fill the disk; it is never a checkpoint
             shutil.rmtree(tmp, ignore_errors=True)
@@ -181,17 +181,6 @@ def save_checkpoint(
 
 def _step(path: Path) -> int:
     return int(STEP_RE.match(path.name).group(1))
-
-
-def _replace(tmp: Path, final: Path) -> None:
-    """Commit `tmp` as `final`; a step saved again after a resume replaces the old folder whole,
-    which is moved aside first so no moment is left without a complete `final` or older ones."""
-    aside = final.with_name(TMP_PREFIX + "old-" + final.name)
-    if final.exists():
-        shutil.rmtree(aside, ignore_errors=True)
-        final.rename(aside)
-    commit_folder(tmp, final)
-    shutil.rmtree(aside, ignore_errors=True)
 
 
 class DamagedCheckpoint(Exception):

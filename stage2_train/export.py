@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.durable import commit_folder, space_checked
+from common.durable import replace_folder, space_checked
 from common.logging import get_logger
 from stage2_train.checkpoint import DamagedCheckpoint, latest_checkpoint, read_meta, step_dir
 from stage2_train.model import DFlashDrafter, DrafterShape, drafter_config_json
@@ -106,13 +106,7 @@ def export_drafter(
             for path in tmp.iterdir():
                 path.chmod(FILE_MODE)
             tmp.chmod(FOLDER_MODE)
-            # the old export moved aside, not deleted first: a kill in between leaves it whole
-            aside = out_dir.with_name(f".old-{out_dir.name}")
-            shutil.rmtree(aside, ignore_errors=True)
-            if out_dir.exists():
-                out_dir.rename(aside)
-            commit_folder(tmp, out_dir)
-            shutil.rmtree(aside, ignore_errors=True)
+            replace_folder(tmp, out_dir)  # the old export moved aside, not deleted first
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -149,7 +149,7 @@ def test_file_size_limit_while_exporting_then_a_rerun_exports(
     result = CliRunner().invoke(cli, ["export", str(out), "--out", str(target), "--step", "0"])
     assert result.exit_code == 2 and "no checkpoint step 0 to export" in error_line(result)
     result = CliRunner().invoke(cli, ["export", str(out), "--out", str(target)])
-    assert result.exit_code == 0 and not (tmp_path / ".old-exported").exists()
+    assert result.exit_code == 0 and not (tmp_path / ".tmp-old-exported").exists()
 
 
 def test_a_second_train_into_the_same_run_is_refused(store: Path, tmp_path: Path) -> None:
