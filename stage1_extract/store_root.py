@@ -260,11 +260,16 @@ def prepare_store(store: Path, attrs: dict[str, Any], overwrite: bool) -> list[i
     if overwrite and _has_content(store):
         read_root_attrs(store)  # never delete a folder that is not a dflash store
         log.info("--overwrite: deleting %s", store)
-        for entry in store.iterdir():
+        # zarr.json last, and each folder renamed aside before it is deleted: a run stopped
+        # mid-way (deleting a large store takes minutes) leaves a store that a rerun deletes
+        # or resumes, never a folder refused as not a store, nor a half-deleted shard
+        for entry in sorted(store.iterdir(), key=lambda p: p.name == "zarr.json"):
             if entry.name == LOCK_FILE:  # the lock this run holds stays
                 continue
             if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
+                aside = store / f"{TMP_PREFIX}{entry.name}-{os.getpid()}"
+                entry.rename(aside)
+                shutil.rmtree(aside)
             else:
                 entry.unlink()
     if _has_content(store):
@@ -280,6 +285,12 @@ def prepare_store(store: Path, attrs: dict[str, Any], overwrite: bool) -> list[i
         for entry in shards_dir(store).glob(f"{TMP_PREFIX}*"):
             log.info("removing interrupted shard %s", entry.name)
             shutil.rmtree(entry, ignore_errors=True)
+        for entry in store.glob(f"{TMP_PREFIX}*"):  # left by a stopped --overwrite or commit
+            log.info("removing interrupted %s", entry.name)
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
         done = committed_shards(store)
         log.info("resuming %s: %d/%d shards committed", store, len(done), attrs["num_shards"])
         return done

@@ -1,0 +1,73 @@
+"""Review of extraction's durability: a run stopped at any point resumes (or starts over with
+--overwrite) without losing, duplicating or half-counting a shard."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from test_extract import make_config, write_data
+
+from common.store import committed_shards, open_store
+from common.store_files import file_problems, recorded_files
+from stage1_extract.run import run_extract
+from stage1_extract.store_root import prepare_store, writer_lock
+
+LAYERS = "target.tapped_layers=[0,1,3]"
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("review-durability")
+    out = folder / "store"
+    run_extract(make_config(tiny_qwen3, write_data(folder), out, LAYERS))
+    return out
+
+
+@pytest.mark.parametrize("zarr_json", ["listed first", "listed last"])
+def test_overwrite_stopped_while_deleting_leaves_a_store_to_rerun(
+    zarr_json: str, reference: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C while --overwrite deletes the old shards (minutes for a large store): the folder
+    must stay a store that a rerun with --overwrite deletes, and one that a rerun without it
+    resumes, never counting a half-deleted shard as committed. The file system decides the order
+    in which the folder lists its entries: both orders are tried."""
+    store = Path(shutil.copytree(reference, tmp_path / "store"))
+    # the root attributes a run of the same command starts a store with
+    attrs = {k: v for k, v in open_store(store).attrs.items() if k != "counts"}
+    attrs["complete"] = False
+    listed = Path.iterdir
+
+    def ordered(self: Path):
+        return sorted(
+            listed(self), key=lambda p: (p.name == "zarr.json") == (zarr_json == "listed last")
+        )
+
+    real_rmtree = shutil.rmtree
+
+    def stopped(path, *args, **kwargs):
+        if "shards" in Path(path).name:  # one shard half gone, then Ctrl-C
+            shard = next(Path(path).glob("shard-000001"))
+            real_rmtree(shard / "hidden")
+            raise KeyboardInterrupt
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "iterdir", ordered)
+    monkeypatch.setattr(shutil, "rmtree", stopped)
+    with pytest.raises(KeyboardInterrupt), writer_lock(store):
+        prepare_store(store, attrs, overwrite=True)
+    monkeypatch.undo()
+
+    damaged = tmp_path / "resumed"  # the old command again, without --overwrite
+    shutil.copytree(store, damaged)
+    with writer_lock(damaged):
+        done = prepare_store(damaged, attrs, overwrite=False)
+    for index in done:
+        folder = damaged / "shards" / f"shard-{index:06d}"
+        assert not file_problems(folder, recorded_files(folder)), index
+    assert [p.name for p in damaged.glob(".tmp-*")] == []  # nothing left behind for good
+
+    with writer_lock(store):  # --overwrite again: the store starts over
+        assert prepare_store(store, attrs, overwrite=True) == []
+    assert committed_shards(store) == [] and not open_store(store).complete
