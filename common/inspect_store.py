@@ -7,7 +7,9 @@
 
 The summary reads only metadata (root and shard attributes, array shapes) and walks the folder
 for disk usage, so it is instant on a store of any size. Counts are the sums over committed
-shards, so they are right while an extraction is still running.
+shards, so they are right while an extraction is still running. A shard that cannot be read
+(damaged metadata, a missing or truncated data file) is named, not fatal: the summary lists it
+as unreadable, --sample skips it with a warning; `inspect verify` says all that is wrong with it.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ import numpy as np
 import zarr
 
 from common.config import runs_tf32
+from common.inspect_damage import Undecodable, missing_bytes, read_array
 from common.inspect_verify import run_verify
 from common.store import (
+    FILES_KEY,
     SHARD_ATTR,
     TMP_PREFIX,
     StoreInfo,
@@ -32,11 +36,14 @@ from common.store import (
     shard_name,
     shards_dir,
 )
+from common.store_files import file_problems
 
 __all__ = ["disk_usage", "render_summary", "run_inspect", "run_verify", "sample_sequences"]
 
 LOSS_OPEN, LOSS_CLOSE = "⟦", "⟧"
 ANSI_LOSS, ANSI_RESET, ANSI_DIM = "\x1b[32m", "\x1b[0m", "\x1b[2m"
+SAMPLED_ROWS = ("tokens", "loss_mask", "document_ids")  # per sequence, the rows shown
+SAMPLED_DOCS = ("doc_source_index", "doc_piece")  # per document, named in each header
 
 
 def disk_usage(path: Path, apparent: bool = False) -> int:
@@ -74,6 +81,7 @@ def summarize(info: StoreInfo) -> dict[str, Any]:
         try:
             group = zarr.open_group(str(folder), mode="r")
             shard = group.attrs[SHARD_ATTR]
+            members = list(group.arrays())  # parses every array's metadata
         except Exception:  # zarr raises many types for damaged metadata; verify says which
             unreadable.append(shard_name(index))
             continue
@@ -81,7 +89,7 @@ def summarize(info: StoreInfo) -> dict[str, Any]:
         totals["documents"] += shard["num_documents"]
         totals["tokens"] += shard["num_tokens"]
         totals["loss_tokens"] += shard["num_loss_tokens"]
-        for name, array in group.arrays():
+        for name, array in members:
             row = arrays.setdefault(
                 name, {"dtype": str(array.dtype), "uncompressed": 0, "stored": 0}
             )
@@ -287,7 +295,11 @@ def _load_tokenizer(name: str | None) -> tuple[Any, str | None]:
 
 
 def _documents(
-    tokens: np.ndarray, loss: np.ndarray, doc_ids: np.ndarray, group: zarr.Group, tokenizer: Any
+    tokens: np.ndarray,
+    loss: np.ndarray,
+    doc_ids: np.ndarray,
+    docs: dict[str, np.ndarray],
+    tokenizer: Any,
 ) -> list[dict[str, Any]]:
     """One sequence's documents, each split into runs of loss / no-loss tokens."""
     documents: list[dict[str, Any]] = []
@@ -296,7 +308,7 @@ def _documents(
     for run in np.split(real, cuts) if real.size else []:
         doc = int(doc_ids[run[0]])
         if not documents or documents[-1]["document"] != doc:
-            source, piece = group["doc_source_index"][doc], group["doc_piece"][doc]
+            source, piece = docs["doc_source_index"][doc], docs["doc_piece"][doc]
             documents.append({"document": doc, "source_index": int(source), "piece": int(piece)})
             documents[-1] |= {"length": 0, "spans": []}
         ids = tokens[run].tolist()
@@ -306,28 +318,68 @@ def _documents(
     return documents
 
 
-def sample_sequences(info: StoreInfo, num_samples: int) -> tuple[list[dict[str, Any]], str | None]:
+def _read_sampled(folder: Path, rows: int) -> tuple[dict[str, np.ndarray], str | None]:
+    """The first `rows` sequences of the arrays a sample shows, and the document arrays whole;
+    or what makes the shard unreadable. The data files are checked first, as verify checks them:
+    zarr reads a missing one as zeros without an error (a sample of all token 0)."""
+    try:
+        group = zarr.open_group(str(folder), mode="r")
+        arrays = {name: group[name] for name in (*SAMPLED_ROWS, *SAMPLED_DOCS)}
+    except Exception as err:  # zarr raises many types for damaged metadata
+        return {}, f"metadata unreadable ({type(err).__name__}: {err})"
+    recorded = group.attrs.get(SHARD_ATTR, {}).get(FILES_KEY) or {}
+    for name in arrays:
+        if missing := missing_bytes(folder / name, name):
+            return {}, f"{name}: {missing} (it would read as zeros)"
+        own = {rel: size for rel, size in recorded.items() if rel.split("/")[0] == name}
+        if found := file_problems(folder, own):
+            return {}, f"{name}: {found[0][1]}"
+    try:
+        read = {name: read_array(arrays[name], np.s_[:rows]) for name in SAMPLED_ROWS}
+        return read | {name: read_array(arrays[name], np.s_[:]) for name in SAMPLED_DOCS}, None
+    except Undecodable as err:
+        return {}, f"{err.array}: cannot decode ({type(err.err).__name__}: {err.err})"
+
+
+def sample_sequences(
+    info: StoreInfo, num_samples: int
+) -> tuple[list[dict[str, Any]], str | None, list[dict[str, str]]]:
     """The first `num_samples` sequences split into documents and loss / no-loss spans.
 
-    Returns the samples and a note when token ids are shown because no tokenizer loaded.
+    Returns the samples, a note when token ids are shown because no tokenizer loaded, and the
+    shards skipped because they could not be read (shard, path, problem); the samples go on
+    with the next shard, as the summary and verify go on past a damaged one.
     """
     tokenizer, note = _load_tokenizer(info.attrs["tokenizer"].get("name_or_path"))
     samples: list[dict[str, Any]] = []
+    skipped: list[dict[str, str]] = []
     per_shard = int(info.attrs["sequences_per_shard"])
     for index in committed_shards(info.path):
         if len(samples) >= num_samples:
             break
-        group = zarr.open_group(str(shards_dir(info.path) / shard_name(index)), mode="r")
-        take = min(num_samples - len(samples), group["tokens"].shape[0])
-        tokens, loss = group["tokens"][:take], group["loss_mask"][:take]
-        doc_ids = group["document_ids"][:take]
-        for row in range(take):
-            documents = _documents(tokens[row], loss[row], doc_ids[row], group, tokenizer)
+        folder = shards_dir(info.path) / shard_name(index)
+        read, problem = _read_sampled(folder, num_samples - len(samples))
+        if problem is not None:
+            skipped.append({"shard": shard_name(index), "path": str(folder), "problem": problem})
+            continue
+        tokens, loss, doc_ids = read["tokens"], read["loss_mask"], read["document_ids"]
+        for row in range(tokens.shape[0]):
+            documents = _documents(tokens[row], loss[row], doc_ids[row], read, tokenizer)
             sequence = index * per_shard + row
             samples.append({"shard": index, "sequence": sequence, "documents": documents})
             samples[-1]["generated"] = bool(info.attrs.get("generation"))
             samples[-1]["padding"] = int((doc_ids[row] < 0).sum())
-    return samples, note
+    return samples, note, skipped
+
+
+def skipped_warnings(skipped: list[dict[str, str]], store: str | Path) -> list[str]:
+    """One line per shard that --sample skipped: which, where, why, and the command that checks
+    the whole store."""
+    return [
+        f"warning: skipped {s['shard']} ({s['path']}): {s['problem']}; run "
+        f"`dflash inspect verify {store}` to check every shard"
+        for s in skipped
+    ]
 
 
 def render_samples(samples: list[dict[str, Any]], note: str | None, color: bool) -> str:
@@ -365,12 +417,14 @@ def run_inspect(store: str | Path, num_samples: int = 0, as_json: bool = False) 
         raise ValueError(f"--sample must be >= 0, got {num_samples}")
     info = open_store(store)
     summary = summarize(info)
-    samples, note = sample_sequences(info, num_samples) if num_samples else ([], None)
+    samples, note, skipped = sample_sequences(info, num_samples) if num_samples else ([], None, [])
     if as_json:
-        extra = {"samples": samples, "sample_note": note} if num_samples else {}
-        print(json.dumps(summary | extra))
+        extra = {"samples": samples, "sample_note": note, "sample_skipped": skipped}
+        print(json.dumps(summary | (extra if num_samples else {})))
         return
     print(render_summary(summary))
     if num_samples:
         print()
+        for line in skipped_warnings(skipped, store):
+            print(line)
         print(render_samples(samples, note, color=sys.stdout.isatty()))

@@ -360,7 +360,7 @@ def test_sample_on_a_terminal_uses_color_not_brackets(store: Path) -> None:
     from common.inspect_store import render_samples, sample_sequences
     from common.store import open_store
 
-    samples, note = sample_sequences(open_store(store), 1)
+    samples, note, _ = sample_sequences(open_store(store), 1)
     out = render_samples(samples, note, color=True)
     assert "⟦" not in out
     assert re.findall(r"\x1b\[32m(.*?)\x1b\[0m", out) == ["9 10 11 12 13", "17 18"]
@@ -438,3 +438,59 @@ def test_tf32_note_only_for_float32_targets_that_ran_it() -> None:
     assert _tf32({"dtype": "float32", "matmul_precision": "highest"}) == ""
     assert _tf32({"dtype": "bfloat16", "matmul_precision": "high"}) == ""  # bf16 matmuls anyway
     assert _tf32({"dtype": "float32"}) == ""  # stores from before the option
+
+
+def zero_tail(path: Path) -> None:
+    """Overwrite the file's last bytes (its shard index and checksum) keeping its size."""
+    with path.open("r+b") as f:
+        f.seek(-8, 2)
+        f.write(bytes(8))
+
+
+SAMPLE_DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
+    # zarr raised a bare ValueError (the checksum) naming no shard; the recorded size finds it
+    "truncated_chunk": (
+        lambda s: truncate(s / S0 / "tokens" / "c" / "0" / "0"),
+        "tokens: file tokens/c/0/0 is 100 bytes",
+    ),
+    "overwritten_chunk": (
+        lambda s: zero_tail(s / S0 / "tokens" / "c" / "0" / "0"),
+        "cannot decode",
+    ),
+    # zarr reads a missing data file as zeros: the sample showed token 0 everywhere
+    "deleted_chunk": (lambda s: (s / S0 / "loss_mask" / "c" / "0" / "0").unlink(), "missing"),
+    "broken_metadata": (
+        lambda s: (s / S0 / "document_ids" / "zarr.json").write_text("{ broken"),
+        "metadata unreadable",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", SAMPLE_DAMAGE)
+def test_sample_skips_a_damaged_shard_naming_it_and_verify(store: Path, case: str) -> None:
+    """--sample on a store with a damaged shard: the shard is skipped with a warning that names
+    its folder and `dflash inspect verify`, the other shards are still sampled, and the
+    tokenizer note keeps its meaning (it is about the tokenizer alone)."""
+    damage, what = SAMPLE_DAMAGE[case]
+    damage(store)
+    result = invoke(store, "--sample", "3")
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    warning = next(line for line in out.splitlines() if line.startswith("warning:"))
+    assert f"{SHARD0} ({store / S0})" in warning and what in warning
+    assert f"run `dflash inspect verify {store}`" in warning
+    assert re.findall(r"=== sequence (\d+) \(shard (\d+)\)", out) == [("2", "1")]
+    assert re.findall(r"⟦(.*?)⟧", out) == ["41 42 43 44 45 46", "47 48 49 50 51 52 53"]
+    s = json.loads(invoke(store, "--sample", "3", "--json").stdout)
+    assert [sample["sequence"] for sample in s["samples"]] == [2]
+    assert s["sample_note"].startswith("tokenizer 'fixture/no-such-tokenizer' could not be")
+    [skipped] = s["sample_skipped"]
+    assert (skipped["shard"], skipped["path"]) == (SHARD0, str(store / S0))
+    assert what in skipped["problem"]
+
+
+def test_sample_of_a_sound_store_skips_nothing(store: Path) -> None:
+    s = json.loads(invoke(store, "--sample", "3", "--json").stdout)
+    assert [sample["sequence"] for sample in s["samples"]] == [0, 1, 2]
+    assert s["sample_skipped"] == []
+    assert "warning:" not in invoke(store, "--sample", "3").stdout
