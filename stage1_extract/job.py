@@ -210,7 +210,7 @@ def plan_job(cfg: ExtractConfig) -> ExtractJob:
     }
     return ExtractJob(
         cfg,
-        Path(cfg.store.out),
+        out,
         tapped,
         text.hidden_size,
         text.vocab_size,

@@ -11,6 +11,7 @@ from test_extract import make_config, write_data
 
 from common.store import committed_shards, open_store
 from common.store_files import file_problems, recorded_files
+from stage1_extract.job import plan_job
 from stage1_extract.run import run_extract
 from stage1_extract.store_root import prepare_store, writer_lock
 
@@ -71,3 +72,17 @@ def test_overwrite_stopped_while_deleting_leaves_a_store_to_rerun(
     with writer_lock(store):  # --overwrite again: the store starts over
         assert prepare_store(store, attrs, overwrite=True) == []
     assert committed_shards(store) == [] and not open_store(store).complete
+
+
+def test_out_with_a_tilde_is_the_home_folder(
+    tiny_qwen3: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--out=~/store` (a shell leaves `~` alone after `=`, a YAML config too) is the store in
+    the home folder, as train reads it, not a folder named `~` under the working folder."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    job = plan_job(make_config(tiny_qwen3, write_data(tmp_path), Path("~/store"), LAYERS))
+    assert job.store == home / "store"
