@@ -193,8 +193,8 @@ def read_root_attrs(store: str | Path) -> dict[str, Any]:
         doc = json.loads(meta.read_text())
     except (ValueError, OSError) as err:  # cut by a full disk, or edited by hand
         raise StoreError(
-            f"{meta} is unreadable ({err}): the store's root metadata is damaged; rerun the "
-            "same `dflash extract` with --overwrite to write the store again"
+            f"{meta} is unreadable ({err}): the store's root metadata is damaged; delete the "
+            f"folder {store} and rerun the same `dflash extract` to write the store again"
         ) from err
     attrs = doc.get("attributes", {}).get(ROOT_ATTR) if isinstance(doc, dict) else None
     if doc.get("zarr_format") != 3 or attrs is None:

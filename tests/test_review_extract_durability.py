@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_extract import make_config, write_data
+from test_extract import cli_extract, make_config, write_data
 
 from common.store import committed_shards, open_store
 from common.store_files import file_problems, recorded_files
@@ -86,3 +86,21 @@ def test_out_with_a_tilde_is_the_home_folder(
     monkeypatch.chdir(work)
     job = plan_job(make_config(tiny_qwen3, write_data(tmp_path), Path("~/store"), LAYERS))
     assert job.store == home / "store"
+
+
+def test_a_damaged_root_names_a_fix_that_works(
+    reference: Path, tiny_qwen3: Path, tmp_path: Path
+) -> None:
+    """An unreadable root zarr.json (a power cut, an edit by hand): extract refuses it, even with
+    --overwrite (it never deletes a folder it cannot tell is a store), so the message must not
+    send the user to --overwrite; what it says instead (delete the folder) then works."""
+    store = Path(shutil.copytree(reference, tmp_path / "store"))
+    (store / "zarr.json").write_text("{ cut")
+    data = reference.parent / "data.jsonl"
+    result = cli_extract(tiny_qwen3, data, store, LAYERS, "store.overwrite=true")
+    message = " ".join(result.output.split())
+    assert result.exit_code == 2 and "root metadata is damaged" in message
+    assert "--overwrite" not in message and f"delete the folder {store}" in message
+    shutil.rmtree(store)
+    assert cli_extract(tiny_qwen3, data, store, LAYERS).exit_code == 0
+    assert open_store(store).complete
