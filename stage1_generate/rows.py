@@ -9,7 +9,8 @@
   tokens there are a prompt and the target writes `new_tokens` after them; the output row's
   `text` is both (loss on every token: measured better), or with `text.loss_on_prompt=false`
   `prompt` and `completion` (extract puts the loss on the completion only). A document
-  shorter than one prompt is one window with all its tokens.
+  shorter than one prompt is one window with all its tokens. A window that would start inside
+  a character (its bytes split over tokens) starts at the next character instead.
 
 All prompts of one round (chat: the r-th assistant turn of every conversation in the chunk;
 text: every window) go to the backend together, so it can batch them.
@@ -27,6 +28,10 @@ from transformers import PreTrainedTokenizerBase
 from stage1_extract.chat import SENTINEL, InvalidRow, normalize_conversation
 from stage1_generate.config import GenerateConfig
 from stage1_generate.local_backend import Completion
+
+# a character's bytes, so the most tokens one can be split over
+UTF8_MAX_BYTES = 4
+REPLACEMENT = "\ufffd"  # what a decoder writes for the bytes of a cut character
 
 
 class Backend(Protocol):
@@ -209,6 +214,26 @@ def text_windows(ids: list[int], prompt_tokens: int, stride: int) -> list[int]:
     return list(range(0, len(ids) - prompt_tokens + 1, stride))
 
 
+def whole_character_start(
+    tokenizer: PreTrainedTokenizerBase, ids: list[int], start: int, end: int
+) -> int:
+    """`start`, or the first later token (before `end`) that begins a character: byte-level BPE
+    splits a character's bytes over tokens, and a window starting after its first one would
+    decode with a U+FFFD for the bytes before. The window's text then starts cleanly and the
+    target is asked for exactly that text (as `_split_row` ends a prompt before a character
+    cut at the seam). A start is moved only when its first tokens decode to a U+FFFD that the
+    tokens before them make into a character: a U+FFFD of the document itself stays."""
+    while start < end:
+        head = tokenizer.decode(ids[start : start + UTF8_MAX_BYTES])
+        if not head.startswith(REPLACEMENT):
+            return start
+        around = tokenizer.decode(ids[max(0, start - UTF8_MAX_BYTES) : start + UTF8_MAX_BYTES])
+        if around.endswith(head):
+            return start
+        start += 1
+    return start
+
+
 def generate_text(
     raw_rows: list[Any],
     indices: list[int],
@@ -238,9 +263,11 @@ def generate_text(
     # the target writes after that same prefix, so it sees what the drafter's context will be
     prefix = special_prefix(tokenizer)
     for (k, _), ids in zip(valid, encoded, strict=True):
-        for start in text_windows(ids, cfg.text.prompt_tokens, cfg.text.stride):
-            window = ids[start : start + cfg.text.prompt_tokens]
-            windows.append((indices[k], start, prefix + window))
+        for planned in text_windows(ids, cfg.text.prompt_tokens, cfg.text.stride):
+            end = planned + cfg.text.prompt_tokens
+            start = whole_character_start(tokenizer, ids, planned, end)
+            if start < end:
+                windows.append((indices[k], start, prefix + ids[start:end]))
     completions = backend.generate([w[2] for w in windows], cfg.text.new_tokens, on_batch)
     result.count(completions)
     for (index, start, prompt), completion in zip(windows, completions, strict=True):

@@ -606,6 +606,66 @@ def test_a_window_cut_inside_a_character_keeps_the_whole_text(tiny_qwen3: Path) 
         assert "\ufffd" not in row["prompt"] + row["completion"]
 
 
+class ContinuingBackend:
+    """A backend that continues each prompt with the next tokens of the document it was cut
+    from (or " ok" at its end), as a target that knew the documents would; keeps the prompts."""
+
+    max_positions, max_positions_source = None, "none"
+
+    def __init__(self, documents: list[list[int]], ending: list[int]) -> None:
+        self.documents, self.ending, self.prompts = documents, ending, []
+
+    def _reply(self, prompt: list[int]) -> list[int]:
+        for ids in self.documents:
+            for at in range(len(ids) - len(prompt) + 1):
+                if ids[at : at + len(prompt)] == prompt:
+                    return ids[at + len(prompt) : at + len(prompt) + 3] or self.ending
+        raise AssertionError(f"prompt {prompt} is in no document")
+
+    def generate(self, prompts, max_new_tokens, on_batch=None):  # noqa: ANN001, ANN201
+        from stage1_generate.local_backend import Completion
+
+        self.prompts += prompts
+        replies = [self._reply(p) for p in prompts]
+        return [Completion("ok", len(r), True, r) for r in replies]
+
+
+@pytest.mark.parametrize("loss_on_prompt", ["true", "false"])
+def test_a_window_starting_inside_a_character_starts_at_the_next_one(
+    tiny_qwen3: Path, tmp_path: Path, loss_on_prompt: str
+) -> None:
+    """A window whose first tokens are the last bytes of a character (byte-level BPE split it)
+    starts at the next token that begins a character, its end kept: its text has no leading
+    U+FFFD and the target was asked for exactly that text. Windows that start cleanly are as
+    before (ASCII text: every window), and a U+FFFD of the document itself is kept."""
+    from stage1_generate.rows import generate_text
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    texts = ["日本語のテキスト naïve café " * 2, "the quick brown fox " * 2, "a b c d \ufffd f g"]
+    documents = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    cfg = config(tiny_qwen3, tmp_path / "unused.jsonl", tmp_path / "out", "text.prompt_tokens=4")
+    cfg.text.stride, cfg.text.loss_on_prompt = 5, loss_on_prompt == "true"
+    backend = ContinuingBackend(documents, tokenizer(" ok", add_special_tokens=False)["input_ids"])
+    result = generate_text(texts, [0, 1, 2], cfg, tokenizer, backend)
+    assert len(backend.prompts) == len(result.rows)
+    moved = 0
+    for row, prompt in zip(result.rows, backend.prompts, strict=True):
+        ids, start = documents[row["source_index"]], row["window_start"]
+        planned = max(s for s in text_windows(ids, 4, 5) if s <= start)
+        moved += start != planned
+        assert prompt == ids[start : planned + 4]  # the window's end stays
+        written = row["text"] if "text" in row else row["prompt"] + row["completion"]
+        # no U+FFFD the text does not hold (but at the end: a reply cut at its token limit may
+        # end inside a character)
+        assert written.rstrip("\ufffd") in texts[row["source_index"]] + " ok"
+    assert moved  # the Japanese text has windows that began inside a character
+    starts = [(r["source_index"], r["window_start"]) for r in result.rows]
+    own = [r for r in result.rows if r["source_index"] == 2 and r["window_start"] == 5]
+    assert (own[0].get("text") or own[0]["prompt"]).startswith("\ufffd f")
+    for index in (1, 2):  # ASCII, and a document's own U+FFFD: the windows as planned
+        assert [s for i, s in starts if i == index] == text_windows(documents[index], 4, 5)
+
+
 def test_empty_assistant_turns_are_places_for_the_targets_replies(
     tiny_qwen3: Path, tmp_path: Path
 ) -> None:
