@@ -42,24 +42,43 @@ from common.store import (
     shards_dir,
 )
 
-# root attributes compared when the content key differs, to say what changed
+# root attributes compared when the content key differs, to say what changed; paths as the
+# key has them (`m/` and `./m` are the folder `m`)
 _EXPLAINED = [
-    ("target", lambda a: (a["target"]["name_or_path"], a["target"]["revision"])),
+    (
+        "target",
+        lambda a: (_canonical_path(a["target"]["name_or_path"]), a["target"]["revision"]),
+    ),
     ("target config", lambda a: a["target"]["config"]),
-    ("tokenizer", lambda a: a["tokenizer"]),
+    (
+        "tokenizer",
+        lambda a: dict(
+            a["tokenizer"], name_or_path=_canonical_path(a["tokenizer"]["name_or_path"])
+        ),
+    ),
     ("tapped_layers", lambda a: a["tapped_layers"]),
     ("topk", lambda a: a["topk"]),
     ("full_logits", lambda a: a["full_logits"]),
     ("seq_len", lambda a: a["seq_len"]),
     ("sequences_per_shard", lambda a: a["sequences_per_shard"]),
-    ("dataset", lambda a: {k: a["dataset"][k] for k in ("path", "split", "name", "num_rows")}),
+    (
+        "dataset",
+        lambda a: (
+            {k: a["dataset"][k] for k in ("split", "name", "num_rows")}
+            | {"path": _canonical_path(a["dataset"]["path"])}
+        ),
+    ),
     ("dataset format", lambda a: a["dataset"]["format"]),
     # the data.* settings besides the path (named by "dataset"): data.format, on_invalid, ...
     (
         "data settings",
         lambda a: {k: v for k, v in keyed_data(a["extract_config"]["data"]).items() if k != "path"},
     ),
-    ("extract_config.packing", lambda a: a["extract_config"]["packing"]),
+    # (not seq_len: named above, with the --set that gives it back)
+    (
+        "extract_config.packing",
+        lambda a: {k: v for k, v in a["extract_config"]["packing"].items() if k != "seq_len"},
+    ),
     # (not byte_shuffle: it changes codecs only, and shards of both kinds read alike)
     (
         "extract_config.store",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import shutil
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from common.store import committed_shards, open_store
 from common.store_files import file_problems, recorded_files
 from stage1_extract.job import plan_job
 from stage1_extract.run import run_extract
-from stage1_extract.store_root import prepare_store, writer_lock
+from stage1_extract.store_root import _explain_mismatch, prepare_store, writer_lock
 
 LAYERS = "target.tapped_layers=[0,1,3]"
 
@@ -104,3 +105,33 @@ def test_a_damaged_root_names_a_fix_that_works(
     shutil.rmtree(store)
     assert cli_extract(tiny_qwen3, data, store, LAYERS).exit_code == 0
     assert open_store(store).complete
+
+
+def _rerun_attrs(store: Path, **changes: object) -> tuple[dict, dict]:
+    """(the store's root attributes, those of a rerun with `changes` to its config)."""
+    old = open_store(store).attrs
+    new = copy.deepcopy(old)
+    for dotted, value in changes.items():
+        section, key = dotted.split("__")
+        new["extract_config"][section][key] = value
+    return old, new
+
+
+def test_a_changed_seq_len_is_named_with_the_set_that_resumes(reference: Path) -> None:
+    """packing.seq_len is one setting: the refusal names it once and offers the --set that
+    gives the store's value back (the packing section listed beside it withheld that)."""
+    old, new = _rerun_attrs(reference, packing__seq_len=128)
+    new["seq_len"] = 128
+    assert _explain_mismatch(old, new) == ("seq_len", ["--set packing.seq_len=64"])
+
+
+def test_a_path_spelled_otherwise_is_not_named_as_changed(reference: Path) -> None:
+    """`--model m/` after `--model m` (a shell's completion adds the slash), or `./m` for `m`:
+    the same folder, the same content key; a refusal for another reason must not blame it."""
+    old, new = _rerun_attrs(reference, packing__seq_len=128)
+    new["seq_len"] = 128
+    new["target"]["name_or_path"] += "/"
+    new["tokenizer"]["name_or_path"] += "/"
+    folder, name = new["dataset"]["path"].rsplit("/", 1)
+    new["dataset"]["path"] = new["extract_config"]["data"]["path"] = f"{folder}/./{name}"
+    assert _explain_mismatch(old, new)[0] == "seq_len"
