@@ -279,15 +279,22 @@ def prepare_store(store: Path, attrs: dict[str, Any], overwrite: bool) -> list[i
     if overwrite and _has_content(store):
         read_root_attrs(store)  # never delete a folder that is not a dflash store
         log.info("--overwrite: deleting %s", store)
+
         # zarr.json last, and each folder renamed aside before it is deleted: a run stopped
         # mid-way (deleting a large store takes minutes) leaves a store that a rerun deletes
-        # or resumes, never a folder refused as not a store, nor a half-deleted shard
-        for entry in sorted(store.iterdir(), key=lambda p: p.name == "zarr.json"):
+        # or resumes, never a folder refused as not a store, nor a half-deleted shard. What an
+        # earlier stop left aside goes first (a container may give this run the same pid).
+        def order(entry: Path) -> tuple[bool, bool]:
+            return entry.name == "zarr.json", not entry.name.startswith(TMP_PREFIX)
+
+        for entry in sorted(store.iterdir(), key=order):
             if entry.name == LOCK_FILE:  # the lock this run holds stays
                 continue
             if entry.is_dir() and not entry.is_symlink():
-                aside = store / f"{TMP_PREFIX}{entry.name}-{os.getpid()}"
-                entry.rename(aside)
+                aside = entry
+                if not entry.name.startswith(TMP_PREFIX):
+                    aside = store / f"{TMP_PREFIX}{entry.name}-{os.getpid()}"
+                    entry.rename(aside)
                 shutil.rmtree(aside)
             else:
                 entry.unlink()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import shutil
 from pathlib import Path
 
@@ -73,6 +74,22 @@ def test_overwrite_stopped_while_deleting_leaves_a_store_to_rerun(
     with writer_lock(store):  # --overwrite again: the store starts over
         assert prepare_store(store, attrs, overwrite=True) == []
     assert committed_shards(store) == [] and not open_store(store).complete
+
+
+def test_overwrite_after_a_stopped_overwrite_of_the_same_pid(
+    reference: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a container every run may get the same pid: what a stopped --overwrite set aside
+    under this pid's name is no obstacle to the next --overwrite."""
+    store = Path(shutil.copytree(reference, tmp_path / "store"))
+    left = store / f".tmp-shards-{os.getpid()}"
+    shutil.copytree(store / "shards", left)
+    attrs = {k: v for k, v in open_store(store).attrs.items() if k != "counts"}
+    listed = Path.iterdir
+    monkeypatch.setattr(Path, "iterdir", lambda self: sorted(listed(self), reverse=True))
+    with writer_lock(store):
+        assert prepare_store(store, attrs, overwrite=True) == []
+    assert not left.exists() and committed_shards(store) == []
 
 
 def test_out_with_a_tilde_is_the_home_folder(
