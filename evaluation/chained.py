@@ -10,6 +10,12 @@ drafter forward over all active chains of the batch, and a slot is accepted whil
 the stored argmax. A response's tau is the mean over its steps of min(accepted + 1, tokens
 left), averaged over responses as `dflash evaluate` averages prompts.
 
+A reply that ended at the end of sequence is stored without it when the store's rows are
+{prompt, completion} or text (`dflash generate` writes the reply's text, extract tokenizes text),
+while online decoding (`--stop-at-eos`) writes that token, keeps it and counts it. The stored
+argmax of the reply's last token is that stop token, so the chain goes one token past what the
+store holds, labelled with it (a chat store holds its template's end-of-turn token already).
+
 Legend: T context tokens of the batch, A chains (one block each per step), B block size,
 Q = A*B query tokens, K tapped layers, D hidden size.
 """
@@ -26,10 +32,38 @@ from stage2_train.anchors import block_labels, next_token_source
 from stage2_train.data import Batch, StoreSequences
 from stage2_train.step import FrozenHead, forward_batch, greedy_predictions
 
+# dataset formats whose documents hold a reply without the stop token that ended it
+STOPLESS_FORMATS = ("completion", "text")
 
-def response_runs(loss_mask_T: torch.Tensor, document_ids_T: torch.Tensor) -> torch.Tensor:
+
+def unstored_stop_ids(attrs: dict[str, Any]) -> frozenset[int]:
+    """The end-of-sequence ids a store records (its tokenizer's and its target config's) when its
+    replies do not hold the one that ended them (STOPLESS_FORMATS); empty otherwise."""
+    if attrs.get("dataset", {}).get("format") not in STOPLESS_FORMATS:
+        return frozenset()
+    ids: list[int] = []
+    config = attrs.get("target", {}).get("config", {})
+    for value in (attrs["tokenizer"].get("eos_token_id"), config.get("eos_token_id")):
+        ids += value if isinstance(value, list) else [] if value is None else [value]
+    return frozenset(ids)
+
+
+def stops_after(
+    tokens_T: torch.Tensor, target_argmax_T: torch.Tensor, stop_ids: frozenset[int]
+) -> torch.Tensor:
+    """[T] bool: the target's next token after t is a stop token that t is not (online decoding
+    ends at the first stop token)."""
+    stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=tokens_T.device)
+    return torch.isin(target_argmax_T.long(), stops) & ~torch.isin(tokens_T.long(), stops)
+
+
+def response_runs(
+    loss_mask_T: torch.Tensor, document_ids_T: torch.Tensor, stops_T: torch.Tensor | None = None
+) -> torch.Tensor:
     """[R, 2] (start, end) of every maximal run of loss positions inside one document, of two
-    tokens or more (a block needs a token after its anchor)."""
+    tokens or more (a block needs a token after its anchor). With `stops_T` (`stops_after`), a
+    run whose last token is followed by a stop token ends one past it: that token, not in the
+    store, is the reply's last."""
     on_T = (loss_mask_T != 0) & (document_ids_T >= 0)
     starts, ends = [], []
     prev_on, prev_doc, start = False, -2, 0
@@ -44,6 +78,8 @@ def response_runs(loss_mask_T: torch.Tensor, document_ids_T: torch.Tensor) -> to
         starts.append(start)
         ends.append(len(on_T))
     runs = torch.tensor([starts, ends], dtype=torch.long).T.reshape(-1, 2)
+    if stops_T is not None and len(runs):
+        runs[:, 1] += stops_T.cpu()[runs[:, 1] - 1].long()
     return runs[runs[:, 1] - runs[:, 0] >= 2]
 
 
@@ -88,14 +124,18 @@ def chained_acceptance(
     chunk_tokens: int,
     device: torch.device,
     fixed_shapes: bool | None = None,
+    stop_ids: frozenset[int] = frozenset(),
 ) -> list[tuple[int, int]]:
     """(tokens gained, steps) of every response of `items` (raw sequence rows: tokens,
     position_ids, document_ids, loss_mask, target_argmax, hidden as bf16 or fp8 bits, and
-    hidden_scale for fp8), following the online chain of anchors."""
+    hidden_scale for fp8), following the online chain of anchors; with `stop_ids`
+    (`unstored_stop_ids`), a reply's stop token that the store does not hold is counted."""
     seq = {k: v.to(device) for k, v in concat_sequences(items).items()}
     tokens_T, docs_T = seq["tokens"].long(), seq["document_ids"]
-    source_T = next_token_source(seq["target_argmax"].long())
-    runs = response_runs(seq["loss_mask"].cpu(), docs_T.cpu()).to(device)
+    argmax_T = seq["target_argmax"].long()
+    source_T = next_token_source(argmax_T)
+    stops_T = stops_after(tokens_T, argmax_T, stop_ids) if stop_ids else None
+    runs = response_runs(seq["loss_mask"].cpu(), docs_T.cpu(), stops_T).to(device)
     num_runs = runs.shape[0]
     if num_runs == 0:
         return []
@@ -109,6 +149,7 @@ def chained_acceptance(
     fixed = backend == "flex" if fixed_shapes is None else fixed_shapes
     slots = anchor_slots(num_runs) if fixed else num_runs
     padding_A = torch.full((slots - num_runs,), -1, device=device)
+    offsets_B = torch.arange(block_size, device=device)
     while bool((active_R := p_R < last_R).any()):
         # runs are disjoint and in order, so the active anchors are already sorted; padding
         # (-1) to a fixed count keeps the compiled attention's shapes the same every step
@@ -117,6 +158,15 @@ def chained_acceptance(
         labels_AB, valid_AB = block_labels(
             anchors_A, tokens_T, seq["loss_mask"], docs_T, source_T, block_size
         )
+        # the slot at a run's last token is labelled by the argmax before it: the same label
+        # for a stored token, and the only one for a stop token past the store's (whose
+        # position there is padding, another document or past the end)
+        last_A = torch.full_like(anchors_A, -2)  # never a slot's position
+        last_A[: int(active_R.sum())] = last_R[active_R]
+        at_last_AB = anchors_A[:, None] + offsets_B == last_A[:, None]
+        stop_A = argmax_T[(last_A - 1).clamp(min=0)]
+        labels_AB = torch.where(at_last_AB, stop_A[:, None], labels_AB)
+        valid_AB = valid_AB | at_last_AB
         batch = Batch(
             indices=torch.zeros(1, dtype=torch.long),
             tokens_T=tokens_T,
@@ -143,13 +193,14 @@ def chained_acceptance(
 
 
 def prompt_lookup_chains(
-    items: list[dict[str, torch.Tensor]], num_draft: int
+    items: list[dict[str, torch.Tensor]], num_draft: int, stop_ids: frozenset[int] = frozenset()
 ) -> list[tuple[int, int]]:
     """(tokens gained, steps) of prompt lookup on every response of `items`, followed as
     `dflash evaluate` follows it online: the draft at anchor p copies from its document's
     tokens up to p, and a drafted token is accepted while it equals the stored argmax of the
     position before it (on the target's own greedy text: the token the target writes there).
-    No model runs: prompt lookup's figure on the same responses as `chained_acceptance`."""
+    No model runs: prompt lookup's figure on the same responses as `chained_acceptance`
+    (`stop_ids` as there)."""
     # here, not at the top: evaluation.acceptance imports transformers, which training (this
     # module serves its dev evaluation) otherwise never loads
     from evaluation.acceptance import prompt_lookup_draft
@@ -158,16 +209,19 @@ def prompt_lookup_chains(
     text = ("tokens", "document_ids", "loss_mask", "target_argmax")
     seq = concat_sequences([{name: item[name] for name in text} for item in items])
     tokens, docs = seq["tokens"].long().tolist(), seq["document_ids"].tolist()
-    argmax = seq["target_argmax"].long().tolist()
+    argmax_T = seq["target_argmax"].long()
+    stops_T = stops_after(seq["tokens"], argmax_T, stop_ids) if stop_ids else None
+    argmax = argmax_T.tolist()
     chains = []
-    for start, end in response_runs(seq["loss_mask"], seq["document_ids"]).tolist():
+    for start, end in response_runs(seq["loss_mask"], seq["document_ids"], stops_T).tolist():
         doc_start = docs.index(docs[start])  # documents are contiguous within a sequence
         p, last, gained, steps = start, end - 1, 0, 0
         while p < last:
             draft = prompt_lookup_draft(tokens[doc_start : p + 1], num_draft)
             accepted = 0
-            # slot k (position p + k) is accepted while inside the response and equal to
-            # the target's prediction of that position (its argmax at p + k - 1)
+            # slot k (position p + k) is accepted while inside the response (its stop token
+            # included) and equal to the target's prediction of that position (its argmax at
+            # p + k - 1)
             while accepted < len(draft) and p + accepted + 1 < end:
                 if draft[accepted] != argmax[p + accepted]:
                     break
@@ -225,12 +279,13 @@ def chained_tau_on_store(
     was_training = model.training
     model.eval()
     fixed = backend == "flex" if fixed_shapes is None else fixed_shapes
+    stop_ids = unstored_stop_ids(info.attrs)
     chains: list[tuple[int, int]] = []
     lookup_chains: list[tuple[int, int]] = []
     for lo in range(0, count, batch_sequences):
         items = [rows.read_row(i) for i in range(lo, min(lo + batch_sequences, count))]
         if prompt_lookup:
-            lookup_chains += prompt_lookup_chains(items, block_size - 1)
+            lookup_chains += prompt_lookup_chains(items, block_size - 1, stop_ids)
         if fixed and count > batch_sequences:  # the last batch as long as the others
             items += [blank_sequence(items[0])] * (batch_sequences - len(items))
         chains += chained_acceptance(
@@ -243,6 +298,7 @@ def chained_tau_on_store(
             chunk_tokens=chunk_tokens,
             device=device,
             fixed_shapes=fixed,
+            stop_ids=stop_ids,
         )
     model.train(was_training)
     lookup = summarize_chains(lookup_chains).items() if prompt_lookup else ()

@@ -181,3 +181,122 @@ def test_a_dev_store_of_many_batches_keeps_the_attention_to_few_shapes(
     )
     assert batched["chained_tau_per_response"] == whole["chained_tau_per_response"]
     assert batched["chained_responses"] > 75
+
+
+def _reply_ending_at_a_stop(
+    target: torch.nn.Module, prompt: list[int]
+) -> tuple[list[int], int] | None:
+    """The target's greedy reply to `prompt` up to a token that stands in for its end of
+    sequence (the last token of its first 24 that it did not write before, at step 4 or later),
+    and that token: the tiny target never writes its real one. None if there is none."""
+    generated, _, _ = speculative_generate(CachedTarget(target, None), prompt, lambda t, f: [], 24)
+    new = [k for k in range(4, len(generated)) if generated[k] not in generated[:k]]
+    return (generated[: new[-1]], generated[new[-1]]) if new else None
+
+
+def _stored_row(target: torch.nn.Module, prompt: list[int], reply: list[int]) -> dict:
+    """What extract stores of a {prompt, completion} row: the reply's tokens without the stop
+    token that ended it (generate drops it), loss on the reply, the target's argmax everywhere."""
+    tokens = torch.tensor(prompt + reply)
+    with torch.no_grad():
+        argmax = target(tokens[None]).logits[0].argmax(-1)
+    n = len(tokens)
+    return {
+        "tokens": tokens.int(),
+        "position_ids": torch.arange(n, dtype=torch.int32),
+        "document_ids": torch.zeros(n, dtype=torch.int32),
+        "loss_mask": torch.tensor([0] * len(prompt) + [1] * len(reply), dtype=torch.uint8),
+        "target_argmax": argmax.int(),
+        "hidden": torch.zeros(n, 1, 1, dtype=torch.bfloat16),
+    }
+
+
+@pytest.fixture(scope="module")
+def target(tiny_qwen3: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def replies_ending_at_a_stop(
+    tiny_qwen3: Path, target: torch.nn.Module
+) -> list[tuple[list[int], list[int], int, dict]]:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    out = []
+    for text in PROMPTS:
+        prompt = tokenizer(text)["input_ids"]
+        if found := _reply_ending_at_a_stop(target, prompt):
+            reply, stop = found
+            out.append((prompt, reply, stop, _stored_row(target, prompt, reply)))
+    assert len(out) >= 2, "too few replies with a token to stand in for the end of sequence"
+    return out
+
+
+def test_prompt_lookup_chain_counts_the_stop_token_as_online(
+    replies_ending_at_a_stop: list, target: torch.nn.Module
+) -> None:
+    """A reply that ended at the end of sequence: the store holds it without that token, and
+    online decoding (`dflash evaluate --stop-at-eos`) writes it, keeps it and counts it. The
+    chain offline gains the same tokens in the same steps, per response."""
+    from evaluation.chained import prompt_lookup_chains
+
+    for prompt, reply, stop, row in replies_ending_at_a_stop:
+        generated, gains, _ = speculative_generate(
+            CachedTarget(target, None),
+            prompt,
+            lambda tokens, _f: prompt_lookup_draft(tokens, 3),
+            64,
+            stop_ids=frozenset([stop]),
+        )
+        assert generated == [*reply, stop]
+        offline = prompt_lookup_chains([row], 3, stop_ids=frozenset([stop]))
+        assert offline == [(sum(gains), len(gains))]
+
+
+def test_drafter_chain_counts_the_stop_token_as_online(
+    replies_ending_at_a_stop: list, target: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same for the drafter's chain, with a drafter that always drafts the target's tokens
+    (the stop token, then anything, included): online it gains the reply and its stop token;
+    offline the block slot at the stop token, one past what the store holds, must be labelled
+    with it and count."""
+    from types import SimpleNamespace
+
+    from evaluation import chained
+
+    # the oracle offline: the block's predictions are its labels
+    monkeypatch.setattr(chained, "forward_batch", lambda m, h, batch, **k: batch.labels_AB)
+    monkeypatch.setattr(chained, "greedy_predictions", lambda hidden, head, chunk: hidden)
+    block_size = 4
+    for prompt, reply, stop, row in replies_ending_at_a_stop:
+        truth = [*prompt, *reply, stop] + [0] * block_size
+
+        def oracle(tokens: list[int], _f: torch.Tensor | None, truth=truth) -> list[int]:
+            return truth[len(tokens) : len(tokens) + block_size - 1]
+
+        _, gains, _ = speculative_generate(
+            CachedTarget(target, None), prompt, oracle, 64, stop_ids=frozenset([stop])
+        )
+        offline = chained.chained_acceptance(
+            None,
+            SimpleNamespace(lm_head_VD=None),
+            [row],
+            block_size=block_size,
+            mask_token_id=0,
+            backend="sdpa",
+            chunk_tokens=64,
+            device=torch.device("cpu"),
+            stop_ids=frozenset([stop]),
+        )
+        assert offline == [(sum(gains), len(gains))]
+        assert sum(gains) == len(reply)  # every token after the first, the stop included
+
+
+def test_stop_ids_only_for_stores_whose_replies_do_not_hold_them() -> None:
+    """A {prompt, completion} or text store holds a reply without the end of sequence that
+    ended it; a chat store holds the template's end-of-turn token as the reply's last loss
+    token, which online decoding stops at: nothing to add there."""
+    from evaluation.chained import unstored_stop_ids
+
+    attrs = {"tokenizer": {"eos_token_id": 7}, "target": {"config": {"eos_token_id": [7, 9]}}}
+    for fmt, expected in (("completion", {7, 9}), ("text", {7, 9}), ("messages", set())):
+        assert unstored_stop_ids(attrs | {"dataset": {"format": fmt}}) == expected
