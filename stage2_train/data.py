@@ -65,6 +65,7 @@ BUFFER_DTYPES = {"uint8": torch.uint8, "uint16": torch.int16, "float32": torch.f
 
 def anchor_generator(seed: int, epoch: int, index: int) -> torch.Generator:
     """A generator that depends only on (seed, epoch, sequence index)."""
+    seed %= 2**64  # SeedSequence takes no negative data.seed (torch's manual_seed wraps them so)
     tag = [seed, 0, epoch, index] if epoch >= 0 else [seed, 1, index]
     state = np.random.SeedSequence(tag).generate_state(2, np.uint32)
     return torch.Generator().manual_seed(int(state[0]) << 31 | int(state[1]) >> 1)
