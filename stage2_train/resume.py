@@ -61,6 +61,7 @@ FREE_ON_RESUME = (
     "data.store",
     "data.num_workers",
     "data.prefetch",
+    "data.prefetch_to_device",  # the same batches, fetched and copied earlier (prefetch.py)
     "data.follow_poll_s",  # --follow: how often and how long to wait for extraction
     "data.follow_timeout_s",
     # the same loss in another rounding order (as run.compile_layers): free like it

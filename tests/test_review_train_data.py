@@ -1,7 +1,9 @@
-"""Review of the trainer's data path and resume: a negative data.seed."""
+"""Review of the trainer's data path and resume: a negative data.seed, and the settings a resume
+may change freely."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -9,8 +11,10 @@ import torch
 from store_factory import FactorySpec, build_store
 
 from common.store import open_store
+from stage2_train.config import TrainConfig
 from stage2_train.data import StoreSequences, anchor_generator
 from stage2_train.plan import EpochPlan
+from stage2_train.resume import config_changes
 
 
 @pytest.fixture(scope="module")
@@ -37,3 +41,12 @@ def test_a_negative_data_seed_shuffles_and_samples_anchors(store: Path) -> None:
     )
     item = rows[(0, 0, False)]
     assert (item["anchors_A"] >= 0).sum() == 8
+
+
+def test_prefetch_to_device_may_change_on_resume() -> None:
+    """data.prefetch_to_device moves the same batches earlier (prefetch.py): a resume that turns
+    it on or off is the same run, as with data.num_workers or data.prefetch."""
+    saved = dataclasses.asdict(TrainConfig())
+    current = dataclasses.asdict(TrainConfig())
+    current["data"]["prefetch_to_device"] = True
+    assert config_changes(saved, current) == ([], [])
