@@ -62,6 +62,9 @@ FREE_ON_RESUME = (
     "data.num_workers",
     "data.prefetch",
     "data.prefetch_to_device",  # the same batches, fetched and copied earlier (prefetch.py)
+    # what a damaged sequence does: stop the run (which then never trained past it) or skip
+    # it; the advice of that stop's error, which a rerun follows from the newest checkpoint
+    "data.on_damaged",
     "data.follow_poll_s",  # --follow: how often and how long to wait for extraction
     "data.follow_timeout_s",
     # the same loss in another rounding order (as run.compile_layers): free like it

@@ -1,5 +1,5 @@
 """Review of the trainer's data path and resume: a negative data.seed, and the settings a resume
-may change freely."""
+may change freely (data.prefetch_to_device, data.on_damaged)."""
 
 from __future__ import annotations
 
@@ -49,4 +49,14 @@ def test_prefetch_to_device_may_change_on_resume() -> None:
     saved = dataclasses.asdict(TrainConfig())
     current = dataclasses.asdict(TrainConfig())
     current["data"]["prefetch_to_device"] = True
+    assert config_changes(saved, current) == ([], [])
+
+
+def test_on_damaged_skip_may_be_set_on_resume() -> None:
+    """A damaged chunk stops the run with 'or set data.on_damaged=skip to train without it';
+    the rerun that does so resumes from the newest checkpoint (it was refused as another
+    setting, asking for --allow-config-change): the run never trained past a damaged sequence."""
+    saved = dataclasses.asdict(TrainConfig())
+    current = dataclasses.asdict(TrainConfig())
+    current["data"]["on_damaged"] = "skip"
     assert config_changes(saved, current) == ([], [])
