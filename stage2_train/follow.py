@@ -162,7 +162,7 @@ def wait_for_store(cfg: TrainDataConfig) -> None:
         return (
             (store / "zarr.json").is_file()
             and (store / HEAD_FILE).is_file()
-            and any(committed_shards(store))
+            and bool(committed_shards(store))  # not any(): shard 0 is index 0
         )
 
     watch_for(cfg).wait(ready, "its first shard")

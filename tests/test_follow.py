@@ -417,3 +417,20 @@ def test_the_wait_for_the_store_counts_in_the_time_limit() -> None:
     assert limit_after_wait(cfg("600"), 900.0).run.time_limit_s == 1.0
     assert limit_after_wait(cfg("600"), 0.2).run.time_limit_s == 600.0
     assert limit_after_wait(cfg("null"), 45.0).run.time_limit_s is None
+
+
+@pytest.mark.parametrize("num_sequences", [3, 13])
+def test_the_wait_for_the_store_ends_at_shard_zero(tmp_path, monkeypatch, num_sequences):
+    """Shard 0 alone committed (a one-shard store, or the first shard of a running extraction):
+    the store is ready at once, without waiting for shard 1 (index 0 is no shard)."""
+    spec = FactorySpec(num_sequences=num_sequences, sequences_per_shard=3)
+    store = build_store(tmp_path / "store", spec)
+    for index in committed_shards(store)[1:]:
+        shutil.rmtree(shards_dir(store) / shard_name(index))
+    assert committed_shards(store) == [0]
+
+    def no_wait(_seconds: float) -> None:
+        raise AssertionError("waited for a store whose shard 0 is committed")
+
+    monkeypatch.setattr(follow.time, "sleep", no_wait)
+    follow.wait_for_store(data_cfg(store, follow_timeout_s=0.01))
