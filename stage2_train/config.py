@@ -192,6 +192,12 @@ class TrainDataConfig:
             out.append("store is required: the folder `dflash extract` wrote (--store)")
         if self.holdout_sequences < 0 or self.num_workers < 0:
             out.append("holdout_sequences and num_workers must be >= 0")
+        if self.num_workers > 0 and self.prefetch < 1:  # without workers the loader ignores it
+            out.append(
+                f"prefetch must be >= 1 with num_workers > 0 (batches each loader worker keeps "
+                f"ready), got {self.prefetch}: raise data.prefetch, or set data.num_workers=0 to "
+                "load batches in the training process"
+            )
         if self.follow_poll_s <= 0 or self.follow_timeout_s <= 0:
             out.append("follow_poll_s and follow_timeout_s must be > 0")
         return out

@@ -113,3 +113,15 @@ def test_step_counts_are_checked_and_train_paths_expand_home() -> None:
         f"{home}/store",
         f"{home}/dev",
     )
+
+
+def test_loader_prefetch_is_checked_where_workers_use_it() -> None:
+    """data.prefetch 0 with loader workers stopped at the loader with torch's bare
+    AssertionError, a negative one with a ValueError naming prefetch_factor; without workers
+    the loader never reads it, so any value is left alone."""
+    for value in ("0", "-3"):
+        setting = ["data.num_workers=2", f"data.prefetch={value}"]
+        with pytest.raises(ValueError, match=rf"data: prefetch must be >= 1 .*got {value}"):
+            build_config(TrainConfig, None, "train", [*REQUIRED["train"], *setting])
+    sets = [*REQUIRED["train"], "data.num_workers=0", "data.prefetch=0"]
+    assert build_config(TrainConfig, None, "train", sets).data.prefetch == 0
