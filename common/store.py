@@ -196,8 +196,10 @@ def read_root_attrs(store: str | Path) -> dict[str, Any]:
             f"{meta} is unreadable ({err}): the store's root metadata is damaged; delete the "
             f"folder {store} and rerun the same `dflash extract` to write the store again"
         ) from err
-    attrs = doc.get("attributes", {}).get(ROOT_ATTR) if isinstance(doc, dict) else None
-    if doc.get("zarr_format") != 3 or attrs is None:
+    # valid JSON of another shape (an edit by hand, another tool's file) is not a store either
+    node = doc.get("attributes") if isinstance(doc, dict) else None
+    attrs = node.get(ROOT_ATTR) if isinstance(node, dict) else None
+    if not isinstance(doc, dict) or doc.get("zarr_format") != 3 or not isinstance(attrs, dict):
         raise StoreError(
             f"{store} is a Zarr store but not a dflash store (no '{ROOT_ATTR}' attributes)"
         )

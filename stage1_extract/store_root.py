@@ -27,6 +27,7 @@ from typing import Any
 import zarr
 
 from common.config import runs_tf32
+from common.durable import fsync_path
 from common.locks import exclusive_lock
 from common.logging import get_logger
 from common.store import (
@@ -181,8 +182,14 @@ def write_root_attrs(store: Path, attrs: dict[str, Any]) -> None:
     doc = json.loads(meta.read_text())
     doc.setdefault("attributes", {})[ROOT_ATTR] = attrs
     tmp = store / f"{TMP_PREFIX}zarr.json-{os.getpid()}"
-    tmp.write_text(json.dumps(doc, indent=2))
+    with open(tmp, "w") as file:
+        file.write(json.dumps(doc, indent=2))
+        file.flush()
+        # on disk before the rename: a power cut must not leave an empty zarr.json (file
+        # systems may order the rename's metadata before the data)
+        os.fsync(file.fileno())
     os.replace(tmp, meta)
+    fsync_path(store)
 
 
 # settings a rerun can set back to the store's value to resume it: label -> --set key
