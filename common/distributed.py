@@ -97,10 +97,27 @@ def launch(worker: Callable[..., Any], devices: list[str], *args: Any) -> None:
     elastic_launch(config, worker)(*args)
 
 
+def local_device(listed: list[str], local: int, local_world: int) -> str:
+    """The device of local rank `local` of `local_world` processes on this node: its listed
+    GPU, or the CPU for every rank when only the CPU is listed (it is no per-rank device, so
+    `--devices cpu` runs unchanged under `torchrun --nproc_per_node N`)."""
+    if all(d == "cpu" for d in listed):
+        return "cpu"
+    if len(listed) < local_world:  # refused on every rank alike, before the process group
+        ids = ",".join(d.removeprefix("cuda:") for d in listed)
+        raise ValueError(
+            f"--devices lists {len(listed)} GPU(s) ({ids}) but torchrun starts {local_world} "
+            f"processes on this node, one per GPU: list {local_world} GPU ids (e.g. --devices "
+            f"{','.join(map(str, range(local_world)))}) or start torchrun with --nproc_per_node "
+            f"{len(listed)}"
+        )
+    return listed[local]
+
+
 def init_worker(devices: list[str], timeout: timedelta | None = None) -> WorkerContext:
     """Join the process group (if any) and choose this process's device.
 
-    Under torchrun with more processes than `devices`, LOCAL_RANK picks cuda:LOCAL_RANK.
+    Under torchrun, local rank i takes the i-th listed device (`local_device`).
     `timeout` bounds every collective (torch's default is 10 minutes); extraction passes a
     long one because its barriers wait for whole tokenization or extraction passes.
     """
@@ -115,8 +132,8 @@ def init_worker(devices: list[str], timeout: timedelta | None = None) -> WorkerC
     local = int(os.environ["LOCAL_RANK"])
     launched = os.environ.get("DFLASH_DEVICES")
     listed = launched.split(",") if launched else devices
-    name = listed[local] if local < len(listed) else f"cuda:{local}"
-    device = torch.device(name)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local + 1))
+    device = torch.device(local_device(listed, local, local_world))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
