@@ -28,7 +28,10 @@ class TargetConfig:
     tapped_layers: list[int] | None = doc(
         None,
         "decoder layers whose outputs are stored (layer i = output of decoder layer i); "
-        "default: num_tapped layers spread evenly from 1 to N-3",
+        "default (null): num_tapped ids spread evenly (rounded) over 1..N-3 of the target's N "
+        "layers, or over 0..N-2 when 1..N-3 holds fewer than num_tapped (small targets); one "
+        "tapped layer: the middle of that range; the last layer, N-1, never by default; an "
+        "error when 0..N-2 holds fewer than num_tapped",
     )
     num_tapped: int = doc(5, "how many layers to tap when tapped_layers is not given")
     trust_remote_code: bool = doc(False, "allow custom model code from the hub")

@@ -225,8 +225,11 @@ class TrainRunConfig:
         "kernel's rows: a 64-row tile then holds one anchor block of 16 queries x 4 heads, "
         "whose context is one interval instead of the union of four anchors' (at the seed "
         "shape 1.17-1.21x fewer key tiles visited, 2.7-3.1x fewer partial ones); the same "
-        "output (CPU tests against the dense reference); its speed is not yet measured on a "
-        "GPU (bench/bench_attention.py --sweep --only gqa_packed); evaluations run unpacked",
+        "output (CPU tests against the dense reference). Slower on an H200 (BENCHMARKS.md, "
+        "twenty-first session, 'GQA-packed attention': bench/bench_attention.py --sweep --only "
+        "gqa_packed, seed shape, fwd+bwd): 0.68x the unpacked region's speed with 128-row "
+        "tiles (the kernel alone 1.09x faster, the copies folding heads into rows and back "
+        "costing more) and 0.38x with 64-row ones; hence off. Evaluations run unpacked",
     )
     compile_layers: bool | None = doc(
         None,
