@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 import torch
 import transformers
 import zarr
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from common.config import to_dict
 from common.generated import provenance, read_manifest
@@ -38,6 +38,7 @@ from stage1_extract.target import (
     TappedTarget,
     config_dict,
     load_target_config,
+    max_positions,
     resolve_tapped_layers,
     target_revision,
     text_config,
@@ -117,6 +118,22 @@ def document_lengths(table: pa.Table) -> np.ndarray:
     return pc.list_value_length(table["input_ids"]).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
+def check_seq_len(cfg: ExtractConfig, config: PretrainedConfig) -> None:
+    """Refuse a packed sequence longer than the target's positions (documents run from
+    position 0, so a piece of up to seq_len tokens reaches position seq_len - 1): past them its
+    hidden states and logits are out of distribution, without any error."""
+    found = max_positions(config)
+    if found is None or cfg.packing.seq_len <= found.limit:
+        return
+    raise ValueError(
+        f"packing.seq_len={cfg.packing.seq_len} is more than {cfg.target.model}'s "
+        f"{found.source} ({found.limit}): its hidden states and logits past that many "
+        "positions are out of what it was trained on (RoPE extrapolation), and the drafter "
+        f"would learn from them; --set packing.seq_len={found.limit} or lower (longer "
+        "documents are split, packing.overlong)"
+    )
+
+
 def plan_job(cfg: ExtractConfig) -> ExtractJob:
     """Check the target, tokenize, plan the packing and build the root attributes; the same
     result in every process (raises ValueError on bad input before anything is written)."""
@@ -139,6 +156,7 @@ def plan_job(cfg: ExtractConfig) -> ExtractJob:
             f"verifier.topk={cfg.verifier.topk} is more than {cfg.target.model}'s vocabulary "
             f"of {text.vocab_size}; lower verifier.topk (32 is the default)"
         )
+    check_seq_len(cfg, config)
     tokenizer = load_tokenizer(cfg)
     prepared = prepare_documents(cfg.data, tokenizer)
     # one read of the tokenized documents (a copy when rows were filtered) for the lengths

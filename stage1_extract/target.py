@@ -18,7 +18,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors.torch import save_file
@@ -62,6 +62,58 @@ def load_target_config(cfg: TargetConfig) -> PretrainedConfig:
 def text_config(config: PretrainedConfig) -> PretrainedConfig:
     """The decoder's config (multimodal configs nest it)."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+# config attributes holding the positions a model was trained for, by the names configs give
+# them (transformers maps most onto max_position_embeddings, e.g. GPT-2's n_positions)
+MAX_POSITION_NAMES = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_sequence_length",
+    "max_seq_len",
+    "seq_length",
+)
+
+
+class MaxPositions(NamedTuple):
+    limit: int
+    source: str  # what gives it, for messages: "max_position_embeddings" or the rope scaling
+
+
+def max_positions(config: PretrainedConfig) -> MaxPositions | None:
+    """The most positions a sequence may use on the target, or None when its config names none.
+
+    Past them a rotary model runs on without an error, at positions it was not trained on
+    (RoPE extrapolation): its hidden states and logits there are out of distribution. The
+    limit is the config's max_position_embeddings (or the same under another name), raised by
+    rope scaling as transformers applies it: factor x original_max_position_embeddings, the
+    original defaulting to max_position_embeddings itself. A config whose
+    max_position_embeddings already is the scaled length (Llama 3.1: 131072, factor 8 x 8192)
+    keeps it."""
+    text = text_config(config)
+    named = [(n, getattr(text, n, None)) for n in MAX_POSITION_NAMES]
+    named = [(n, v) for n, v in named if type(v) is int and v > 0]  # not None, nor a bool
+    if not named:
+        return None
+    found = MaxPositions(named[0][1], named[0][0])
+    # transformers 5 keeps rope scaling in rope_parameters (from config.json's rope_scaling
+    # too), earlier versions in rope_scaling; nested by layer type on some models
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
+    if not isinstance(rope, dict):
+        return found
+    nested = not {"rope_type", "type", "factor"} & rope.keys()
+    for params in [p for p in rope.values() if isinstance(p, dict)] if nested else [rope]:
+        kind = params.get("rope_type", params.get("type", "default"))
+        factor = params.get("factor")
+        if kind == "default" or type(factor) not in (int, float) or factor <= 1:
+            continue
+        original = params.get("original_max_position_embeddings") or getattr(
+            text, "original_max_position_embeddings", None
+        )
+        scaled = int(factor * (original or found.limit))
+        if scaled > found.limit:
+            found = MaxPositions(scaled, f"positions under {kind} rope scaling x{factor:g}")
+    return found
 
 
 def target_revision(config: PretrainedConfig, cfg: TargetConfig) -> str | None:

@@ -17,6 +17,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from common.logging import get_logger
+from stage1_extract.target import max_positions
 from stage1_generate.config import SamplingConfig
 from stage1_generate.preallocated_cache import cache_kwargs, unsupported_reason
 
@@ -135,8 +136,9 @@ class LocalBackend:
         self.preallocated = kv_cache == "preallocated"
         self.static_row = 0
         self.device = next(model.parameters()).device
-        self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
-        self.max_positions_source = "the target's max_position_embeddings"
+        found = max_positions(model.config)  # as extract checks packing.seq_len against
+        self.max_positions = found.limit if found else None
+        self.max_positions_source = f"the target's {found.source}" if found else "none"
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else stop_ids[0]
         plain_generation_config(model)

@@ -136,6 +136,34 @@ def _check_fits(backend: Backend, prompt: list[int], max_new: int) -> None:
         )
 
 
+def check_settings(
+    cfg: GenerateConfig, fmt: str, limit: int | None, source: str, prefix_tokens: int
+) -> None:
+    """Refuse settings that no row could fit in `limit` positions (named by `source`): text
+    windows of `prefix_tokens` (what the tokenizer puts first) + text.prompt_tokens +
+    text.new_tokens, or a chat or completion reply of sampling.max_new_tokens after a prompt of
+    one token at least. A row that does not fit is an invalid row (`_check_fits`)."""
+    if limit is None:
+        return
+    if fmt == "text":
+        text = cfg.text
+        if prefix_tokens + text.prompt_tokens + text.new_tokens > limit:
+            first = ""
+            if prefix_tokens:
+                plural = "s" if prefix_tokens > 1 else ""
+                first = f" + {prefix_tokens} token{plural} the tokenizer puts first"
+            raise ValueError(
+                f"text.prompt_tokens {text.prompt_tokens} + text.new_tokens {text.new_tokens}"
+                f"{first} exceed {source} ({limit}); lower them"
+            )
+    elif cfg.sampling.max_new_tokens >= limit:
+        raise ValueError(
+            f"sampling.max_new_tokens {cfg.sampling.max_new_tokens} leaves no room for a "
+            f"prompt within {source} ({limit}): every row would be too long; lower "
+            "sampling.max_new_tokens"
+        )
+
+
 def _invalid(cfg: GenerateConfig, index: int, err: InvalidRow, result: ChunkResult) -> None:
     if cfg.data.on_invalid != "skip":
         refusal = err.refusal(cfg.data.path, index)
@@ -153,6 +181,7 @@ def generate_chat(
     on_batch: Callable[[int, int], None] | None = None,
 ) -> ChunkResult:
     """Rewrite every assistant turn of the chunk's conversations, round by round."""
+    check_settings(cfg, fmt, backend.max_positions, backend.max_positions_source, 0)
     result = ChunkResult()
     kwargs = cfg.data.chat_template_kwargs
     convs: dict[int, list[dict[str, Any]]] = {}
@@ -243,12 +272,10 @@ def generate_text(
     on_batch: Callable[[int, int], None] | None = None,
 ) -> ChunkResult:
     """Continue every window of the chunk's text documents."""
-    limit = backend.max_positions
-    if limit is not None and cfg.text.prompt_tokens + cfg.text.new_tokens > limit:
-        raise ValueError(
-            f"text.prompt_tokens {cfg.text.prompt_tokens} + text.new_tokens "
-            f"{cfg.text.new_tokens} exceed {backend.max_positions_source} ({limit}); lower them"
-        )
+    # extract tokenizes the written row with the tokenizer's defaults (e.g. Llama's BOS first):
+    # the target writes after that same prefix, so it sees what the drafter's context will be
+    prefix = special_prefix(tokenizer)
+    check_settings(cfg, "text", backend.max_positions, backend.max_positions_source, len(prefix))
     result = ChunkResult()
     windows: list[tuple[int, int, list[int]]] = []  # (source index, start, prompt ids)
     valid = [(k, t) for k, t in enumerate(raw_rows) if isinstance(t, str) and t.strip()]
@@ -259,9 +286,6 @@ def generate_text(
     # (a chunk of empty rows only: the tokenizer refuses an empty batch)
     texts = [t for _, t in valid]
     encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-    # extract tokenizes the written row with the tokenizer's defaults (e.g. Llama's BOS first):
-    # the target writes after that same prefix, so it sees what the drafter's context will be
-    prefix = special_prefix(tokenizer)
     for (k, _), ids in zip(valid, encoded, strict=True):
         for planned in text_windows(ids, cfg.text.prompt_tokens, cfg.text.stride):
             end = planned + cfg.text.prompt_tokens
@@ -320,6 +344,7 @@ def generate_completion(
 ) -> ChunkResult:
     """A new completion by the target for every `prompt` (completion rows; the old completion
     is dropped)."""
+    check_settings(cfg, "completion", backend.max_positions, backend.max_positions_source, 0)
     result = ChunkResult()
     keep: list[int] = []
     prompts: list[list[int]] = []

@@ -51,9 +51,11 @@ from stage1_generate.output import (
 )
 from stage1_generate.rows import (
     Backend,
+    check_settings,
     generate_chat,
     generate_completion,
     generate_text,
+    special_prefix,
     stop_token_ids,
 )
 
@@ -201,7 +203,22 @@ def summarize(out: Path, num_chunks: int) -> dict[str, Any]:
     return {**dict(totals), "skipped": dict(skipped)}
 
 
+def _check_positions(cfg: GenerateConfig, inputs: Inputs) -> None:
+    """Refuse, from the target's config alone (before its weights load), settings that no row
+    could fit in its positions. The openai backend's limit is the server's max_model_len,
+    known once it answers (then checked in `stage1_generate/rows.py`)."""
+    if cfg.run.backend != "local":
+        return
+    from stage1_extract.target import load_target_config, max_positions
+
+    found = max_positions(load_target_config(cfg.target.as_target_config()))
+    if found is not None:
+        prefix = len(special_prefix(inputs.tokenizer)) if inputs.fmt == "text" else 0
+        check_settings(cfg, inputs.fmt, found.limit, f"the target's {found.source}", prefix)
+
+
 def _prepare(cfg: GenerateConfig, inputs: Inputs) -> None:
+    _check_positions(cfg, inputs)
     manifest = build_manifest(cfg, inputs.raw, inputs.fmt)
     prepare_output(Path(cfg.output.out).expanduser(), manifest, cfg.output.overwrite)
 
