@@ -2,8 +2,12 @@
 
 Left: for each draft position k, the fraction of verification forwards that accepted at least
 k drafted tokens (the curve starts at the first token's acceptance and falls; its sum + 1 is
-the pooled tau). Right: the histogram of accepted tokens per forward, as fractions. Drawn on
-a bare matplotlib Figure (no pyplot: no display needed, no global backend switched).
+the mean of accepted + 1 over all forwards pooled, each reply's last forward counted whole: tau
+leaves out what that forward accepted past the budget or the end of sequence, so on pystd's 12
+dev prompts this sum + 1 is ~0.1 above the pooled tau, e.g. 5.03 vs 4.92, and neither is the
+reported tau, a mean over prompts). Right: the histogram of accepted tokens per forward, as
+fractions. Drawn on a bare matplotlib Figure (no pyplot: no display needed, no global backend
+switched).
 """
 
 from __future__ import annotations
