@@ -15,6 +15,26 @@ QWEN3_8B = dict(
     tie_word_embeddings=False,
 )
 
+# Qwen3-1.7B's and Qwen3-4B's published configs (the widths between pystd's 384 and 8B's 4,096:
+# where fp8 matmuls start to pay, twenty-eighth session)
+QWEN3_1_7B = dict(
+    QWEN3_8B,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    tie_word_embeddings=True,
+)
+QWEN3_4B = dict(
+    QWEN3_8B,
+    hidden_size=2560,
+    intermediate_size=9728,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    tie_word_embeddings=True,
+)
+
+
 # pystd-28m (../shared/models/pystd-28m): the recipe's small real target, Qwen3 architecture
 PYSTD_28M = dict(
     vocab_size=8192,

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from shapes import PYSTD_28M, QWEN3_8B
+from shapes import PYSTD_28M, QWEN3_1_7B, QWEN3_4B, QWEN3_8B
 
 from stage2_train.anchors import block_labels, pad_anchors, sample_anchors
 from stage2_train.config import TrainConfig
@@ -37,6 +37,9 @@ SHAPES: dict[str, tuple[str, dict, int, int, int, list[str]]] = {
     # the recipe's store since the eighteenth session: tapped layers [1, 4, 8], 2,560 tokens
     "pystd": ("configs/pystd.yaml", PYSTD_28M, 3, 2560, 3, []),
     "qwen3-8b": ("configs/qwen3-8b.yaml", QWEN3_8B, 5, 3072, 151669, []),
+    # the 8B recipe's batch and drafter depth at the smaller Qwen3 widths
+    "qwen3-1.7b": ("configs/qwen3-8b.yaml", QWEN3_1_7B, 5, 3072, 151669, []),
+    "qwen3-4b": ("configs/qwen3-8b.yaml", QWEN3_4B, 5, 3072, 151669, []),
     "tiny": ("configs/debug.yaml", TINY, 2, 256, 3, ["optim.batch_sequences=2"]),
 }
 PROMPT = 16  # first tokens of each synthetic document carry no loss

@@ -129,7 +129,8 @@ def config_dict(config: PretrainedConfig) -> dict[str, Any]:
 
 
 def resolve_tapped_layers(cfg: TargetConfig, num_layers: int) -> list[int]:
-    """Explicit `tapped_layers`, checked, or `num_tapped` ids spread evenly from 1 to N-3."""
+    """Explicit `tapped_layers`, checked, or `num_tapped` ids spread evenly over 1..N-3 (0..N-2
+    when 1..N-3 holds too few; one id: the middle of the range; N-1 never by default)."""
     if cfg.tapped_layers is not None:
         bad = [i for i in cfg.tapped_layers if not 0 <= i < num_layers]
         if bad:
