@@ -14,7 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -28,12 +28,15 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def commit_folder(tmp: Path, final: Path) -> None:
-    """fsync every file and folder under `tmp`, rename it to `final`, fsync the parent."""
+def commit_folder(tmp: Path, final: Path, before_rename: Callable[[], None] | None = None) -> None:
+    """fsync every file and folder under `tmp`, rename it to `final`, fsync the parent.
+    `before_rename` runs after the flush, just before the rename: it raises to call it off."""
     for path in sorted(tmp.rglob("*")):
         if path.is_file() or path.is_dir():
             fsync_path(path)
     fsync_path(tmp)
+    if before_rename is not None:
+        before_rename()
     os.rename(tmp, final)
     fsync_path(final.parent)
 

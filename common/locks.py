@@ -5,6 +5,11 @@ The lock file holds the holder's pid, host and start time, so a refused writer c
 holds it. It is emptied, not removed, on release: removing a lock file lets a waiting process
 lock a file that a third one then replaces (two holders). Used by `dflash extract` (one per
 store) and `dflash generate` (one per output folder).
+
+An flock belongs to the open file, not to the process: a process given a copy of the holder's
+descriptor (`held_lock_fd`) keeps the lock held until it has exited too, even if the holder is
+killed. Extract's writer processes hold one, so no other run can start while one of them lives
+(stage1_extract/writer_pools.py).
 """
 
 from __future__ import annotations
@@ -17,6 +22,13 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+_held: dict[str, int] = {}  # the descriptors of the locks this process holds, by absolute path
+
+
+def held_lock_fd(path: Path) -> int | None:
+    """The descriptor of the lock on `path` while this process holds it (`exclusive_lock`)."""
+    return _held.get(os.path.abspath(path))
 
 
 def holder_of(fd: int) -> str:
@@ -42,9 +54,12 @@ def exclusive_lock(path: Path, refused: Callable[[str], Exception]) -> Iterator[
         me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.ctime()}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(me).encode(), 0)
+        _held[os.path.abspath(path)] = fd
         try:
             yield
         finally:
+            del _held[os.path.abspath(path)]
             os.ftruncate(fd, 0)
     finally:
-        os.close(fd)  # releases the lock (as the kernel does when a holder dies)
+        # releases the lock (as the kernel does when a holder dies), once no copy of `fd` is open
+        os.close(fd)

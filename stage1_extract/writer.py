@@ -4,7 +4,9 @@ A writer (stage1_extract.shard_writer runs them in the background) writes a shar
 into `shards/.tmp-shard-NNNNNN-<pid>/`, reads them back, checks them, and renames the folder
 to `shards/shard-NNNNNN/`, so a shard is visible only once it is complete. Just before the rename
 it records the size of every file of the shard in the shard's attributes (common/store_files.py),
-which readers check: zarr would read a deleted file as zeros.
+which readers check: zarr would read a deleted file as zeros. A writer process passes
+`before_commit`, which raises once its extraction has ended (stage1_extract/writer_pools.py):
+the shard is then not committed and its temporary folder is removed.
 
 Legend: P documents (pieces) of a shard.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,8 +98,15 @@ def is_disk_full(err: BaseException | None) -> bool:
     return no_space_errno(err) is not None
 
 
-def write_shard(store: Path, task: ShardTask, buffers: ShardBuffers, layout: ShardLayout) -> Path:
-    """Write one shard to a temporary group, read it back, check it, rename it into place."""
+def write_shard(
+    store: Path,
+    task: ShardTask,
+    buffers: ShardBuffers,
+    layout: ShardLayout,
+    before_commit: Callable[[], None] | None = None,
+) -> Path:
+    """Write one shard to a temporary group, read it back, check it, rename it into place
+    (`before_commit` runs just before the rename and raises to call it off)."""
     final = shards_dir(store) / shard_name(task.index)
     tmp = shards_dir(store) / f".tmp-{shard_name(task.index)}-{os.getpid()}"
     if not task.finite:
@@ -127,7 +137,7 @@ def write_shard(store: Path, task: ShardTask, buffers: ShardBuffers, layout: Sha
             group.create_array(name, data=data, chunks=data.shape, compressors=codecs)
         _verify(tmp, arrays, task)
         record_shard_files(tmp)
-        commit_folder(tmp, final)
+        commit_folder(tmp, final, before_commit)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

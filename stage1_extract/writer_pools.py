@@ -5,9 +5,15 @@ Threads share one interpreter, and zarr runs every write of a process through on
 on the 2-core build machine (`bench/zarr_write.py --parallel 2`) two writer threads together
 wrote slower than one alone, two processes about twice as fast as two threads. Each writer
 process maps every buffer arena, takes (buffer slot, task) pairs from one queue and reports
-(slot, shard index, error, seconds) on another. It exits when the extracting process does (a
-pidfd watch), so a killed extraction leaves no writer behind, only temporary folders that the
-next run removes.
+(slot, shard index, error, seconds) on another.
+
+A writer of a killed extraction (even by SIGKILL) must never commit a shard: the kernel releases
+the store's writer lock at once, and a rerun may be writing the same shard or have planned it in
+its resume scan. So a writer exits as soon as the extracting process has (a watch thread), leaving
+a temporary folder that the next run removes; checks again just before the commit's rename (the
+watch needs this process's GIL and a core, so it can be late), and gives up there, removing its
+temporary folder; and holds a copy of the lock's descriptor (an flock belongs to the open file,
+common/locks.py), so the lock stays held, and a rerun refused, until the last writer has exited.
 
 Writers are forked from a forkserver that imported this module once: a spawned writer would
 import torch, zarr and the caller's whole main module (a bench or a user script that imports
@@ -21,16 +27,20 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import select
 import signal
 import threading
 import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing import reduction
+from multiprocessing.connection import wait
 from pathlib import Path
+from typing import Any
 
+from common.locks import held_lock_fd
 from stage1_extract.host_buffers import BufferShape, HostArena, ShardBuffers
+from stage1_extract.store_root import LOCK_FILE
 from stage1_extract.writer import ShardLayout, ShardTask, no_space_errno, write_shard
 
 # (slot, shard index, error or None, seconds spent writing)
@@ -88,7 +98,10 @@ class ProcessPool:
         self.ready_after_s: float | None = None  # set by the collector once all are ready
         self.not_ready = processes
         arenas = [b.arena for b in buffers]
-        args = (store, layout, buffers[0].shape, arenas, self.tasks, self.results, os.getpid())
+        lock = held_lock_fd(store / LOCK_FILE)  # None where another process holds it
+        shared_lock = None if lock is None else SharedFd(lock)
+        args = (store, layout, buffers[0].shape, arenas, self.tasks, self.results)
+        args += (os.getpid(), shared_lock)
         self.procs = [
             ctx.Process(target=_writer_main, args=args, name=f"shard-writer-{i}", daemon=True)
             for i in range(processes)
@@ -138,35 +151,51 @@ class ProcessPool:
         self.results.close()
 
 
-def _die_with_extraction(extracting_pid: int) -> None:
-    """Exit the moment the extracting process ends, however it ends. Not PR_SET_PDEATHSIG: this
-    writer's parent is the forkserver, which lives as long as any of its children do."""
+class SharedFd:
+    """A descriptor of this process that a writer process receives a copy of, as it starts."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # DupFd hands the descriptor to the child (only while it is being started)
+        return _received_fd, (reduction.DupFd(self.fd),)
+
+
+def _received_fd(dup_fd: Any) -> int:
+    return dup_fd.detach()
+
+
+class ExtractionEnded(Exception):
+    """The extracting process has exited: this writer must not commit its shard."""
+
+
+def _extraction_exits(extracting_pid: int) -> list[int]:
+    """Descriptors that turn readable once the extracting process has exited: the pipe that
+    multiprocessing keeps from it (its end closes with its other files, the lock's among them,
+    unless a process it forked holds a copy) and its pidfd (Linux 5.3+; exited once a zombie,
+    where `kill(pid, 0)` still finds it). Not getppid or PR_SET_PDEATHSIG: this writer's
+    parent is the forkserver, which lives as long as any of its children do."""
+    parent = mp.parent_process()
+    assert parent is not None
+    fds = [parent.sentinel]
     try:
-        pidfd: int | None = os.pidfd_open(extracting_pid)  # Linux 5.3+: readable once it exits
+        fds.append(os.pidfd_open(extracting_pid))
     except ProcessLookupError:  # already gone
         os._exit(1)
     except (OSError, AttributeError):
-        pidfd = None
+        pass
+    return fds
+
+
+def _die_with_extraction(exits: list[int]) -> None:
+    """Exit the moment the extracting process ends, however it ends."""
 
     def watch() -> None:
-        if pidfd is not None:
-            select.select([pidfd], [], [])
-        else:
-            while _alive(extracting_pid):
-                time.sleep(1.0)
+        wait(exits)
         os._exit(1)  # from any thread: ends the whole process, mid-write or not
 
     threading.Thread(target=watch, name="watch-extraction", daemon=True).start()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _portable(err: BaseException) -> BaseException:
@@ -188,8 +217,15 @@ def _writer_main(
     tasks: mp.Queue,
     results: mp.Queue,
     extracting_pid: int,
+    lock: int | None,  # a copy of the store lock's descriptor, kept open, never used
 ) -> None:
-    _die_with_extraction(extracting_pid)
+    exits = _extraction_exits(extracting_pid)
+    _die_with_extraction(exits)
+
+    def before_commit() -> None:  # the watch may not have run yet
+        if wait(exits, timeout=0):
+            raise ExtractionEnded
+
     # Ctrl-C reaches the whole process group: the parent stops producing and closes the pool,
     # which lets the writers finish and commit the shards they hold, as writer threads would
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -203,7 +239,9 @@ def _writer_main(
         slot, task = item
         error, start = None, time.perf_counter()
         try:
-            write_shard(store, task, buffers[slot], layout)
+            write_shard(store, task, buffers[slot], layout, before_commit)
+        except ExtractionEnded:  # its temporary folder is removed; no one reads the results
+            os._exit(1)
         except Exception as err:
             traceback.print_exc()  # the parent re-raises the error; the trace stays here
             error = _portable(err)
