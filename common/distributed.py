@@ -4,6 +4,14 @@
 launcher API (`torch.distributed.launcher.elastic_launch`), so the same worker function runs
 unchanged under `torchrun` on many nodes. A worker calls `init_worker()` to join the group and
 pick its device.
+
+Process-group timeout: a rank that waits in a collective (a barrier, an all-reduce) for longer
+than the group's timeout fails (NCCL's watchdog kills it; torch's default for NCCL is 10 min).
+Ranks wait that way whenever one of them works alone or longer: rank 0 tokenizing before
+extraction, the slowest rank finishing its share of shards or chunks, rank 0's evaluation on
+the dev store, checkpoint and export while the other ranks of `dflash train` wait in the next
+all-reduce. Each command therefore sets the timeout explicitly, to a default that covers its
+longest such wait, and `DFLASH_DIST_TIMEOUT_S` (seconds) overrides it for all three.
 """
 
 from __future__ import annotations
@@ -75,9 +83,27 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+TIMEOUT_ENV = "DFLASH_DIST_TIMEOUT_S"
+
+
+def dist_timeout(default: timedelta | None) -> timedelta | None:
+    """The process-group timeout: `$DFLASH_DIST_TIMEOUT_S` seconds when set, else `default`
+    (None: torch's own)."""
+    value = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not value:
+        return default
+    try:
+        if (seconds := float(value)) > 0:
+            return timedelta(seconds=seconds)
+    except (ValueError, OverflowError):  # not a number; inf
+        pass
+    raise ValueError(f"{TIMEOUT_ENV}={value!r} is not a positive number of seconds")
+
+
 def launch(worker: Callable[..., Any], devices: list[str], *args: Any) -> None:
     """Run `worker(*args)` once per device, as torchrun would; inline when already under torchrun
     or when there is a single device (no process group needed then)."""
+    dist_timeout(None)  # a malformed DFLASH_DIST_TIMEOUT_S is refused before any worker starts
     if under_torchrun() or len(devices) == 1:
         worker(*args)
         return
@@ -118,8 +144,8 @@ def init_worker(devices: list[str], timeout: timedelta | None = None) -> WorkerC
     """Join the process group (if any) and choose this process's device.
 
     Under torchrun, local rank i takes the i-th listed device (`local_device`).
-    `timeout` bounds every collective (torch's default is 10 minutes); extraction passes a
-    long one because its barriers wait for whole tokenization or extraction passes.
+    `timeout`: the command's default for the longest wait of one rank for another in a
+    collective (see the module docstring); `$DFLASH_DIST_TIMEOUT_S` overrides it.
     """
     if not under_torchrun():
         device = torch.device(devices[0])
@@ -138,6 +164,7 @@ def init_worker(devices: list[str], timeout: timedelta | None = None) -> WorkerC
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = dist_timeout(timeout)
         extra = {"timeout": timeout} if timeout is not None else {}
         dist.init_process_group(
             backend=backend, device_id=device if backend == "nccl" else None, **extra

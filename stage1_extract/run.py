@@ -154,8 +154,10 @@ def check_host_memory(job: ExtractJob, local_processes: int) -> None:
         )
 
 
-# Ranks wait at barriers while rank 0 tokenizes (minutes) and while the slowest rank
-# extracts its last shards (hours on a resume where others have nothing left to do).
+# Ranks wait at barriers while rank 0 tokenizes (minutes; about an hour per billion tokens)
+# and while the slowest rank extracts its last shards (up to one rank's whole share on a resume
+# where the others have nothing left: hours). The process-group timeout (torch's NCCL default:
+# 10 minutes) must outlast both; DFLASH_DIST_TIMEOUT_S overrides it (common/distributed.py).
 BARRIER_TIMEOUT = timedelta(hours=48)
 
 

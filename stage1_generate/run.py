@@ -59,7 +59,9 @@ from stage1_generate.rows import (
     stop_token_ids,
 )
 
-# a rank that finished its chunks waits at the final barrier for the slowest one
+# a rank that finished its chunks waits at the final barrier for the slowest one (up to one
+# rank's whole share on a resume where the others have nothing left: hours); the process-group
+# timeout must outlast it. DFLASH_DIST_TIMEOUT_S overrides it (common/distributed.py)
 BARRIER_TIMEOUT = timedelta(hours=48)
 
 

@@ -25,6 +25,8 @@ steps of one more shuffled epoch. `optim.max_steps` caps it as usual.
 Waiting: caught up, the stream logs what it waits for and polls every `data.follow_poll_s`;
 after `data.follow_timeout_s` without a new shard, while no process holds the store's writer
 lock (the kernel drops it when extract dies, even by kill -9), it stops with one StoreError.
+Every rank waits for the shards of the whole step, its peers' too, so that no rank waits in a
+collective (under the process-group timeout) while another waits for extraction.
 """
 
 from __future__ import annotations
@@ -243,23 +245,32 @@ class FollowPlan:
             self._shuffled = EpochPlan(self.split().num_train, *args)
         return self._shuffled
 
+    def _wait_for_step(self, step: int) -> None:
+        """Wait until the shards of streamed step `step` are committed: those of every rank's
+        sequences, not only this rank's. A rank waiting alone for its next shard (an extract
+        shard's time, or data.follow_timeout_s when extraction died) would leave the others in
+        the step's all-reduce meanwhile, under the process-group timeout (train.py); waiting for
+        the same shards, the ranks reach that all-reduce within a poll of one another."""
+        first = step * self.per_step
+        train = [pos for pos in range(first, first + self.per_step) if self._is_train(pos)]
+        for shard in sorted({pos // self.per_shard for pos in train}):
+            self.watch.wait(lambda s=shard: shard_ready(self.store, s), f"shard {shard}")
+
     def micro_batches(self, epoch: int, start_step: int = 0) -> Iterator[list[ItemKey]]:
         """This rank's micro-batches of `epoch` from step `start_step` on; in the streamed
-        epoch each key is yielded only once its shard is committed."""
+        epoch a step's are yielded only once the shards of the whole step (all ranks') are
+        committed."""
         if epoch > 0:
             yield from self.shuffled().micro_batches(epoch, start_step)
             return
         step = start_step
         while not self.epoch_done(0, step):
+            self._wait_for_step(step)
             for m in range(self.accum):
                 base = ((step * self.accum + m) * self.world + self.rank) * self.batch
                 keys = []
                 for pos in range(base, base + self.batch):
-                    if self._is_train(pos):
-                        shard = pos // self.per_shard
-                        self.watch.wait(
-                            lambda s=shard: shard_ready(self.store, s), f"shard {shard}"
-                        )
+                    if self._is_train(pos):  # its shard is committed (_wait_for_step)
                         keys.append((pos, 0, False))
                     else:  # padding: a zero-weight copy of a sequence read earlier
                         keys.append((pos % self.split().num_train, 0, True))

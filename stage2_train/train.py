@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import os
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -137,9 +138,17 @@ def limit_after_wait(cfg: TrainConfig, waited_s: float) -> TrainConfig:
     return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, time_limit_s=left))
 
 
+# The process-group timeout (common/distributed.py; DFLASH_DIST_TIMEOUT_S overrides it). While
+# rank 0 alone evaluates on the dev store, exports the best drafter, writes a checkpoint's model
+# and optimizer, plots or exports at the end, the other ranks wait in the next all-reduce or
+# barrier: minutes for a 1B-parameter drafter (~13 GB of checkpoint on a slow disk), past
+# torch's 10 minutes for NCCL at worst. Two hours leave room for that and still end a hung run.
+DIST_TIMEOUT = timedelta(hours=2)
+
+
 def _worker(cfg: TrainConfig, devices: list[str]) -> None:
     init_logger()
-    ctx = init_worker(devices)
+    ctx = init_worker(devices, timeout=DIST_TIMEOUT)
     try:
         train_worker(cfg, ctx)
     finally:
