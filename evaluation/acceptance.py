@@ -175,11 +175,15 @@ def speculative_generate(
     num_new: int,
     progress: tqdm | None = None,
     stop_ids: frozenset[int] = frozenset(),
+    max_positions: int | None = None,
 ) -> tuple[list[int], list[int], list[int]]:
     """Greedy speculative decoding; returns (generated tokens, tokens gained per forward,
     drafted tokens accepted per forward, counted before the last forward's truncation).
     Decoding ends after `num_new` tokens, or at the first of `stop_ids` the target writes (kept,
-    as a server keeps the end of sequence; drafted tokens accepted past it are dropped)."""
+    as a server keeps the end of sequence; drafted tokens accepted past it are dropped).
+    `max_positions`: the target's limit (len(prompt) + num_new within it, checked by the
+    caller); a draft that would run the target past it is cut to fit, as a server cuts drafts
+    at its max length."""
     tokens = [*prompt, target.prefill(prompt, len(prompt) + num_new)]
     if progress is not None:
         progress.update(1)
@@ -188,6 +192,9 @@ def speculative_generate(
     stopped = tokens[-1] in stop_ids
     while len(tokens) - len(prompt) < num_new and not stopped:
         draft = draft_fn(tokens, target.features)
+        if max_positions is not None:
+            # the newest token runs at position len(tokens) - 1, the draft after it
+            draft = draft[: max(max_positions - len(tokens), 0)]
         greedy_J = target.verify(tokens[-1], draft)  # greedy_J[j]: the token after draft[:j]
         accepted = 0
         while accepted < len(draft) and draft[accepted] == greedy_J[accepted]:
@@ -215,11 +222,13 @@ def measure_acceptance(
     num_draft: int,
     desc: str = "decode",
     stop_ids: frozenset[int] = frozenset(),
+    max_positions: int | None = None,
 ) -> AcceptanceResult:
     """tau and acceptance by draft position over `prompts`; `make_draft` gives a fresh
     draft function per prompt (a drafter may cache its context), `num_draft` its block.
     With `stop_ids`, a prompt whose first token (the prefill's) is one of them verified no
-    draft: it is left out of tau and listed in `ended_at_prefill`."""
+    draft: it is left out of tau and listed in `ended_at_prefill`. `max_positions`: see
+    speculative_generate."""
     import time
 
     taus: list[float] = []
@@ -230,7 +239,7 @@ def measure_acceptance(
     with tqdm(total=len(prompts) * num_new, desc=desc, unit="tok", dynamic_ncols=True) as bar:
         for index, prompt in enumerate(prompts):
             generated, gains, accepted_counts = speculative_generate(
-                target, prompt, make_draft(), num_new, bar, stop_ids
+                target, prompt, make_draft(), num_new, bar, stop_ids, max_positions
             )
             bar.update(num_new - len(generated))  # what a stopped reply left of its budget
             stopped += generated[-1] in stop_ids

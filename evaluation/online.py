@@ -5,6 +5,8 @@ the first `prompt_tokens` tokens of the first `num_prompts` documents of a text 
 prompts, and generates `new_tokens` greedily with each drafter (target KV cache, drafter
 context cache: evaluation.acceptance). Returns tau per method, acceptance by draft position
 and the histogram of accepted tokens per forward; `plot` also draws them (evaluation.plot).
+Every prompt with its `new_tokens` must fit the target's positions (check_positions, before
+the weights load); drafts are cut at that limit as a server cuts them.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from common.logging import get_logger
 from evaluation.acceptance import CachedTarget, measure_acceptance, prompt_lookup_draft
 
 if TYPE_CHECKING:
+    from stage1_extract.target import MaxPositions
     from stage2_train.model import DFlashDrafter
 
 # Prompt lookup drafts as many tokens as a block of this size holds, unless a drafter is given
@@ -121,6 +124,35 @@ def load_prompts(cfg: EvaluateConfig, tokenizer) -> list[list[int]]:
     return prompts
 
 
+def check_positions(
+    cfg: EvaluateConfig, found: MaxPositions | None, prompts: list[list[int]] | None = None
+) -> None:
+    """Refuse what would run the target past its positions (`found`; None: its config names
+    none): a rotary model runs on there without an error, out of what it was trained on, and
+    tau would be measured on that. First --new-tokens alone, then each prompt with its reply
+    (a server's rule: prompt + max tokens within its max length). A long prompt is refused,
+    not cut: --prompt-tokens is the one rule that cuts prompts, the same for every prompt, and
+    the message names the value that fits."""
+    if found is None:
+        return
+    limit, new = found.limit, cfg.new_tokens
+    where = f"{cfg.target}'s {found.source} ({limit})"
+    if new >= limit:
+        raise ValueError(
+            f"--new-tokens {new} leaves no room for a prompt within {where}: every prompt with "
+            f"its reply would run past them; lower --new-tokens below {limit}"
+        )
+    long = [i for i, prompt in enumerate(prompts or []) if len(prompt) + new > limit]
+    if long:
+        others = len(long) - 1
+        more = f" (and {others} more prompt{'s' * (others > 1)})" if others else ""
+        raise ValueError(
+            f"--data {cfg.data} row {long[0]}: the prompt has {len(prompts[long[0]])} tokens, "
+            f"which with --new-tokens {new} exceed {where}{more}; pass --prompt-tokens "
+            f"{limit - new} or lower (every prompt cut to that many tokens), or lower --new-tokens"
+        )
+
+
 def reply_stop_ids(model: torch.nn.Module, tokenizer: Any, template_kwargs: dict) -> frozenset[int]:
     """The ids that end a reply, as `dflash generate` stops: the tokenizer's and the generation
     config's end of sequence, and the chat template's end-of-turn token."""
@@ -135,15 +167,21 @@ def reply_stop_ids(model: torch.nn.Module, tokenizer: Any, template_kwargs: dict
 
 def run_evaluate(cfg: EvaluateConfig) -> dict:
     """Measure tau for prompt lookup and, when given, the DFlash drafter; return the figures."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from stage1_extract.target import max_positions
     from stage2_train.export import load_export
 
     cfg.validate()
     dtype = getattr(torch, cfg.dtype)
+    # the target's positions from its config alone, and the prompts, before any weights load
+    found = max_positions(AutoConfig.from_pretrained(cfg.target))
+    check_positions(cfg, found)
     # the drafter first: a wrong folder fails before minutes of prompt lookup
     drafter = load_export(cfg.drafter).to(cfg.device, dtype).eval() if cfg.drafter else None
     tokenizer = AutoTokenizer.from_pretrained(cfg.target)
+    prompts = load_prompts(cfg, tokenizer)
+    check_positions(cfg, found, prompts)
     model = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=dtype).to(cfg.device).eval()
     threads = torch.get_num_threads()
     if torch.device(cfg.device).type == "cpu" and model.config.hidden_size < SMALL_HIDDEN:
@@ -152,20 +190,30 @@ def run_evaluate(cfg: EvaluateConfig) -> dict:
         # 2 threads on 2 busy cores, 19 s with one.
         torch.set_num_threads(1)
     try:
-        return _evaluate(cfg, model, tokenizer, drafter)
+        return _evaluate(cfg, model, tokenizer, drafter, prompts)
     finally:
         torch.set_num_threads(threads)
 
 
 def _evaluate(
-    cfg: EvaluateConfig, model: torch.nn.Module, tokenizer: Any, drafter: DFlashDrafter | None
+    cfg: EvaluateConfig,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    drafter: DFlashDrafter | None,
+    prompts: list[list[int]] | None = None,
 ) -> dict:
-    """Both methods on the loaded target (run_evaluate's body, under its thread setting)."""
+    """Both methods on the loaded target (run_evaluate's body, under its thread setting);
+    `prompts`: load_prompts' (None: loaded here)."""
     from evaluation.dflash_draft import dflash_draft_fn
+    from stage1_extract.target import max_positions
     from stage2_train.export import read_export_config
 
     log = get_logger()
-    prompts = load_prompts(cfg, tokenizer)
+    found = max_positions(model.config)
+    if prompts is None:
+        prompts = load_prompts(cfg, tokenizer)
+    check_positions(cfg, found, prompts)
+    limit = found.limit if found else None
     num_draft = (drafter.shape.block_size if drafter else DEFAULT_BLOCK_SIZE) - 1
     stop_ids = (
         reply_stop_ids(model, tokenizer, cfg.chat_template_kwargs)
@@ -190,6 +238,7 @@ def _evaluate(
         num_draft,
         desc="prompt lookup",
         stop_ids=stop_ids,
+        max_positions=limit,
     )
     if not lookup.tau_per_prompt:
         raise ValueError(
@@ -219,6 +268,7 @@ def _evaluate(
             num_draft,
             desc="dflash",
             stop_ids=stop_ids,
+            max_positions=limit,
         )
         results["dflash"] = dflash.to_json()
         log.info("dflash: tau %.3f (%.1f tokens/s)", dflash.tau, dflash.new_tokens / dflash.seconds)

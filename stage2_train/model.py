@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -99,7 +100,19 @@ def drafter_shape(
 
 
 def drafter_config_json(shape: DrafterShape, tapped_layers: list[int], target_config: dict) -> dict:
-    """config.json of the exported drafter (a Qwen3 config of its own sizes + DFlash fields)."""
+    """config.json of the exported drafter (a Qwen3 config of its own sizes + DFlash fields).
+
+    Its max_position_embeddings is the target's limit as extract and evaluate take it
+    (`max_positions`: the attribute or an alias, raised by the target's rope scaling): the
+    drafter runs at the target's positions with plain RoPE (rope_scaling None), and serving
+    code reads this value as the drafter's context length. 40960 (Qwen3's) when the target's
+    config names no limit."""
+    # imported here: the module that reads targets (and stores) stays out of the model's imports
+    from stage1_extract.target import max_positions
+
+    # max_positions only reads attributes; PretrainedConfig.from_dict would re-run
+    # transformers' rope standardisation on the stored dict (and fails on some)
+    found = max_positions(SimpleNamespace(**target_config))  # type: ignore[arg-type]
     block = {
         "target_layer_ids": list(tapped_layers),
         "mask_token_id": shape.mask_token_id,
@@ -120,7 +133,7 @@ def drafter_config_json(shape: DrafterShape, tapped_layers: list[int], target_co
         "rms_norm_eps": shape.rms_norm_eps,
         "rope_theta": shape.rope_theta,
         "rope_scaling": None,
-        "max_position_embeddings": target_config.get("max_position_embeddings", 40960),
+        "max_position_embeddings": found.limit if found else 40960,
         "vocab_size": shape.vocab_size,
         "tie_word_embeddings": False,
         "initializer_range": 0.02,
