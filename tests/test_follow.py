@@ -434,3 +434,24 @@ def test_the_wait_for_the_store_ends_at_shard_zero(tmp_path, monkeypatch, num_se
 
     monkeypatch.setattr(follow.time, "sleep", no_wait)
     follow.wait_for_store(data_cfg(store, follow_timeout_s=0.01))
+
+
+@pytest.mark.parametrize("world,batch,accum", [(2, 1, 1), (2, 2, 1), (3, 1, 2)])
+def test_a_streamed_step_waits_for_the_shards_of_every_rank(growing, world, batch, accum):
+    """A rank yields a step of the streamed epoch only once the shards of all ranks'
+    sequences of that step are committed: before, rank 0 went on into the step's all-reduce
+    while rank 1 waited for its shard (an extract shard's time, or data.follow_timeout_s)."""
+    store, waited = growing
+    cfg = data_cfg(store)
+    info = open_store(store)
+    for rank in range(world):
+        plan = FollowPlan(info, cfg, world, rank, batch, accum)
+        per_step = world * batch * accum
+        for i, keys in enumerate(plan.micro_batches(0)):
+            step = i // accum
+            needed = range(step * per_step, min((step + 1) * per_step, 11))  # 11 train sequences
+            committed = set(committed_shards(store))
+            missing = {pos // 3 for pos in needed} - committed
+            assert not missing, f"rank {rank} step {step}: shards {missing} not committed yet"
+            assert all(pad or index // 3 in committed for index, _, pad in keys)
+    assert waited[:4] == [0, 1, 2, 3]  # it waited, shard after shard

@@ -384,3 +384,21 @@ def test_auto_backend_on_cpu_is_sdpa() -> None:
     assert BlockAttention(b["anchors"], b["docs"], BSZ).backend == "sdpa"
     with pytest.raises(ValueError):
         BlockAttention(b["anchors"], b["docs"], BSZ, backend="eager")  # type: ignore[arg-type]
+
+
+def test_the_exported_drafter_takes_the_target_positions() -> None:
+    """max_position_embeddings of the drafter's config.json: the target's limit as
+    max_positions reads it (an alias, rope scaling), 40960 only when none is named."""
+    base = {k: v for k, v in TARGET.items() if k != "max_position_embeddings"}
+    shape = drafter_shape(DrafterConfig(num_layers=1, block_size=4), base, 3, 50, 49)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    for extra, expected in [
+        ({"max_position_embeddings": 4096}, 4096),
+        ({"n_positions": 2048}, 2048),
+        ({"max_position_embeddings": 40960, "rope_scaling": yarn}, 131072),
+        ({"max_position_embeddings": 40960, "rope_parameters": yarn}, 131072),
+        ({}, 40960),
+    ]:
+        config = drafter_config_json(shape, [1, 2, 3], {**base, **extra})
+        assert config["max_position_embeddings"] == expected, extra
+        assert config["rope_scaling"] is None

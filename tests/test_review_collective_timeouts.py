@@ -1,8 +1,8 @@
 """The process-group timeout: every command sets it (`dflash train` had torch's default, 10
 minutes for NCCL, while its other ranks wait in an all-reduce for rank 0's dev evaluation,
 checkpoint and export), DFLASH_DIST_TIMEOUT_S overrides it and governs a real wait of 2 gloo
-ranks, and the ranks of `dflash train --follow` wait for the same shards, so that none sits in
-a collective while another waits for extraction."""
+ranks. (That the ranks of `dflash train --follow` wait for the same shards, so that none sits in
+a collective while another waits for extraction, is tested in test_follow.py.)"""
 
 from __future__ import annotations
 
@@ -13,17 +13,12 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from store_factory import FactorySpec, build_store
 
 import common.distributed as distributed
 import stage1_extract.run as extract_run
 import stage1_generate.run as generate_run
-import stage2_train.follow as follow
 import stage2_train.train as train
 from common.distributed import launch
-from common.store import committed_shards, open_store, shard_name, shards_dir
-from stage2_train.config import TrainDataConfig
-from stage2_train.follow import FollowPlan
 
 REPO = Path(__file__).parents[1]
 TIMEOUT_ENV = "DFLASH_DIST_TIMEOUT_S"
@@ -147,44 +142,3 @@ def test_the_configured_timeout_governs_a_wait_for_rank_0(tmp_path: Path) -> Non
     timed_out = _outcomes(short, started[short])[1]
     assert "ok" not in timed_out and "timed out" in timed_out.lower(), timed_out
     assert _outcomes(long, started[long]) == {0: "ok 2", 1: "ok 2"}
-
-
-@pytest.fixture
-def growing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, list[int]]:
-    """13 sequences in 5 shards of 3 (the last of 1), all moved aside; each poll of a waiting
-    stream commits the next one. Returns the store and the shard counts at each poll."""
-    store = build_store(tmp_path / "store", FactorySpec(num_sequences=13, sequences_per_shard=3))
-    aside = tmp_path / "aside"
-    aside.mkdir()
-    for index in committed_shards(store):
-        (shards_dir(store) / shard_name(index)).rename(aside / shard_name(index))
-    polls: list[int] = []
-
-    def commit_next(_seconds: float) -> None:
-        polls.append(len(committed_shards(store)))
-        if waiting := sorted(aside.iterdir()):
-            waiting[0].rename(shards_dir(store) / waiting[0].name)
-
-    monkeypatch.setattr(follow.time, "sleep", commit_next)
-    return store, polls
-
-
-@pytest.mark.parametrize("world,batch,accum", [(2, 1, 1), (2, 2, 1), (3, 1, 2)])
-def test_a_streamed_step_waits_for_the_shards_of_every_rank(growing, world, batch, accum):
-    """A rank yields a step of the streamed epoch only once the shards of all ranks'
-    sequences of that step are committed: before, rank 0 went on into the step's all-reduce
-    while rank 1 waited for its shard (an extract shard's time, or data.follow_timeout_s)."""
-    store, polls = growing
-    cfg = TrainDataConfig(store=str(store), holdout_sequences=2, follow_poll_s=0.01)
-    info = open_store(store)
-    for rank in range(world):
-        plan = FollowPlan(info, cfg, world, rank, batch, accum)
-        per_step = world * batch * accum
-        for i, keys in enumerate(plan.micro_batches(0)):
-            step = i // accum
-            needed = range(step * per_step, min((step + 1) * per_step, 11))  # 11 train sequences
-            committed = set(committed_shards(store))
-            missing = {pos // 3 for pos in needed} - committed
-            assert not missing, f"rank {rank} step {step}: shards {missing} not committed yet"
-            assert all(pad or index // 3 in committed for index, _, pad in keys)
-    assert polls[:4] == [0, 1, 2, 3]  # it waited, shard after shard

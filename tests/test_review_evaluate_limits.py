@@ -7,7 +7,8 @@ limit before the target's weights load, naming the row and the `--prompt-tokens`
 (prompts are never cut silently). A prompt exactly at the limit runs, and no forward of the
 target, verification drafts included, goes past it: drafts are cut there, as a server cuts
 them. The limit is `max_positions` (extract's and generate's: the attribute or an alias,
-raised by rope scaling), and the exported drafter's max_position_embeddings is the same.
+raised by rope scaling), and the exported drafter's max_position_embeddings is the same
+(tested in test_model.py).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dflash_offline.cli import main
 from evaluation.online import EvaluateConfig, run_evaluate
 from stage2_train.config import DrafterConfig
 from stage2_train.export import export_drafter
-from stage2_train.model import DFlashDrafter, drafter_config_json, drafter_shape
+from stage2_train.model import DFlashDrafter, drafter_shape
 
 TEXTS = ["def f(x):\n    return x\n", "import os\n" * 3, "class A:\n    pass\n" * 2]
 LIMIT = 32  # max_position_embeddings of the targets here
@@ -172,30 +173,3 @@ def test_a_prompt_exactly_at_the_limit_stays_within_the_positions(
     for method in ("prompt_lookup", "dflash"):
         assert figures[method]["new_tokens"] == new
     assert max(reached) == LIMIT - 1
-
-
-def test_the_exported_drafter_takes_the_target_positions() -> None:
-    """max_position_embeddings of the drafter's config.json: the target's limit as
-    max_positions reads it (an alias, rope scaling), 40960 only when none is named."""
-    base = {
-        "hidden_size": 32,
-        "intermediate_size": 48,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
-        "rope_theta": 10000.0,
-        "rms_norm_eps": 1e-6,
-        "num_hidden_layers": 6,
-    }
-    shape = drafter_shape(DrafterConfig(num_layers=1, block_size=4), base, 3, 50, 49)
-    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
-    for extra, expected in [
-        ({"max_position_embeddings": 4096}, 4096),
-        ({"n_positions": 2048}, 2048),
-        ({"max_position_embeddings": 40960, "rope_scaling": yarn}, 131072),
-        ({"max_position_embeddings": 40960, "rope_parameters": yarn}, 131072),
-        ({}, 40960),
-    ]:
-        config = drafter_config_json(shape, [1, 2, 3], {**base, **extra})
-        assert config["max_position_embeddings"] == expected, extra
-        assert config["rope_scaling"] is None
