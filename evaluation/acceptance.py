@@ -44,8 +44,10 @@ class AcceptanceResult:
     tau_per_prompt: list[float]
     forwards: int
     new_tokens: int
-    # accepted_histogram[a]: verification forwards whose draft matched the target's greedy
-    # tokens for exactly a tokens (a = 0..num_draft); the final, truncated forward included.
+    # accepted_histogram[a]: verification forwards that gained exactly a drafted tokens
+    # (a = 0..num_draft): a forward's accepted count as tau counts it, so a forward cut by the
+    # budget or at a stop token counts only the drafted tokens it kept, not matching drafts
+    # past the cut.
     accepted_histogram: list[int] = field(default_factory=list)
     seconds: float = 0.0
     stopped_at_eos: int = 0  # prompts whose reply ended at a stop token before the budget
@@ -178,7 +180,8 @@ def speculative_generate(
     max_positions: int | None = None,
 ) -> tuple[list[int], list[int], list[int]]:
     """Greedy speculative decoding; returns (generated tokens, tokens gained per forward,
-    drafted tokens accepted per forward, counted before the last forward's truncation).
+    drafted tokens accepted per forward among those gained: a forward cut by the budget or at a
+    stop token counts only the drafted tokens it kept).
     Decoding ends after `num_new` tokens, or at the first of `stop_ids` the target writes (kept,
     as a server keeps the end of sequence; drafted tokens accepted past it are dropped).
     `max_positions`: the target's limit (len(prompt) + num_new within it, checked by the
@@ -208,7 +211,9 @@ def speculative_generate(
         target.commit(len(gained))
         tokens += gained
         gains.append(len(gained))
-        accepted_counts.append(accepted)
+        # what tau counts of this forward: the drafted tokens among its gains, not the drafts
+        # that matched past the budget or the stop token
+        accepted_counts.append(min(accepted, len(gained)))
         if progress is not None:
             progress.update(len(gained))
     return tokens[len(prompt) :], gains, accepted_counts

@@ -39,7 +39,7 @@ def reference_generate(
     target: TappedTarget, prompt: list[int], draft_fn: DraftFn, num_new: int
 ) -> tuple[list[int], list[int], list[int]]:
     """Greedy speculative decoding, all recomputed; returns (generated tokens, tokens gained
-    per forward, drafted tokens accepted per forward)."""
+    per forward, drafted tokens accepted per forward among those gained)."""
     greedy_T, feats_TKD = target(prompt)
     tokens = [*prompt, int(greedy_T[-1])]
     # Features exist for every token but the last (the target has not run on it yet).
@@ -58,7 +58,7 @@ def reference_generate(
         gained = [*draft[:accepted], bonus][:room]
         tokens += gained
         gains.append(len(gained))
-        accepted_counts.append(accepted)
+        accepted_counts.append(min(accepted, len(gained)))
         feats = None if all_feats is None else all_feats[: len(tokens) - 1]
     return tokens[len(prompt) :], gains, accepted_counts
 

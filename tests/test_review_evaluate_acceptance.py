@@ -46,8 +46,9 @@ SCRIPTS = [
 # counted by hand from the scripts: a drafted token is accepted only if every one before it was;
 # a step gains accepted + 1 (the target's own token) but never past NUM_NEW (the prefill wrote
 # the first new token: 1 + 6+1+3+1+3+5 = 20, so the last "all" of prompt 0 gains 3 of its 6;
-# prompt 1: 1 + 6+6+6 = 19, the last gains 4)
-ACCEPTED = [[5, 0, 2, 0, 2, 4, 5], [5, 5, 5, 5]]
+# prompt 1: 1 + 6+6+6 = 19, the last gains 4); a step's accepted count is what tau counts of
+# it: the drafted tokens among its gains (the last steps: 3 and 4 of their 5 matching drafts)
+ACCEPTED = [[5, 0, 2, 0, 2, 4, 3], [5, 5, 5, 4]]
 GAINS = [[6, 1, 3, 1, 3, 5, 3], [6, 6, 6, 4]]
 
 
@@ -258,9 +259,9 @@ def test_scripted_drafts_count_as_counted_by_hand(target: torch.nn.Module, metho
             assert inner[i].calls == len(SCRIPTS[i])
     drafts = iter(script_fn(p, expected[i], SCRIPTS[i], vocab, None) for i, p in enumerate(PROMPTS))
     result = measure_acceptance(cached, PROMPTS, lambda: next(drafts), NUM_NEW, NUM_DRAFT)
-    # accepted 5,0,2,0,2,4,5 and 5,5,5,5 (the last step of each counted before the cut)
-    assert result.accepted_histogram == [2, 0, 2, 0, 1, 6]
-    assert result.acceptance_by_position == pytest.approx([9 / 11, 9 / 11, 7 / 11, 7 / 11, 6 / 11])
+    # accepted 5,0,2,0,2,4,3 and 5,5,5,4 (the last step of each cut where tau cuts it)
+    assert result.accepted_histogram == [2, 0, 2, 1, 2, 4]
+    assert result.acceptance_by_position == pytest.approx([9 / 11, 9 / 11, 7 / 11, 6 / 11, 4 / 11])
     assert result.forwards == 11 and result.new_tokens == 2 * NUM_NEW
     assert result.tau_per_prompt == pytest.approx([22 / 7, 22 / 4])
     assert result.tau == pytest.approx((22 / 7 + 22 / 4) / 2)  # not pooled: 44 / 11 = 4
@@ -269,12 +270,14 @@ def test_scripted_drafts_count_as_counted_by_hand(target: torch.nn.Module, metho
 def test_a_stop_token_inside_an_accepted_block(target: torch.nn.Module) -> None:
     """A block fully accepted past the end of sequence: the reply is plain greedy up to and
     with the stop token; the step gains the tokens up to it only, so tau leaves out what the
-    target accepted after it; the histogram counts the step's accepted drafts before the cut,
-    as documented (AcceptanceResult.accepted_histogram). The DFlash path, its inputs checked."""
+    target accepted after it, and so do the histogram and acceptance by position: the step
+    counts the drafted tokens up to the stop token, not the matching drafts after it. The
+    DFlash path, its inputs checked."""
     prompt = PROMPTS[1]
     expected = plain_greedy(target, prompt, NUM_NEW + NUM_DRAFT + 1)
-    # a stop token first written as the 3rd token of the second block (new token 1 + 6 + 3)
-    k = next((i for i in range(8, 12) if expected[i] not in expected[:i]), None)
+    # a stop token first written as the 2nd to 4th drafted token of the second block (new token
+    # 1 + 6 + 2..4), so that the block's matching drafts run past it
+    k = next((i for i in range(8, 11) if expected[i] not in expected[:i]), None)
     assert k is not None, "the tiny target repeats itself: pick another prompt"
     stop = frozenset({expected[k]})
     inner = checked_dflash(target, spy_drafter(target))
@@ -283,7 +286,7 @@ def test_a_stop_token_inside_an_accepted_block(target: torch.nn.Module) -> None:
         CachedTarget(target, TAPPED), prompt, draft, NUM_NEW, stop_ids=stop
     )
     assert generated == expected[: k + 1]
-    assert gains == [6, k - 6] and accepted == [5, 5] and inner.calls == 2
+    assert gains == [6, k - 6] and accepted == [5, k - 6] and inner.calls == 2
     drafts = iter([script_fn(prompt, expected, ["all"] * 3, target.config.vocab_size, None)])
     result = measure_acceptance(
         CachedTarget(target, None),
@@ -294,7 +297,13 @@ def test_a_stop_token_inside_an_accepted_block(target: torch.nn.Module) -> None:
         stop_ids=stop,
     )
     assert result.tau == pytest.approx(k / 2) and result.new_tokens == k + 1
-    assert result.stopped_at_eos == 1 and result.accepted_histogram == [0, 0, 0, 0, 0, 2]
+    assert result.stopped_at_eos == 1
+    histogram = [0] * (NUM_DRAFT + 1)
+    histogram[5] += 1
+    histogram[k - 6] += 1  # the drafted tokens up to and with the stop token (2 to 4)
+    assert result.accepted_histogram == histogram
+    by_position = [(1 + (k - 6 >= j)) / 2 for j in range(1, NUM_DRAFT + 1)]
+    assert result.acceptance_by_position == pytest.approx(by_position)
 
 
 def brute_force_lookup(tokens: list[int], num_draft: int) -> list[int]:
