@@ -18,6 +18,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 import torch
@@ -89,8 +90,13 @@ def max_positions(config: PretrainedConfig) -> MaxPositions | None:
     rope scaling as transformers applies it: factor x original_max_position_embeddings, the
     original defaulting to max_position_embeddings itself. A config whose
     max_position_embeddings already is the scaled length (Llama 3.1: 131072, factor 8 x 8192)
-    keeps it."""
+    keeps it. A nested text config (multimodal targets) is read as a config or a plain dict:
+    a stored config's attributes hold it as a dict, and get_text_config returns a dict as it
+    is (remote code, a config built without the sub-config's class)."""
     text = text_config(config)
+    text = getattr(text, "text_config", None) or text  # no get_text_config: a stored config
+    if isinstance(text, dict):
+        text = SimpleNamespace(**text)
     named = [(n, getattr(text, n, None)) for n in MAX_POSITION_NAMES]
     named = [(n, v) for n, v in named if type(v) is int and v > 0]  # not None, nor a bool
     if not named:

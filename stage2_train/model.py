@@ -106,13 +106,16 @@ def drafter_config_json(shape: DrafterShape, tapped_layers: list[int], target_co
     (`max_positions`: the attribute or an alias, raised by the target's rope scaling): the
     drafter runs at the target's positions with plain RoPE (rope_scaling None), and serving
     code reads this value as the drafter's context length. 40960 (Qwen3's) when the target's
-    config names no limit."""
+    config names no limit. Both it and num_target_layers are the decoder's: a multimodal
+    target's nested text_config (a dict in the stored config, or an object)."""
     # imported here: the module that reads targets (and stores) stays out of the model's imports
     from stage1_extract.target import max_positions
 
     # max_positions only reads attributes; PretrainedConfig.from_dict would re-run
     # transformers' rope standardisation on the stored dict (and fails on some)
     found = max_positions(SimpleNamespace(**target_config))  # type: ignore[arg-type]
+    text = target_config.get("text_config") or target_config
+    num_layers = text.get("num_hidden_layers") if isinstance(text, dict) else text.num_hidden_layers
     block = {
         "target_layer_ids": list(tapped_layers),
         "mask_token_id": shape.mask_token_id,
@@ -141,7 +144,7 @@ def drafter_config_json(shape: DrafterShape, tapped_layers: list[int], target_co
         "torch_dtype": "bfloat16",
         # Versions of the reference code read block_size from the top level or dflash_config.
         "block_size": shape.block_size,
-        "num_target_layers": target_config.get("num_hidden_layers"),
+        "num_target_layers": num_layers,
         "dflash_config": block,
     }
 

@@ -402,3 +402,44 @@ def test_the_exported_drafter_takes_the_target_positions() -> None:
         config = drafter_config_json(shape, [1, 2, 3], {**base, **extra})
         assert config["max_position_embeddings"] == expected, extra
         assert config["rope_scaling"] is None
+
+
+def test_the_exported_drafter_reads_a_nested_text_config() -> None:
+    """A multimodal target nests its decoder's config in text_config: a dict in the config the
+    store keeps (config_dict's JSON), an object or a dict in a config in memory. The drafter's
+    max_position_embeddings (rope scaling included) and num_target_layers come from it, not
+    40960 and None; max_positions reads it the same way, dict or object."""
+    from types import SimpleNamespace
+
+    from transformers import (
+        Gemma3Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        PretrainedConfig,
+        Qwen3Config,
+    )
+
+    from stage1_extract.target import config_dict, max_positions
+
+    shape = drafter_shape(DrafterConfig(num_layers=1, block_size=4), TARGET, 3, 50, 49)
+    qwen3 = Qwen3Config(**TARGET)  # 4096 positions, 6 layers
+    linear = {"rope_type": "linear", "factor": 2.0}
+    llama = LlamaConfig(**{**TARGET, "max_position_embeddings": 2048}, rope_scaling=linear)
+    sizes = {k: v for k, v in TARGET.items() if k not in ("rope_theta", "max_position_embeddings")}
+    gemma3 = Gemma3Config(text_config=Gemma3TextConfig(**sizes, max_position_embeddings=8192))
+    for target_config, expected in [
+        (config_dict(gemma3), 8192),  # as extract stores a multimodal target's config
+        ({"model_type": "qwen2_5_vl", "text_config": qwen3.to_dict()}, 4096),
+        ({"model_type": "qwen2_5_vl", "text_config": qwen3}, 4096),
+        ({"model_type": "llava", "text_config": config_dict(llama)}, 4096),  # 2048 x 2
+    ]:
+        config = drafter_config_json(shape, [1, 2, 3], target_config)
+        assert config["max_position_embeddings"] == expected, target_config["model_type"]
+        assert config["num_target_layers"] == 6, target_config["model_type"]
+    for parent in (
+        PretrainedConfig(text_config=llama.to_dict()),  # get_text_config gives the dict back
+        SimpleNamespace(text_config=llama.to_dict()),
+        SimpleNamespace(text_config=llama),
+    ):
+        found = max_positions(parent)  # type: ignore[arg-type]
+        assert found is not None and found.limit == 4096, parent
