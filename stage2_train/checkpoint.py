@@ -13,8 +13,8 @@ them; each rank writes its own RNG state.
 A disk full or a file-size limit while writing removes the temporary folder and raises one
 OutOfSpaceError naming the folder and the space needed; the previous checkpoints stay the
 newest. `resume_latest` loads the newest checkpoint that reads back whole: a damaged one
-(truncated or missing file, bad meta.json) is skipped with a warning naming what is wrong, and
-every rank falls back to the same one.
+(truncated or missing file, a rank's rng-rank{r}.pt too, bad meta.json) is skipped with a
+warning naming what is wrong, and every rank falls back to the same one.
 """
 
 from __future__ import annotations
@@ -232,11 +232,11 @@ def load_checkpoint(
 
     model_state, optim_state = tensors("model.pt"), tensors("optimizer.pt")
     sched_state = tensors("scheduler.pt")
-    rng_file = path / f"rng-rank{rank}.pt"
-    # absent when resuming with more ranks than were saved
-    # RNG states stay on the CPU: torch.set_rng_state and cuda's set_rng_state_all take CPU
-    # ByteTensors (mapped to the GPU, resuming a GPU run failed with a TypeError)
-    rng = tensors(rng_file.name, weights_only=False, to="cpu") if rng_file.exists() else None
+    # this rank's own RNG state, damage when missing like any other file (another world size
+    # is refused before, by resume.check_same_run): without it the rank would go on from the
+    # state it happened to have. RNG states stay on the CPU: torch.set_rng_state and cuda's
+    # set_rng_state_all take CPU ByteTensors (mapped to the GPU, a GPU resume failed)
+    rng = tensors(f"rng-rank{rank}.pt", weights_only=False, to="cpu")
     try:
         saved = meta["train_state"]
         state = TrainState(**{key: v for key, v in saved.items() if key not in FIT_KEYS})
@@ -249,8 +249,7 @@ def load_checkpoint(
     if len(scheduler.base_lrs) == 1 and groups > 1:  # one group saved: regroup_optimizer_state
         scheduler.base_lrs = scheduler.base_lrs * groups
         scheduler._last_lr = scheduler._last_lr * groups
-    if rng is not None:
-        set_rng_state(rng)
+    set_rng_state(rng)
     return state, meta
 
 

@@ -57,7 +57,7 @@ def interrupted_after_step_4(store: Path, out: Path) -> list[dict]:
     return full
 
 
-@pytest.mark.parametrize("damage", ["truncated", "missing", "bad_json"])
+@pytest.mark.parametrize("damage", ["truncated", "missing", "rng_missing", "bad_json"])
 def test_damaged_newest_checkpoint_falls_back(tmp_path: Path, damage: str, warnings) -> None:
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -72,6 +72,8 @@ def test_damaged_newest_checkpoint_falls_back(tmp_path: Path, damage: str, warni
         (newest / "model.pt").write_bytes((newest / "model.pt").read_bytes()[:100])
     elif damage == "missing":
         (newest / "optimizer.pt").unlink()
+    elif damage == "rng_missing":  # a rank's own file: it would go on with the state it had
+        (newest / "rng-rank0.pt").unlink()
     else:
         (newest / "meta.json").write_text('{"train_state": ')
     state, _, path = resume_latest(
@@ -79,10 +81,17 @@ def test_damaged_newest_checkpoint_falls_back(tmp_path: Path, damage: str, warni
     )
     assert (state.step, path.name) == (1, "step-000001")
     assert torch.equal(model.weight, torch.ones(2, 3))
-    what = {"truncated": "model.pt is unreadable", "missing": "optimizer.pt is missing"}
+    what = {
+        "truncated": "model.pt is unreadable",
+        "missing": "optimizer.pt is missing",
+        "rng_missing": "rng-rank0.pt is missing",
+    }
     [warning] = warnings
     assert f"step-000002/{what.get(damage, 'meta.json is unreadable')}" in warning
     assert "falling back to" in warning and warning.endswith("step-000001")
+    # rank 1 of checkpoints that rank 0 wrote alone: no RNG state of its own in either
+    with pytest.raises(ValueError, match=r"step-000001/rng-rank1.pt is missing\); move them"):
+        resume_latest(tmp_path, lambda m, p: None, **objects, rank=1, device=torch.device("cpu"))
     (tmp_path / "step-000001" / "model.pt").unlink()
     with pytest.raises(ValueError, match="every checkpoint in .* is damaged"):
         resume_latest(tmp_path, lambda m, p: None, **objects, rank=0, device=torch.device("cpu"))
