@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from common.logging import get_logger
+from common.target_config import text_config
 from evaluation.acceptance import CachedTarget, measure_acceptance, prompt_lookup_draft
 
 if TYPE_CHECKING:
@@ -183,8 +184,8 @@ def run_evaluate(cfg: EvaluateConfig) -> dict:
     prompts = load_prompts(cfg, tokenizer)
     check_positions(cfg, found, prompts)
     model = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=dtype).to(cfg.device).eval()
-    threads = torch.get_num_threads()
-    if torch.device(cfg.device).type == "cpu" and model.config.hidden_size < SMALL_HIDDEN:
+    threads, width = torch.get_num_threads(), text_config(model.config).hidden_size
+    if torch.device(cfg.device).type == "cpu" and width < SMALL_HIDDEN:
         # A toy target's matrices are too small to split across threads, and on a shared CPU
         # threads waiting for one another cost far more: the tiny example took 5 min with
         # 2 threads on 2 busy cores, 19 s with one.

@@ -18,7 +18,6 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 import torch
@@ -27,6 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from common.config import runs_tf32
 from common.store import quantize_fp8
+from common.target_config import text_config
 from stage1_extract.config import TargetConfig
 from stage1_extract.head_stats import head_chunk_stats
 
@@ -60,11 +60,6 @@ def load_target_config(cfg: TargetConfig) -> PretrainedConfig:
         ) from err
 
 
-def text_config(config: PretrainedConfig) -> PretrainedConfig:
-    """The decoder's config (multimodal configs nest it)."""
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 # config attributes holding the positions a model was trained for, by the names configs give
 # them (transformers maps most onto max_position_embeddings, e.g. GPT-2's n_positions)
 MAX_POSITION_NAMES = (
@@ -81,7 +76,7 @@ class MaxPositions(NamedTuple):
     source: str  # what gives it, for messages: "max_position_embeddings" or the rope scaling
 
 
-def max_positions(config: PretrainedConfig) -> MaxPositions | None:
+def max_positions(config: PretrainedConfig | dict[str, Any]) -> MaxPositions | None:
     """The most positions a sequence may use on the target, or None when its config names none.
 
     Past them a rotary model runs on without an error, at positions it was not trained on
@@ -90,13 +85,9 @@ def max_positions(config: PretrainedConfig) -> MaxPositions | None:
     rope scaling as transformers applies it: factor x original_max_position_embeddings, the
     original defaulting to max_position_embeddings itself. A config whose
     max_position_embeddings already is the scaled length (Llama 3.1: 131072, factor 8 x 8192)
-    keeps it. A nested text config (multimodal targets) is read as a config or a plain dict:
-    a stored config's attributes hold it as a dict, and get_text_config returns a dict as it
-    is (remote code, a config built without the sub-config's class)."""
+    keeps it. `config` is a transformers config or the stored JSON dict; a multimodal
+    target's limit is its decoder's (`text_config`, nested as an object or a dict)."""
     text = text_config(config)
-    text = getattr(text, "text_config", None) or text  # no get_text_config: a stored config
-    if isinstance(text, dict):
-        text = SimpleNamespace(**text)
     named = [(n, getattr(text, n, None)) for n in MAX_POSITION_NAMES]
     named = [(n, v) for n, v in named if type(v) is int and v > 0]  # not None, nor a bool
     if not named:

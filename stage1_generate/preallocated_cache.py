@@ -26,6 +26,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from common.target_config import text_config
+
 
 class PreallocatedLayer(DynamicLayer):
     """A `DynamicLayer` whose keys and values, once decoding starts, live in buffers of
@@ -92,7 +94,7 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why `model` cannot take a preallocated cache, or None: every layer must be full
     attention (a sliding-window or linear-attention layer needs its own cache type, which
     transformers builds from the config), and the checkpoint must not name its own cache."""
-    config = model.config.get_text_config(decoder=True)
+    config = text_config(model.config)
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
     if kinds != {"full_attention"}:
         return f"its layers are not all full attention ({', '.join(sorted(kinds))})"

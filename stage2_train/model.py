@@ -18,12 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from common.target_config import text_config
 from stage2_train.config import DrafterConfig
 
 Attention = Callable[[Tensor, Tensor, Tensor], Tensor]  # (q_1HQE, k_1GKE, v_1GKE) -> o_1HQE
@@ -45,28 +46,33 @@ class DrafterShape:
     mask_token_id: int
 
 
-def _rope_theta(target_config: dict) -> float | None:
+def _rope_theta(text: Any) -> float | None:
     # transformers >= 5 moved rope_theta into rope_parameters.
-    theta = target_config.get("rope_theta")
+    theta = getattr(text, "rope_theta", None)
     if theta is None:
-        theta = (target_config.get("rope_parameters") or {}).get("rope_theta")
+        theta = (getattr(text, "rope_parameters", None) or {}).get("rope_theta")
     return theta
 
 
 def drafter_shape(
     cfg: DrafterConfig, target_config: dict, num_tapped: int, vocab_size: int, mask_token_id: int
 ) -> DrafterShape:
-    """Drafter sizes: the config's values, else the target's (store attrs ``target.config``)."""
-    t = target_config
-    heads = cfg.num_attention_heads or t.get("num_attention_heads")
+    """Drafter sizes: the config's values, else the target's decoder's (store attrs
+    ``target.config``, or its nested ``text_config`` for a multimodal target)."""
+    text = text_config(target_config)
+
+    def target(name: str) -> Any:
+        return getattr(text, name, None)
+
+    heads = cfg.num_attention_heads or target("num_attention_heads")
     values = {
-        "hidden_size": cfg.hidden_size or t.get("hidden_size"),
-        "intermediate_size": cfg.intermediate_size or t.get("intermediate_size"),
+        "hidden_size": cfg.hidden_size or target("hidden_size"),
+        "intermediate_size": cfg.intermediate_size or target("intermediate_size"),
         "num_attention_heads": heads,
-        "num_key_value_heads": cfg.num_key_value_heads or t.get("num_key_value_heads") or heads,
-        "head_dim": cfg.head_dim or t.get("head_dim"),
-        "rope_theta": cfg.rope_theta or _rope_theta(t),
-        "rms_norm_eps": cfg.rms_norm_eps or t.get("rms_norm_eps"),
+        "num_key_value_heads": cfg.num_key_value_heads or target("num_key_value_heads") or heads,
+        "head_dim": cfg.head_dim or target("head_dim"),
+        "rope_theta": cfg.rope_theta or _rope_theta(text),
+        "rms_norm_eps": cfg.rms_norm_eps or target("rms_norm_eps"),
     }
     if values["head_dim"] is None and values["hidden_size"] and heads:
         values["head_dim"] = values["hidden_size"] // heads
@@ -78,10 +84,11 @@ def drafter_shape(
                 f"num_key_value_heads ({values['num_key_value_heads']})"
             )
         # The frozen embedding and LM head are the target's: the width must match.
-        if t.get("hidden_size") is not None and values["hidden_size"] != t["hidden_size"]:
+        width = target("hidden_size")
+        if width is not None and values["hidden_size"] != width:
             problems.append(
                 f"hidden_size ({values['hidden_size']}) must equal the target's "
-                f"({t['hidden_size']}): the drafter reuses its embedding and LM head"
+                f"({width}): the drafter reuses its embedding and LM head"
             )
     if num_tapped < 1:
         problems.append(f"num_tapped must be >= 1, got {num_tapped}")
@@ -111,11 +118,10 @@ def drafter_config_json(shape: DrafterShape, tapped_layers: list[int], target_co
     # imported here: the module that reads targets (and stores) stays out of the model's imports
     from stage1_extract.target import max_positions
 
-    # max_positions only reads attributes; PretrainedConfig.from_dict would re-run
-    # transformers' rope standardisation on the stored dict (and fails on some)
-    found = max_positions(SimpleNamespace(**target_config))  # type: ignore[arg-type]
-    text = target_config.get("text_config") or target_config
-    num_layers = text.get("num_hidden_layers") if isinstance(text, dict) else text.num_hidden_layers
+    # the stored dict as it is: PretrainedConfig.from_dict would re-run transformers' rope
+    # standardisation on it (and fails on some)
+    found = max_positions(target_config)
+    num_layers = getattr(text_config(target_config), "num_hidden_layers", None)
     block = {
         "target_layer_ids": list(tapped_layers),
         "mask_token_id": shape.mask_token_id,

@@ -217,6 +217,38 @@ def test_layer_ids_out_of_range_exit_2(tiny_qwen3: Path, tmp_path: Path):
     assert not (tmp_path / "s").exists()
 
 
+def test_layers_of_a_target_whose_decoder_config_is_nested() -> None:
+    """Multimodal configs nest the decoder's config under text_config: an object, or a dict
+    (remote code, a config built without the sub-config's class, and config.json as the store
+    keeps it). Extract reads the decoder's layers, vocabulary and width from it, and checks the
+    tapped layers against its layer count."""
+    from types import SimpleNamespace
+
+    from transformers import Gemma3Config, Gemma3TextConfig, PretrainedConfig, Qwen3Config
+
+    from stage1_extract.config import TargetConfig
+    from stage1_extract.target import config_dict, resolve_tapped_layers, text_config
+
+    sizes = dict(num_hidden_layers=6, hidden_size=32, vocab_size=50, num_attention_heads=4)
+    qwen3 = Qwen3Config(**sizes)
+    for config in (
+        qwen3,
+        config_dict(qwen3),
+        Gemma3Config(text_config=Gemma3TextConfig(**sizes)),
+        config_dict(Gemma3Config(text_config=Gemma3TextConfig(**sizes))),
+        PretrainedConfig(text_config=qwen3.to_dict()),  # get_text_config gives the dict back
+        SimpleNamespace(text_config=qwen3.to_dict()),
+        {"model_type": "qwen2_5_vl", "text_config": qwen3.to_dict()},
+    ):
+        text = text_config(config)
+        assert (text.num_hidden_layers, text.vocab_size, text.hidden_size) == (6, 50, 32)
+        spread = resolve_tapped_layers(TargetConfig(num_tapped=3), text.num_hidden_layers)
+        assert spread == [1, 2, 3]
+        bad = TargetConfig(model="mm", tapped_layers=[1, 6])
+        with pytest.raises(ValueError, match=r"\[6\] out of range: mm has 6 decoder layers"):
+            resolve_tapped_layers(bad, text.num_hidden_layers)
+
+
 def test_missing_model_folder_exit_2(tmp_path: Path):
     result = cli_extract(tmp_path / "no-model", write_data(tmp_path), tmp_path / "s")
     assert (

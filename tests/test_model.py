@@ -443,3 +443,30 @@ def test_the_exported_drafter_reads_a_nested_text_config() -> None:
     ):
         found = max_positions(parent)  # type: ignore[arg-type]
         assert found is not None and found.limit == 4096, parent
+
+
+def test_drafter_shape_reads_a_nested_text_config() -> None:
+    """A multimodal target's stored config nests the decoder's sizes under text_config (a
+    dict): the drafter takes its sizes from there, and a width other than the decoder's is
+    refused also when every size is set by hand."""
+    from transformers import Gemma3Config, Gemma3TextConfig, Qwen3Config
+
+    from stage1_extract.target import config_dict
+
+    qwen3_vl = {"model_type": "qwen2_5_vl", "text_config": Qwen3Config(**TARGET).to_dict()}
+    s = drafter_shape(DrafterConfig(), qwen3_vl, 5, VOCAB, MASK_ID)
+    assert (s.hidden_size, s.intermediate_size, s.num_attention_heads) == (32, 48, 4)
+    assert (s.num_key_value_heads, s.head_dim, s.rope_theta, s.rms_norm_eps) == (2, 8, 1e4, 1e-6)
+    sizes = {k: v for k, v in TARGET.items() if k not in ("rope_theta", "max_position_embeddings")}
+    # Gemma 3 nests its rope parameters by layer type: the drafter's single theta is set by hand
+    gemma3 = config_dict(Gemma3Config(text_config=Gemma3TextConfig(**sizes)))
+    s = drafter_shape(DrafterConfig(rope_theta=1e4), gemma3, 5, VOCAB, MASK_ID)
+    assert (s.hidden_size, s.intermediate_size, s.num_key_value_heads, s.head_dim) == (32, 48, 2, 8)
+    by_hand = {k: v for k, v in TARGET.items() if hasattr(DrafterConfig, k)}
+    for target_config in (qwen3_vl, gemma3):
+        with pytest.raises(ValueError, match=r"hidden_size \(64\) must equal the target's \(32\)"):
+            cfg = DrafterConfig(hidden_size=64, rope_theta=1e4)
+            drafter_shape(cfg, target_config, 5, VOCAB, MASK_ID)
+        with pytest.raises(ValueError, match=r"hidden_size \(64\) must equal the target's \(32\)"):
+            cfg = DrafterConfig(**{**by_hand, "hidden_size": 64})
+            drafter_shape(cfg, target_config, 5, VOCAB, MASK_ID)

@@ -34,6 +34,7 @@ from tqdm import tqdm
 from common.config import to_dict
 from common.logging import get_logger
 from common.store import FORMAT_NAME, FORMAT_VERSION, HEAD_FILE
+from common.target_config import text_config
 from dflash_offline.convert.fill import ShardFiller
 from dflash_offline.convert.hdf5_input import Hdf5Input, head_tensors, open_input, target_config
 from stage1_extract.config import ExtractConfig
@@ -47,7 +48,7 @@ from stage1_extract.store_root import (
     prepare_store,
     writer_lock,
 )
-from stage1_extract.target import config_dict, load_target_config, save_target_head, text_config
+from stage1_extract.target import config_dict, load_target_config, save_target_head
 from stage1_extract.writer import ShardLayout, write_shard
 
 
@@ -81,8 +82,8 @@ def _target(inp: Hdf5Input, target: str | None) -> dict[str, Any]:
         full, text = config_dict(config), text_config(config)
         model_type, layers = config.model_type, text.num_hidden_layers
     elif (full := target_config(inp)) is not None:
-        text_dict = full.get("text_config") or full
-        model_type, layers = full.get("model_type"), text_dict.get("num_hidden_layers")
+        model_type = full.get("model_type")
+        layers = getattr(text_config(full), "num_hidden_layers", None)
     else:
         raise ValueError(
             f"{inp.path}: no target: pass --target MODEL_FOLDER, or give the file a root "
