@@ -282,6 +282,10 @@ def make_loader(
         num_workers=num_workers,
         pin_memory=pin_memory,
         worker_init_fn=init_loader_worker if num_workers > 0 else None,
+        # each iterator draws its workers' base seed from this generator, not torch's global
+        # RNG: a resume restores that RNG, then starts the iterator the uninterrupted run had
+        # started at step 0 (workers draw nothing at random: anchors have their own generators)
+        generator=torch.Generator(),
         **extra,
     )
     return DamageGuard(loader, on_damaged)

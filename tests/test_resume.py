@@ -191,3 +191,25 @@ def test_weight_decay_applied_on_resume_spares_the_norms(store: Path, tmp_path: 
     saved = torch.load(out / "step-000006" / "optimizer.pt", weights_only=True)
     decays = {g["decay"]: g["weight_decay"] for g in saved["param_groups"]}
     assert decays == {True: 0.1, False: 0.0}
+
+
+def test_resume_keeps_the_random_state_of_the_uninterrupted_run(
+    store: Path, tmp_path: Path
+) -> None:
+    """Every global RNG (torch, numpy, python) at the resumed run's last checkpoint is where the
+    uninterrupted run's was: nothing the resume does draws from them after they are restored
+    (a loader's iterator drew its workers' base seed from torch's)."""
+    train(store, tmp_path / "full")
+    out = tmp_path / "run"
+    interrupted_after_step_4(store, out)
+    train(store, out)
+    full, resumed = (
+        torch.load(run / "step-000006" / "rng-rank0.pt", weights_only=False)
+        for run in (tmp_path / "full", out)
+    )
+    assert torch.equal(resumed["torch"], full["torch"])
+    assert resumed["python"] == full["python"]
+    assert all(
+        (a == b).all() if hasattr(a, "shape") else a == b
+        for a, b in zip(resumed["numpy"], full["numpy"], strict=True)
+    )
