@@ -9,7 +9,8 @@ store) and `dflash generate` (one per output folder).
 An flock belongs to the open file, not to the process: a process given a copy of the holder's
 descriptor (`held_lock_fd`) keeps the lock held until it has exited too, even if the holder is
 killed. Extract's writer processes hold one, so no other run can start while one of them lives
-(stage1_extract/writer_pools.py).
+(stage1_extract/writer_pools.py). The other processes of the run have no copy (a launch's GPU
+processes, torchrun's ranks but 0): they ask `lock_holder` whether the holder still holds it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,20 @@ def holder_of(fd: int) -> str:
         return f"pid {who['pid']} on host {who['host']}, since {who['since']}"
     except (ValueError, KeyError, TypeError):  # the holder has not written it yet
         return "pid and host not yet written"
+
+
+def lock_holder(path: Path) -> str | None:
+    """What the holder of the lock on `path` wrote into it, None while no process holds it.
+    Probed with a shared, non-blocking flock released at once: it is taken only while no one
+    holds the lock, so a run starting in that instant (refused, rerun) is all it can disturb."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return os.pread(fd, 4096, 0).decode(errors="replace")
+    finally:
+        os.close(fd)  # also releases the probe's lock when it was taken
+    return None
 
 
 @contextmanager

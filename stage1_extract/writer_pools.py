@@ -14,6 +14,12 @@ a temporary folder that the next run removes; checks again just before the commi
 watch needs this process's GIL and a core, so it can be late), and gives up there, removing its
 temporary folder; and holds a copy of the lock's descriptor (an flock belongs to the open file,
 common/locks.py), so the lock stays held, and a rerun refused, until the last writer has exited.
+Only the process that took the lock has that descriptor: the writers of the others (the GPU
+processes of a local launch, torchrun's ranks but 0) commit only while the lock's holder, as its
+lock file named it when they started, still holds it (`LockWatch`), so that once it is gone no
+shard of theirs lands in a store that a rerun may be scanning or cleaning: a killed launcher's
+GPU processes get SIGINT (which drains writers), torchrun stops the other ranks of a killed rank
+0 at its next poll, and ranks on other hosts extract on until a collective fails.
 
 Writers are forked from a forkserver that imported this module once: a spawned writer would
 import torch, zarr and the caller's whole main module (a bench or a user script that imports
@@ -33,12 +39,13 @@ import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from multiprocessing import reduction
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
-from common.locks import held_lock_fd
+from common.locks import held_lock_fd, lock_holder
 from stage1_extract.host_buffers import BufferShape, HostArena, ShardBuffers
 from stage1_extract.store_root import LOCK_FILE
 from stage1_extract.writer import ShardLayout, ShardTask, no_space_errno, write_shard
@@ -58,6 +65,7 @@ class ThreadPool:
         done: Done,
     ) -> None:
         self.store, self.layout, self.buffers, self.done = store, layout, buffers, done
+        self.watch = LockWatch.of(store)
         self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="shard-writer")
         self.ready_after_s: float | None = 0.0
 
@@ -67,7 +75,8 @@ class ThreadPool:
     def _write(self, slot: int, task: ShardTask) -> None:
         error, start = None, time.perf_counter()
         try:
-            write_shard(self.store, task, self.buffers[slot], self.layout)
+            check = self.watch.check if self.watch is not None else None
+            write_shard(self.store, task, self.buffers[slot], self.layout, check)
         except BaseException as err:
             error = err
         self.done(slot, task.index, error, time.perf_counter() - start)
@@ -101,7 +110,7 @@ class ProcessPool:
         lock = held_lock_fd(store / LOCK_FILE)  # None where another process holds it
         shared_lock = None if lock is None else SharedFd(lock)
         args = (store, layout, buffers[0].shape, arenas, self.tasks, self.results)
-        args += (os.getpid(), shared_lock)
+        args += (os.getpid(), shared_lock, LockWatch.of(store))
         self.procs = [
             ctx.Process(target=_writer_main, args=args, name=f"shard-writer-{i}", daemon=True)
             for i in range(processes)
@@ -170,6 +179,31 @@ class ExtractionEnded(Exception):
     """The extracting process has exited: this writer must not commit its shard."""
 
 
+@dataclass(frozen=True)
+class LockWatch:
+    """The store's lock where another process holds it: the writers of this process commit
+    only while the holder that the lock file named when they started still holds it."""
+
+    path: Path
+    holder: str | None  # what the holder wrote into the lock file; None: no one held it
+
+    @staticmethod
+    def of(store: Path) -> LockWatch | None:
+        """None where this process holds the lock, or where there is no lock (no extraction)."""
+        path = store / LOCK_FILE
+        if held_lock_fd(path) is not None or not path.exists():
+            return None
+        return LockWatch(path, lock_holder(path))
+
+    def check(self) -> None:
+        """Raise once the holder is gone, even where a new run holds the lock now."""
+        if self.holder is None or lock_holder(self.path) != self.holder:
+            raise RuntimeError(
+                f"the process that held the writer lock of store {self.path.parent} "
+                f"({self.holder or 'none'}) is gone; this process's shards are not committed"
+            )
+
+
 def _extraction_exits(extracting_pid: int) -> list[int]:
     """Descriptors that turn readable once the extracting process has exited: the pipe that
     multiprocessing keeps from it (its end closes with its other files, the lock's among them,
@@ -218,6 +252,7 @@ def _writer_main(
     results: mp.Queue,
     extracting_pid: int,
     lock: int | None,  # a copy of the store lock's descriptor, kept open, never used
+    watch: LockWatch | None,  # the lock where another process holds it
 ) -> None:
     exits = _extraction_exits(extracting_pid)
     _die_with_extraction(exits)
@@ -225,6 +260,8 @@ def _writer_main(
     def before_commit() -> None:  # the watch may not have run yet
         if wait(exits, timeout=0):
             raise ExtractionEnded
+        if watch is not None:
+            watch.check()
 
     # Ctrl-C reaches the whole process group: the parent stops producing and closes the pool,
     # which lets the writers finish and commit the shards they hold, as writer threads would

@@ -8,6 +8,10 @@ ways a writer learns that its extraction is gone: the normal one; no pidfd (Linu
 seccomp filter; the killed process stays an unreaped zombie meanwhile, as it does until its
 parent waits for it); and a watch that has not fired yet (a busy host), where only the check
 before the rename and the shared lock stand between the orphan and the store.
+
+The other processes of a multi-process extraction (the GPU processes of a local launch, torchrun's
+ranks but 0) hold no copy of the lock: when its holder is killed, their writers must not commit
+either, whether the lock is then free or a new run has taken it.
 """
 
 from __future__ import annotations
@@ -19,12 +23,14 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from common.locks import exclusive_lock
 from common.store import TMP_PREFIX, committed_shards, shards_dir
 from stage1_extract import writer, writer_pools
 from stage1_extract.host_buffers import BufferShape, ShardBuffers
@@ -39,17 +45,9 @@ CONTROL_ENV = "DFLASH_TEST_ORPHAN_CONTROL"  # folder of the `reached` and `go` f
 VARIANT_ENV = "DFLASH_TEST_ORPHAN_VARIANT"
 
 
-def _held_writer_main(*args: object) -> None:
-    """The writer process: the real `_writer_main`, its commit held until the test says go."""
-    control, variant = Path(os.environ[CONTROL_ENV]), os.environ[VARIANT_ENV]
-    if variant == "no pidfd":
-
-        def no_pidfd(_pid: int, _flags: int = 0) -> int:
-            raise OSError(errno.ENOSYS, "pidfd_open")
-
-        os.pidfd_open = no_pidfd
-    elif variant == "late watch":
-        writer_pools._die_with_extraction = lambda *_args: None
+def _hold_commits() -> None:
+    """Hold this process's shard commits until the test says go."""
+    control = Path(os.environ[CONTROL_ENV])
     real_commit = writer.commit_folder
 
     def held_commit(*commit_args: object, **kwargs: object) -> None:
@@ -59,34 +57,78 @@ def _held_writer_main(*args: object) -> None:
         real_commit(*commit_args, **kwargs)
 
     writer.commit_folder = held_commit
+
+
+def _held_writer_main(*args: object) -> None:
+    """The writer process: the real `_writer_main`, its commit held until the test says go."""
+    variant = os.environ[VARIANT_ENV]
+    if variant == "no pidfd":
+
+        def no_pidfd(_pid: int, _flags: int = 0) -> int:
+            raise OSError(errno.ENOSYS, "pidfd_open")
+
+        os.pidfd_open = no_pidfd
+    elif variant == "late watch":
+        writer_pools._die_with_extraction = lambda *_args: None
+    _hold_commits()
     writer_pools._writer_main(*args)
+
+
+def _hand_over_a_shard(store: Path, processes: int) -> ShardWriter:
+    """The real ShardWriter (one writer process, or one thread), shard 0 handed over."""
+    writer_pools._writer_main = _held_writer_main  # the target the writer processes run
+    if not processes:
+        _hold_commits()
+    shard = ShardWriter(
+        store,
+        ShardLayout(8, 8, 1),
+        processes=processes,
+        threads=1,
+        num_todo=1,
+        shard_bytes=1 << 20,
+        make_buffers=lambda: ShardBuffers.allocate(SHAPE, pin=False),
+    )
+    buffers = shard.acquire()
+    host = buffers.tensors
+    host["tokens"][:] = torch.arange(8, dtype=torch.int32)
+    host["document_ids"][:] = 0
+    host["loss_mask"][:] = 1
+    host["hidden"].view(-1)[:] = 1.5
+    documents = {"doc_length": np.array([8], np.int32)}
+    attrs = {"num_tokens": 8, "num_loss_tokens": 8, "num_documents": 1}
+    task = ShardTask(index=0, num_sequences=1, documents=documents, attrs=attrs)
+    shard.submit(ShardJob(task, buffers, None, torch.tensor(True)))
+    return shard
 
 
 def _extraction(store: Path) -> None:
     """The killed `dflash extract`: lock, writers, one shard handed over, then waits."""
-    writer_pools._writer_main = _held_writer_main  # the target the writer processes run
     with writer_lock(store):
         shards_dir(store).mkdir()
-        shard = ShardWriter(
-            store,
-            ShardLayout(8, 8, 1),
-            processes=1,
-            threads=0,
-            num_todo=1,
-            shard_bytes=1 << 20,
-            make_buffers=lambda: ShardBuffers.allocate(SHAPE, pin=False),
-        )
-        buffers = shard.acquire()
-        host = buffers.tensors
-        host["tokens"][:] = torch.arange(8, dtype=torch.int32)
-        host["document_ids"][:] = 0
-        host["loss_mask"][:] = 1
-        host["hidden"].view(-1)[:] = 1.5
-        documents = {"doc_length": np.array([8], np.int32)}
-        attrs = {"num_tokens": 8, "num_loss_tokens": 8, "num_documents": 1}
-        task = ShardTask(index=0, num_sequences=1, documents=documents, attrs=attrs)
-        shard.submit(ShardJob(task, buffers, None, torch.tensor(True)))
+        _hand_over_a_shard(store, processes=1)
         time.sleep(600)
+
+
+def _lock_holder(store: Path) -> None:
+    """The process of a multi-process extraction that holds the store's lock (the launcher, or
+    torchrun's rank 0), until it is killed."""
+    with writer_lock(store):
+        shards_dir(store).mkdir()
+        (Path(os.environ[CONTROL_ENV]) / "locked").touch()
+        time.sleep(600)
+
+
+def _other_process(store: Path, processes: int) -> None:
+    """A process of the same extraction that does not hold the lock (a GPU process of a local
+    launch, or a torchrun rank but 0): one shard handed over; `closed` once its writer is done."""
+    shard = _hand_over_a_shard(store, processes)
+    try:
+        shard.close()
+        outcome = "closed"
+    except Exception as err:
+        outcome = f"{type(err).__name__}: {err}"
+    (Path(os.environ[CONTROL_ENV]) / "closed").write_text(outcome)
+    time.sleep(600)
 
 
 def _running(pid: int) -> bool:
@@ -123,16 +165,21 @@ def _wait(condition: object, seconds: float) -> bool:
     return bool(condition())  # type: ignore[operator]
 
 
+def _start(function: str, store: Path, control: Path, variant: str, *args: int) -> subprocess.Popen:
+    """A child process that runs `function` of this file on the store (and `args`)."""
+    env = {**os.environ, CONTROL_ENV: str(control), VARIANT_ENV: variant}
+    script = "import sys; from pathlib import Path; from tests.test_review_orphan_writers "
+    script += f"import {function}; {function}(Path(sys.argv[1]), *{list(args)})"
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.Popen([sys.executable, "-c", script, str(store)], cwd=root, env=env)
+
+
 @pytest.mark.parametrize("variant", ["pidfd", "no pidfd", "late watch"])
 def test_a_killed_extractions_writer_never_commits(tmp_path: Path, variant: str) -> None:
     store, control = tmp_path / "store", tmp_path / "control"
     store.mkdir()
     control.mkdir()
-    env = {**os.environ, CONTROL_ENV: str(control), VARIANT_ENV: variant}
-    script = "import sys; from pathlib import Path; from tests.test_review_orphan_writers "
-    script += "import _extraction; _extraction(Path(sys.argv[1]))"
-    root = Path(__file__).resolve().parents[1]
-    child = subprocess.Popen([sys.executable, "-c", script, str(store)], cwd=root, env=env)
+    child = _start("_extraction", store, control, variant)
     writer_pid = None
     try:
         assert _wait(lambda: (control / "reached").exists() or child.poll() is not None, 180)
@@ -160,3 +207,41 @@ def test_a_killed_extractions_writer_never_commits(tmp_path: Path, variant: str)
         child.wait()
         if writer_pid is not None and _running(writer_pid):
             os.kill(writer_pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("processes", [1, 0], ids=["writer process", "writer thread"])
+@pytest.mark.parametrize("after", ["lock free", "a new run holds the lock"])
+def test_no_writer_of_another_process_commits_once_the_lock_holder_is_killed(
+    tmp_path: Path, processes: int, after: str
+) -> None:
+    """Before the fix, the other process's writer committed its shard in all four cases: it
+    watched only its own process, which lives on (a GPU process drains on SIGINT, a torchrun
+    rank runs until torchrun stops it, on another host until a collective fails)."""
+    store, control = tmp_path / "store", tmp_path / "control"
+    store.mkdir()
+    control.mkdir()
+    holder = _start("_lock_holder", store, control, "pidfd")
+    other = None
+    try:
+        assert _wait(lambda: (control / "locked").exists() or holder.poll() is not None, 180)
+        assert holder.poll() is None, "the lock holder ended before it held the lock"
+        other = _start("_other_process", store, control, "pidfd", processes)
+        assert _wait(lambda: (control / "reached").exists() or other.poll() is not None, 180)
+        assert other.poll() is None, "the other process ended before its writer held the shard"
+        holder.kill()
+        holder.wait()
+        with ExitStack() as new_run:
+            if after == "a new run holds the lock":
+                # the lock a rerun takes in `writer_lock` (this store has no root to check)
+                new_run.enter_context(exclusive_lock(store / LOCK_FILE, RuntimeError))
+            (control / "go").touch()
+            assert _wait(lambda: (control / "closed").exists() or other.poll() is not None, 60)
+            assert committed_shards(store) == [], "a shard committed after the holder was killed"
+        assert "held the writer lock" in (control / "closed").read_text()
+        assert not list(shards_dir(store).glob(f"{TMP_PREFIX}*"))
+    finally:
+        (control / "go").touch()
+        for child in (holder, other):
+            if child is not None:
+                child.kill()
+                child.wait()
