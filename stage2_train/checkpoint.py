@@ -253,13 +253,15 @@ def load_checkpoint(
     return state, meta
 
 
-def _all_ranks_ok(ok: bool, device: torch.device) -> bool:
-    """True when every rank read its checkpoint whole (so all fall back together)."""
+def _problems_of_all_ranks(problem: str | None) -> list[str]:
+    """What every rank found wrong with its checkpoint, each once (none: all read it whole), so
+    that all fall back together and rank 0, which logs, names a file only another rank read
+    (its rng-rank{r}.pt)."""
     if not dist.is_initialized():
-        return ok
-    flag = torch.tensor([int(ok)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+        return [problem] if problem else []
+    found: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, problem)
+    return list(dict.fromkeys(p for p in found if p))
 
 
 def resume_latest(
@@ -296,9 +298,9 @@ def resume_latest(
             problem = None
         except DamagedCheckpoint as err:
             problem = f"{path.name}/{err}"
-        if _all_ranks_ok(problem is None, device):
+        if not (found_here := _problems_of_all_ranks(problem)):
             return state, meta, path
-        problems.append(problem or f"{path.name}: damaged on another rank")
+        problems.append("; ".join(found_here))
         if i > 0:
             get_logger().warning(
                 "checkpoint %s is damaged: %s; falling back to %s", path, problems[-1], found[i - 1]
