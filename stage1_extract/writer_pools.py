@@ -18,8 +18,9 @@ Only the process that took the lock has that descriptor: the writers of the othe
 processes of a local launch, torchrun's ranks but 0) commit only while the lock's holder, as its
 lock file named it when they started, still holds it (`LockWatch`), so that once it is gone no
 shard of theirs lands in a store that a rerun may be scanning or cleaning: a killed launcher's
-GPU processes get SIGINT (which drains writers), torchrun stops the other ranks of a killed rank
-0 at its next poll, and ranks on other hosts extract on until a collective fails.
+GPU processes get SIGINT twice (the first drains the writers, the second stops them), torchrun
+stops the other ranks of a killed rank 0 at its next poll, and ranks on other hosts extract on
+until a collective fails.
 
 Writers are forked from a forkserver that imported this module once: a spawned writer would
 import torch, zarr and the caller's whole main module (a bench or a user script that imports
@@ -118,7 +119,8 @@ class ProcessPool:
         for proc in self.procs:
             proc.start()
         self.closing = False
-        self.collector = threading.Thread(target=self._collect, name="shard-collect")
+        # a daemon: a process whose close() was interrupted must still exit, not wait for it
+        self.collector = threading.Thread(target=self._collect, name="shard-collect", daemon=True)
         self.collector.start()
 
     def submit(self, slot: int, task: ShardTask) -> None:
@@ -150,11 +152,20 @@ class ProcessPool:
             )
 
     def close(self) -> None:
-        for _ in self.procs:
-            self.tasks.put(None)
-        for proc in self.procs:
-            proc.join()
-        self.closing = True
+        """Let the writers commit the shards they hold, then stop them. Interrupted (a second
+        Ctrl-C; a killed launcher's GPU processes get SIGINT twice, 40 ms apart), stop them at
+        once: their shards stay uncommitted, and the next run removes the temporary folders."""
+        try:
+            for _ in self.procs:
+                self.tasks.put(None)
+            for proc in self.procs:
+                proc.join()
+        except BaseException:
+            for proc in self.procs:
+                proc.terminate()
+            raise
+        finally:
+            self.closing = True  # the collector returns once every writer has exited
         self.collector.join()
         self.tasks.close()
         self.results.close()

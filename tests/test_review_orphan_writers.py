@@ -12,6 +12,12 @@ before the rename and the shared lock stand between the orphan and the store.
 The other processes of a multi-process extraction (the GPU processes of a local launch, torchrun's
 ranks but 0) hold no copy of the lock: when its holder is killed, their writers must not commit
 either, whether the lock is then free or a new run has taken it.
+
+A killed launcher's GPU processes get SIGINT twice, about 40 ms apart (torch's multiprocessing
+sends them): the first drains the writers, the second interrupts that drain. Such a process must
+still exit (before the fix, its writer pool's collector thread ran on and Python waited for it
+forever, the GPU memory held), and one SIGINT alone must still let the writers commit what they
+hold.
 """
 
 from __future__ import annotations
@@ -131,6 +137,17 @@ def _other_process(store: Path, processes: int) -> None:
     time.sleep(600)
 
 
+def _interrupted_process(store: Path, processes: int) -> None:
+    """A process of the same extraction that does not hold the lock, interrupted while its
+    writer holds a shard: run.py closes the writers in a `finally`; `closing` as it does."""
+    shard = _hand_over_a_shard(store, processes)
+    try:
+        time.sleep(600)  # the extraction loop, where the first SIGINT lands
+    finally:
+        (Path(os.environ[CONTROL_ENV]) / "closing").touch()
+        shard.close()
+
+
 def _running(pid: int) -> bool:
     """Whether a thread of process `pid` runs: the last one out closes its files (and so
     releases its locks) before it turns zombie, which a first one out may already be."""
@@ -239,6 +256,50 @@ def test_no_writer_of_another_process_commits_once_the_lock_holder_is_killed(
             assert committed_shards(store) == [], "a shard committed after the holder was killed"
         assert "held the writer lock" in (control / "closed").read_text()
         assert not list(shards_dir(store).glob(f"{TMP_PREFIX}*"))
+    finally:
+        (control / "go").touch()
+        for child in (holder, other):
+            if child is not None:
+                child.kill()
+                child.wait()
+
+
+@pytest.mark.parametrize(
+    ("processes", "sigints"),
+    [(1, 2), (0, 2), (1, 1)],
+    ids=["writer process, launcher killed", "writer thread, launcher killed", "one Ctrl-C"],
+)
+def test_an_interrupted_process_exits(tmp_path: Path, processes: int, sigints: int) -> None:
+    """Two SIGINTs (the launcher killed: the lock holder is gone, no shard may land): the
+    process exits, its writers with it. One SIGINT (the holder alive): the held shard is
+    committed, as ever, and the process exits."""
+    store, control = tmp_path / "store", tmp_path / "control"
+    store.mkdir()
+    control.mkdir()
+    holder = _start("_lock_holder", store, control, "pidfd")
+    other = None
+    try:
+        assert _wait(lambda: (control / "locked").exists() or holder.poll() is not None, 180)
+        assert holder.poll() is None, "the lock holder ended before it held the lock"
+        other = _start("_interrupted_process", store, control, "pidfd", processes)
+        assert _wait(lambda: (control / "reached").exists() or other.poll() is not None, 180)
+        assert other.poll() is None, "the process ended before its writer held the shard"
+        writer_pid = int((control / "reached").read_text())
+        if sigints == 2:
+            holder.kill()
+            holder.wait()
+        os.kill(other.pid, signal.SIGINT)
+        assert _wait(lambda: (control / "closing").exists() or other.poll() is not None, 60)
+        if sigints == 2:
+            time.sleep(0.1)  # into close(), which waits for the writer
+            os.kill(other.pid, signal.SIGINT)
+        (control / "go").touch()
+        try:
+            other.wait(30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the process interrupted by {sigints} SIGINT(s) does not exit")
+        assert _wait(lambda: not _running(writer_pid), 10), "its writer lives on"
+        assert committed_shards(store) == ([] if sigints == 2 else [0])
     finally:
         (control / "go").touch()
         for child in (holder, other):
