@@ -19,9 +19,6 @@ from tqdm import tqdm
 from common.inspect_shard import CHUNK_BYTES, Problem, check_shard
 from common.store import HEAD_FILE, StoreInfo, committed_shards, open_store, shard_name
 
-ROOT_KEYS = ("tapped_layers", "hidden_size", "vocab_size", "seq_len", "topk", "full_logits")
-ROOT_KEYS += ("hidden_dtype", "sequences_per_shard", "num_shards", "tokenizer")
-
 
 def _check_head(info: StoreInfo) -> list[Problem]:
     """target_head.safetensors holds bf16 embedding, final norm and LM head of the right shapes."""
@@ -53,10 +50,7 @@ def _check_head(info: StoreInfo) -> list[Problem]:
 
 def verify_store(store: str | Path, chunk_bytes: int = CHUNK_BYTES) -> dict[str, Any]:
     """Check a whole store; returns a JSON-ready report whose "problems" is empty when all is well."""
-    info = open_store(store)
-    if missing := [k for k in ROOT_KEYS if k not in info.attrs]:
-        problem = Problem("store", "attrs", f"missing root attributes {missing}")
-        return {"store": str(store), "ok": False, "problems": [asdict(problem)]}
+    info = open_store(store)  # format, version and root attributes, with their own messages
     problems = _check_head(info)
     committed = committed_shards(info.path)
     planned = set(range(info.num_shards))

@@ -63,6 +63,21 @@ DOCUMENT_ARRAYS: dict[str, str] = {
     "doc_start": "int32",  # first token of the document within that sequence
     "doc_length": "int32",  # tokens of the document
 }
+# Root attributes every reader indexes (FORMAT.md), with their JSON type: a store without one
+# (an edit by hand, another tool's file) is refused by `open_store`, not met as a KeyError later
+REQUIRED_ROOT_ATTRS: dict[str, type] = {
+    "target": dict,
+    "tokenizer": dict,
+    "tapped_layers": list,
+    "hidden_size": int,
+    "vocab_size": int,
+    "seq_len": int,
+    "topk": int,
+    "full_logits": bool,
+    "sequences_per_shard": int,
+    "num_shards": int,
+    "dataset": dict,
+}
 
 
 class StoreError(ValueError):
@@ -209,8 +224,8 @@ def read_root_attrs(store: str | Path) -> dict[str, Any]:
 def open_store(store: str | Path, *, require_complete: bool = False) -> StoreInfo:
     """Validate a store's format and version and return its attributes.
 
-    Rejects other formats and versions, and a `hidden_dtype` this code cannot decode, with a
-    message that says what to do.
+    Rejects other formats and versions, a `hidden_dtype` this code cannot decode, and missing or
+    ill-typed root attributes, with a message that says what to do.
     """
     attrs = read_root_attrs(store)
     if attrs.get("format") != FORMAT_NAME:
@@ -229,6 +244,16 @@ def open_store(store: str | Path, *, require_complete: bool = False) -> StoreInf
             f"({', '.join(HIDDEN_DTYPES)}); re-extract the store with --set "
             "store.hidden_dtype=... set to one of them, or use the dflash-offline release that "
             "wrote it"
+        )
+    wrong = [
+        f"{key} {'missing' if key not in attrs else f'is {attrs[key]!r}, not {kind.__name__}'}"
+        for key, kind in REQUIRED_ROOT_ATTRS.items()
+        if not isinstance(attrs.get(key), kind)
+    ]
+    if wrong:
+        raise StoreError(
+            f"{store}: root attributes {'; '.join(wrong)} (FORMAT.md); the store's zarr.json was "
+            "edited or written by other code: re-extract it, or use the release that wrote it"
         )
     info = StoreInfo(Path(store), attrs)
     if require_complete and not info.complete:

@@ -20,7 +20,7 @@ from click.testing import CliRunner, Result
 from inspect_fixtures import DEFAULT_SEQUENCES, Doc, build_store
 
 from common.inspect_verify import verify_store
-from common.store import SHARD_ATTR
+from common.store import SHARD_ATTR, StoreError, open_store
 from dflash_offline.cli import main
 
 SHARD0 = "shard-000000"
@@ -294,6 +294,39 @@ def test_other_format_version_is_rejected(tmp_path: Path, command: list[str]) ->
     assert result.exit_code == 2
     assert "store format version 99 is not supported" in result.output
     assert "re-extract" in result.output
+
+
+ROOT_DAMAGE: dict[str, tuple[Callable[[dict], object], str]] = {
+    "missing_tapped_layers": (lambda a: a.pop("tapped_layers"), "tapped_layers missing"),
+    "missing_target": (lambda a: a.pop("target"), "target missing"),  # verify said OK
+    "missing_dataset": (lambda a: a.pop("dataset"), "dataset missing"),
+    "text_hidden_size": (lambda a: a.update(hidden_size="8"), "hidden_size is '8', not int"),
+}
+
+
+@pytest.mark.parametrize("case", ROOT_DAMAGE)
+def test_root_attributes_missing_or_of_another_type_are_refused(store: Path, case: str) -> None:
+    """The summary raised KeyError (exit 1, 'a bug'), verify passed a store without `target` or
+    `dataset`, and train met the KeyError after its checks; all now refuse it at open_store,
+    naming the store, the attribute and the fix."""
+    damage, what = ROOT_DAMAGE[case]
+    group = zarr.open_group(str(store), mode="r+")
+    attrs = dict(group.attrs["dflash"])
+    damage(attrs)
+    group.attrs["dflash"] = attrs
+    for command in ([store], [store, "--sample", "1"], ["verify", store]):
+        result = invoke(*command)
+        assert result.exit_code == 2, result.output
+        message = " ".join(result.output.split())
+        assert f"error: {store}: root attributes {what}" in message and "re-extract" in message
+    with pytest.raises(StoreError, match=what):
+        open_store(store, require_complete=True)  # train's first check
+
+
+def test_unknown_root_attributes_are_read(store: Path) -> None:
+    group = zarr.open_group(str(store), mode="r+")
+    group.attrs["dflash"] = dict(group.attrs["dflash"]) | {"added_later": {"x": 1}}
+    assert invoke(store).exit_code == 0 and invoke("verify", store).exit_code == 0
 
 
 @pytest.fixture(scope="module")
