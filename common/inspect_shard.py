@@ -24,7 +24,9 @@ from common.store import (
     FILES_KEY,
     SHARD_ATTR,
     StoreInfo,
+    layout_mismatch,
     sequence_array_specs,
+    shard_layout,
     shard_name,
     shards_dir,
 )
@@ -101,21 +103,16 @@ def _open_arrays(
     tally: _Tally,
 ) -> dict[str, zarr.Array]:
     """The arrays present with the FORMAT.md dtype and shape; reports the others."""
-    specs = sequence_array_specs(info.hidden_dtype, info.attrs["full_logits"])
-    expected = {k: (d, (n, info.seq_len, *map(info.dim, dims))) for k, (d, dims) in specs.items()}
-    expected |= {k: (d, (num_docs,)) for k, d in DOCUMENT_ARRAYS.items()}
     found: dict[str, zarr.Array] = {}
-    for name, (dtype, shape) in expected.items():
+    for name, expected in shard_layout(info, n, num_docs).items():
         if name in unreadable:
             continue
         if name not in members:
             tally.note(name, "array missing")
         elif not isinstance(array := members[name], zarr.Array):
             tally.note(name, "is a group, not an array")
-        elif array.dtype != np.dtype(dtype):
-            tally.note(name, f"dtype {array.dtype}, expected {dtype}")
-        elif array.shape != shape:
-            tally.note(name, f"shape {array.shape}, expected {shape}")
+        elif what := layout_mismatch(array, *expected):
+            tally.note(name, what)
         else:
             found[name] = array
     if not info.attrs["full_logits"] and "logits" in members:

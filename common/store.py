@@ -194,6 +194,28 @@ class StoreInfo:
         return int(self.attrs[name])
 
 
+def shard_layout(
+    info: StoreInfo, num_sequences: int, num_documents: int
+) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The FORMAT.md (dtype, shape) of every array of a shard of `info`'s store holding
+    `num_sequences` sequences and `num_documents` documents."""
+    specs = sequence_array_specs(info.hidden_dtype, bool(info.attrs["full_logits"]))
+    layout = {
+        name: (dtype, (num_sequences, info.seq_len, *map(info.dim, dims)))
+        for name, (dtype, dims) in specs.items()
+    }
+    return layout | {name: (dtype, (num_documents,)) for name, dtype in DOCUMENT_ARRAYS.items()}
+
+
+def layout_mismatch(array: Any, dtype: str, shape: tuple[int, ...]) -> str | None:
+    """How an opened array (zarr or numpy) differs from its FORMAT.md dtype and shape, or None."""
+    if array.dtype != np.dtype(dtype):
+        return f"dtype {array.dtype}, expected {dtype}"
+    if tuple(array.shape) != shape:
+        return f"shape {tuple(array.shape)}, expected {shape}"
+    return None
+
+
 def read_root_attrs(store: str | Path) -> dict[str, Any]:
     """The "dflash" attributes of the root group, read from zarr.json without opening arrays."""
     store = Path(store)

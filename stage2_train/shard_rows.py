@@ -22,7 +22,15 @@ import numpy as np
 import zarr
 from zarr.core.sync import sync as zarr_sync
 
-from common.store import REEXTRACT, shard_name, shards_dir
+from common.store import (
+    REEXTRACT,
+    SHARD_ATTR,
+    layout_mismatch,
+    open_store,
+    shard_layout,
+    shard_name,
+    shards_dir,
+)
 from common.store_files import file_problems, recorded_files
 from stage2_train.row_reader import RowReader
 
@@ -56,15 +64,19 @@ class ShardRows:
     @classmethod
     def open(cls, root: Path, index: int, names: list[str]) -> ShardRows:
         """Shard `index` of the store at `root`, its arrays `names` opened; Damaged if its
-        folder, metadata or an array cannot be opened."""
+        folder, metadata or an array cannot be opened, or an array's dtype or shape is not the
+        one FORMAT.md gives it in this store (its rows would be read as other values, or fail
+        with an error that says nothing of the store)."""
         path = shards_dir(root) / shard_name(index)
         if not path.is_dir():
             raise damaged(root, index, "-", f"shard folder {path} is missing")
         try:
             recorded = recorded_files(path) or {}
             group = zarr.open_group(path, mode="r", zarr_format=3)
+            num_sequences = int(group.attrs[SHARD_ATTR]["num_sequences"])
         except Exception as err:  # zarr raises many types for damaged metadata
             raise damaged(root, index, "-", f"unreadable ({type(err).__name__}: {err})") from err
+        layout = shard_layout(open_store(root), num_sequences, 0)
         arrays = {}
         for name in names:
             try:
@@ -72,6 +84,8 @@ class ShardRows:
             except Exception as err:
                 what = f"unreadable ({type(err).__name__}: {err})"
                 raise damaged(root, index, name, what) from err
+            if what := layout_mismatch(arrays[name], *layout[name]):
+                raise damaged(root, index, name, what)
         return cls(root, index, arrays, recorded)
 
     def read(self, row: int, into: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -14,15 +14,26 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import zarr
+from store_factory import _array as factory_array
+from store_factory import build_store as build_factory_store
 from test_extract import DEBUG, cli_extract, make_config, write_data
 from test_extract_resume import LAYERS, REPO, assert_same_store
 from zarr.storage import LocalStore
 
 from common.config import build_config
 from common.inspect_verify import verify_store
-from common.store import FILES_KEY, SHARD_ATTR, StoreError, committed_shards, open_store
-from common.store_files import check_store_files, recorded_files
+from common.store import (
+    FILES_KEY,
+    REEXTRACT,
+    SHARD_ATTR,
+    StoreError,
+    committed_shards,
+    open_store,
+)
+from common.store_files import check_store_files, record_shard_files, recorded_files
 from stage1_extract.run import run_extract
 from stage1_extract.store_root import LOCK_FILE
 from stage2_train.config import TrainConfig
@@ -202,6 +213,50 @@ def test_a_version_1_store_trains_unchecked_and_resumes_with_records(
     data_file(store, 1, "tokens").unlink()
     with pytest.raises(StoreError, match="shard-000001 array tokens"):
         check_store_files(info)
+
+
+def rewrite_array(folder: Path, name: str, data: np.ndarray) -> None:
+    """Replace one array of a shard, its file sizes recorded again: what a foreign or buggy
+    writer leaves, which the size check before step 1 cannot see."""
+    shutil.rmtree(folder / name)
+    factory_array(zarr.open_group(folder, mode="r+"), name, data, chunk_tokens=2)
+    record_shard_files(folder)
+
+
+LAYOUT_DAMAGE = {
+    # the direct reader failed on an assertion: 'cannot be decoded (AssertionError: (64,))'
+    "short_loss_mask": ("loss_mask", lambda a: a[:, :-2], "shape (5, 62), expected (5, 64)"),
+    # the same bytes a row: read without a word as other values
+    "hidden_K_D_swapped": (
+        "hidden",
+        lambda a: np.ascontiguousarray(a.swapaxes(2, 3)),
+        "shape (5, 64, 64, 2), expected (5, 64, 2, 64)",
+    ),
+    "float_tokens": ("tokens", lambda a: a.astype(np.float32), "dtype float32, expected int32"),
+}
+
+
+@pytest.mark.parametrize("case", LAYOUT_DAMAGE)
+def test_train_reader_refuses_an_array_of_another_dtype_or_shape(tmp_path: Path, case: str):
+    name, change, what = LAYOUT_DAMAGE[case]
+    store = build_factory_store(tmp_path / "store")
+    folder = shard(store, 1)
+    rewrite_array(folder, name, change(zarr.open_array(folder / name, mode="r")[:]))
+    info = open_store(store)
+    check_store_files(info)  # the sizes agree with the record
+    ds = StoreSequences(
+        info,
+        num_anchors=4,
+        per_document=False,
+        block_size=4,
+        label_target="argmax",
+        distill=False,
+        seed=0,
+    )
+    assert ds[(4, 0, False)]["damaged"] is None  # shard 0
+    item = ds[(5, 0, False)]
+    assert item["damaged"] == f"store {store}: shard-000001 array {name}: {what}; {REEXTRACT}"
+    assert item["index"] == -1 and float(item["weights_AB"].sum()) == 0.0
 
 
 def test_inspect_verify_catches_a_deleted_doc_piece_chunk(store: Path) -> None:
