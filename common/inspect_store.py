@@ -8,8 +8,9 @@
 The summary reads only metadata (root and shard attributes, array shapes) and walks the folder
 for disk usage, so it is instant on a store of any size. Counts are the sums over committed
 shards, so they are right while an extraction is still running. A shard that cannot be read
-(damaged metadata, a missing or truncated data file) is named, not fatal: the summary lists it
-as unreadable, --sample skips it with a warning; `inspect verify` says all that is wrong with it.
+(damaged metadata, a missing or truncated data file, an array of another dtype or shape) is
+named, not fatal: the summary lists one whose metadata does not parse as unreadable, --sample
+skips any of them with a warning; `inspect verify` says all that is wrong with it.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from common.store import (
     TMP_PREFIX,
     StoreInfo,
     committed_shards,
+    layout_mismatch,
     open_store,
+    shard_layout,
     shard_name,
     shards_dir,
 )
@@ -318,17 +321,24 @@ def _documents(
     return documents
 
 
-def _read_sampled(folder: Path, rows: int) -> tuple[dict[str, np.ndarray], str | None]:
+def _read_sampled(
+    info: StoreInfo, folder: Path, rows: int
+) -> tuple[dict[str, np.ndarray], str | None]:
     """The first `rows` sequences of the arrays a sample shows, and the document arrays whole;
-    or what makes the shard unreadable. The data files are checked first, as verify checks them:
-    zarr reads a missing one as zeros without an error (a sample of all token 0)."""
+    or what makes the shard unreadable. The arrays' dtypes and shapes and their data files are
+    checked first, as verify checks them: an array of another length than `tokens` fails as an
+    IndexError or shows other values, and zarr reads a missing file as zeros without an error
+    (a sample of all token 0)."""
     try:
         group = zarr.open_group(str(folder), mode="r")
         arrays = {name: group[name] for name in (*SAMPLED_ROWS, *SAMPLED_DOCS)}
+        layout = shard_layout(info, arrays["tokens"].shape[0], arrays["doc_source_index"].shape[0])
     except Exception as err:  # zarr raises many types for damaged metadata
         return {}, f"metadata unreadable ({type(err).__name__}: {err})"
     recorded = group.attrs.get(SHARD_ATTR, {}).get(FILES_KEY) or {}
     for name in arrays:
+        if what := layout_mismatch(arrays[name], *layout[name]):
+            return {}, f"{name}: {what}"
         if missing := missing_bytes(folder / name, name):
             return {}, f"{name}: {missing} (it would read as zeros)"
         own = {rel: size for rel, size in recorded.items() if rel.split("/")[0] == name}
@@ -358,7 +368,7 @@ def sample_sequences(
         if len(samples) >= num_samples:
             break
         folder = shards_dir(info.path) / shard_name(index)
-        read, problem = _read_sampled(folder, num_samples - len(samples))
+        read, problem = _read_sampled(info, folder, num_samples - len(samples))
         if problem is not None:
             skipped.append({"shard": shard_name(index), "path": str(folder), "problem": problem})
             continue

@@ -21,6 +21,7 @@ from inspect_fixtures import DEFAULT_SEQUENCES, Doc, build_store
 
 from common.inspect_verify import verify_store
 from common.store import SHARD_ATTR, StoreError, open_store
+from common.store_files import record_shard_files
 from dflash_offline.cli import main
 
 SHARD0 = "shard-000000"
@@ -480,6 +481,14 @@ def zero_tail(path: Path) -> None:
         f.write(bytes(8))
 
 
+def rewrite_array(shard: Path, name: str, change: Callable[[np.ndarray], np.ndarray]) -> None:
+    """Replace one array of a shard, its file sizes recorded again (a foreign or buggy writer)."""
+    data = change(zarr.open_array(str(shard / name), mode="r")[:])
+    shutil.rmtree(shard / name)
+    zarr.open_group(str(shard), mode="r+").create_array(name, data=data)
+    record_shard_files(shard)
+
+
 SAMPLE_DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
     # zarr raised a bare ValueError (the checksum) naming no shard; the recorded size finds it
     "truncated_chunk": (
@@ -495,6 +504,19 @@ SAMPLE_DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
     "broken_metadata": (
         lambda s: (s / S0 / "document_ids" / "zarr.json").write_text("{ broken"),
         "metadata unreadable",
+    ),
+    # IndexError (exit 1, 'a bug'), or other values shown as the sample
+    "short_loss_mask": (
+        lambda s: rewrite_array(s / S0, "loss_mask", lambda a: a[:, :-2]),
+        "loss_mask: shape (2, 14), expected (2, 16)",
+    ),
+    "short_doc_piece": (
+        lambda s: rewrite_array(s / S0, "doc_piece", lambda a: a[:-1]),
+        "doc_piece: shape (2,), expected (3,)",
+    ),
+    "float_tokens": (
+        lambda s: rewrite_array(s / S0, "tokens", lambda a: a.astype(np.float32)),
+        "tokens: dtype float32, expected int32",
     ),
 }
 
