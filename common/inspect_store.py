@@ -79,6 +79,10 @@ def summarize(info: StoreInfo) -> dict[str, Any]:
     totals = dict.fromkeys(["sequences", "documents", "tokens", "loss_tokens"], 0)
     arrays: dict[str, dict[str, Any]] = {}
     unreadable = []
+    # a complete store's shard folder deleted, or a folder no plan wrote (train reads neither)
+    planned = range(info.num_shards)
+    missing = [shard_name(i) for i in planned if i not in committed] if info.complete else []
+    outside = [shard_name(i) for i in committed if i not in planned]
     for index in committed:
         folder = shards_dir(info.path) / shard_name(index)
         try:
@@ -112,7 +116,7 @@ def summarize(info: StoreInfo) -> dict[str, Any]:
         "format_version": attrs["format_version"],
         "complete": info.complete,
         "shards": {"planned": info.num_shards, "committed": len(committed), "being_written": tmp}
-        | {"unreadable": unreadable},
+        | {"unreadable": unreadable, "missing": missing, "outside_plan": outside},
         **totals,
         "loss_share": _share(totals["loss_tokens"], totals["tokens"]),
         "padding_tokens": positions - totals["tokens"],
@@ -172,8 +176,13 @@ def render_summary(s: dict[str, Any]) -> str:
     status += f": {shards['committed']}/{shards['planned']} shards committed"
     if shards["being_written"]:
         status += f", {len(shards['being_written'])} being written (ignored)"
+    for key, label in (("missing", "MISSING"), ("outside_plan", "NOT IN THE PLAN")):
+        if shards[key]:
+            status += f"; {label}: {', '.join(shards[key])}"
     if shards["unreadable"]:
-        status += f"; UNREADABLE: {', '.join(shards['unreadable'])} (run `dflash inspect verify`)"
+        status += f"; UNREADABLE: {', '.join(shards['unreadable'])}"
+    if shards["unreadable"] or shards["missing"] or shards["outside_plan"]:
+        status += " (run `dflash inspect verify`)"
     counts = s["counts"] or {}
     docs = f"{s['documents']:,}"
     if counts:

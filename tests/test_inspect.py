@@ -410,6 +410,22 @@ def test_unreadable_shard_is_reported_not_fatal(store: Path) -> None:
     assert problems[0]["problem"].startswith("group unreadable")
 
 
+def test_summary_names_missing_and_unplanned_shards(store: Path) -> None:
+    """A complete store whose shard folder is gone read 'complete: 1/2 shards committed' and
+    nothing else; a shard folder outside the plan was counted without a word."""
+    shutil.rmtree(store / "shards" / "shard-000001")
+    shutil.copytree(store / S0, store / "shards" / "shard-000005")
+    result = invoke(store)
+    assert result.exit_code == 0, result.output
+    assert (
+        "complete: 2/2 shards committed, 1 being written (ignored); MISSING: shard-000001; "
+        "NOT IN THE PLAN: shard-000005 (run `dflash inspect verify`)"
+    ) in result.stdout
+    shards = json.loads(invoke(store, "--json").stdout)["shards"]
+    assert (shards["missing"], shards["outside_plan"]) == (["shard-000001"], ["shard-000005"])
+    assert json.loads(invoke("verify", store, "--json").stdout)["ok"] is False
+
+
 def truncate(path: Path, size: int = 100) -> None:
     with path.open("r+b") as f:
         f.truncate(size)
