@@ -13,6 +13,7 @@ from safetensors import SafetensorError, safe_open
 from common.store import (
     HEAD_FILE,
     HIDDEN_DTYPES,
+    StoreError,
     StoreInfo,
     committed_shards,
     open_store,
@@ -92,6 +93,25 @@ def _read_head(path: Path) -> tuple[torch.Tensor, tuple[int, int]]:
     return embed_VD, (head_rows, head_dim)
 
 
+def _first_hidden_meta(info: StoreInfo) -> dict:
+    """The first committed shard's hidden-array metadata, or a StoreError naming what is gone
+    (the file checks come later: this read must not die on an IndexError or a bare JSON error)."""
+    shards = committed_shards(info.path)
+    if not shards:
+        raise StoreError(
+            f"store {info.path} has no committed shard ({shards_dir(info.path)} is empty or gone): "
+            "rerun the same `dflash extract` to write them, or pass another --store"
+        )
+    meta = shards_dir(info.path) / shard_name(shards[0]) / "hidden" / "zarr.json"
+    try:
+        return json.loads(meta.read_text())
+    except (OSError, ValueError) as err:
+        raise StoreError(
+            f"{meta} cannot be read ({err}): delete that shard's folder and rerun the same "
+            f"`dflash extract` (`dflash inspect verify {info.path}` lists any other damage)"
+        ) from err
+
+
 def check_inputs(cfg: TrainConfig) -> tuple[StoreInfo, DrafterShape]:
     """Open the store and check the drafter config fits it; one ValueError lists every problem."""
     out = Path(cfg.run.out)
@@ -105,9 +125,7 @@ def check_inputs(cfg: TrainConfig) -> tuple[StoreInfo, DrafterShape]:
     embed_rows, embed_dim = embed_VD.shape
     problems = []
     D = info.hidden_size
-    shards = committed_shards(info.path)
-    hidden_meta = shards_dir(info.path) / shard_name(shards[0]) / "hidden" / "zarr.json"
-    hidden_zarr = json.loads(hidden_meta.read_text())
+    hidden_zarr = _first_hidden_meta(info)
     stored_KD = tuple(hidden_zarr["shape"][2:])
     bits = HIDDEN_DTYPES[info.hidden_dtype][0]
     if hidden_zarr["data_type"] != bits:

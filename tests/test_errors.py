@@ -168,3 +168,26 @@ def test_a_second_train_into_the_same_run_is_refused(store: Path, tmp_path: Path
     assert f"--out {out}: another `dflash train` is writing this run (pid" in line
     assert not list(out.glob("step-*"))
     assert train(store, out).exit_code == 0 and (out / "export").is_dir()
+
+
+@pytest.mark.parametrize("damage", ["no_shards", "bad_hidden_meta"])
+def test_first_shard_gone_or_unreadable(store: Path, tmp_path: Path, damage: str) -> None:
+    """The input checks read shard 0's hidden metadata before the file checks: with every shard
+    folder gone they died on an IndexError (a 'bug' line), with its zarr.json cut on a bare JSON
+    error naming no file."""
+    import shutil
+
+    copy = Path(shutil.copytree(store, tmp_path / "store"))
+    shards = copy / "shards"
+    if damage == "no_shards":
+        for folder in shards.iterdir():
+            shutil.rmtree(folder)
+        expected = f"store {copy} has no committed shard"
+    else:
+        meta = shards / "shard-000000" / "hidden" / "zarr.json"
+        meta.write_text(meta.read_text()[:20])
+        expected = f"{meta} cannot be read"
+    result = train(copy, tmp_path / "run")
+    assert result.exit_code == 2, result.output
+    line = error_line(result)
+    assert expected in line and "rerun the same `dflash extract`" in line
