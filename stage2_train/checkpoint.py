@@ -15,6 +15,11 @@ OutOfSpaceError naming the folder and the space needed; the previous checkpoints
 newest. `resume_latest` loads the newest checkpoint that reads back whole: a damaged one
 (truncated or missing file, a rank's rng-rank{r}.pt too, bad meta.json) is skipped with a
 warning naming what is wrong, and every rank falls back to the same one.
+
+Pruning renames a folder to `.tmp-pruned-step-*` before deleting it, so a kill mid-delete
+never leaves a half-deleted `step-*`. The temporary folders a killed run leaves (`.tmp-step-*`,
+`.tmp-old-step-*` of `replace_folder`, `.tmp-pruned-step-*`) are removed by the next run of
+that folder as it starts (`remove_leftovers`), whatever step it saves next.
 """
 
 from __future__ import annotations
@@ -40,6 +45,9 @@ from stage2_train.schedule import FittedEnd
 
 STEP_RE = re.compile(r"^step-(\d{6,})$")
 TMP_PREFIX = ".tmp-"
+PRUNED_PREFIX = ".tmp-pruned-"
+# a checkpoint's temporary folders: being written, moved aside by replace_folder, being pruned
+LEFTOVER_RE = re.compile(r"^\.tmp-(old-|pruned-)?(step-\d{6,})$")
 # optim.fit_time_limit (stage2_train/time_fit.py): the schedule's end fitted to a time limit,
 # flat in meta.json's train_state beside TrainState's fields (the run holds it in its
 # ScheduleEnd alone): the end, the first step of the fitted curve, and (cosine only; None for
@@ -174,9 +182,46 @@ def save_checkpoint(
     if rank == 0:  # the newest `keep` up to this one; a newer, damaged one waits to be replaced
         older = [p for p in list_checkpoints(out) if _step(p) < state.step]
         for old in older[: max(len(older) - (keep - 1), 0)]:
-            shutil.rmtree(old)
+            aside = old.with_name(PRUNED_PREFIX + old.name)
+            old.rename(aside)  # a kill mid-delete leaves a temporary folder, not a step-* one
+            shutil.rmtree(aside)
     barrier()
     return final
+
+
+def remove_leftovers(out: str | Path, rank: int) -> None:
+    """Remove the temporary folders a killed save or prune left in `out` (collective; rank 0
+    removes, holding the run folder's lock, train.run_lock): a later save removes only those
+    of the step it writes, which a changed cadence or an earlier resume never writes again.
+    A `.tmp-old-step-N` without `step-N` (killed between replace_folder's two renames) is
+    step N whole as it was before that save (the new copy may be half-written): it is renamed
+    back, not removed."""
+    out = Path(out)
+    if rank == 0 and out.is_dir():
+        removed, restored = [], []
+        for path in sorted(out.iterdir()):  # .tmp-old-step-N before .tmp-step-N
+            if not (m := LEFTOVER_RE.match(path.name)) or not path.is_dir():
+                continue
+            final = out / m.group(2)
+            if m.group(1) == "old-" and not final.exists():
+                path.rename(final)
+                restored.append(path.name)
+            else:
+                shutil.rmtree(path)
+                removed.append(path.name)
+        log = get_logger()
+        if removed:
+            names = ", ".join(removed)
+            log.info(
+                "removed the temporary checkpoint folders a killed run left in %s: %s", out, names
+            )
+        for name in restored:
+            log.info(
+                "renamed %s in %s back to its step-* name (a killed run had moved it aside)",
+                name,
+                out,
+            )
+    barrier()
 
 
 def _step(path: Path) -> int:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from common.logging import get_logger
-from stage2_train.checkpoint import TrainState, fitted_end, resume_latest
+from stage2_train.checkpoint import TrainState, fitted_end, remove_leftovers, resume_latest
 from stage2_train.config import OptimConfig, TrainConfig
 from stage2_train.schedule import FittedEnd, refresh_lr
 
@@ -165,7 +165,7 @@ def resume_run(
 ) -> tuple[TrainState, FittedEnd | None] | None:
     """Resume from the newest readable checkpoint of `cfg.run.out`: its train state and the
     schedule's end it had fitted to a time limit (time_fit.restore_fitted puts it back in
-    force); None: a fresh run."""
+    force); None: a fresh run. First removes what a killed run left (remove_leftovers)."""
     current = dataclasses.asdict(cfg)
     changes: list[str] = []
 
@@ -173,6 +173,7 @@ def resume_run(
         nonlocal changes
         changes = check_same_run(meta, current, world, path, store_key, cfg.run.allow_config_change)
 
+    remove_leftovers(cfg.run.out, rank)  # before any rank lists the checkpoints
     resumed = resume_latest(
         cfg.run.out,
         check,

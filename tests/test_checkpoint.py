@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors import safe_open
 
@@ -17,6 +19,7 @@ from stage2_train.checkpoint import (
     list_checkpoints,
     load_checkpoint,
     read_meta,
+    remove_leftovers,
     save_checkpoint,
 )
 from stage2_train.config import DrafterConfig, OptimConfig
@@ -77,6 +80,55 @@ def test_checkpoint_restores_training_exactly_and_prunes(tmp_path: Path) -> None
     )
     assert (state.step, state.step_in_epoch, meta["config"]) == (5, 5, {"x": 1})
     assert _train(model2, opt2, sched2, 4) == expected
+
+
+class Killed(BaseException):
+    """The process killed (not an Exception: nothing may catch it)."""
+
+
+def test_a_prune_killed_mid_delete_leaves_no_half_deleted_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pruning renames the old folder aside before deleting it: a kill mid-delete leaves a
+    temporary folder, which the next run removes, never a step-* folder missing files."""
+    model, opt, sched = _training_objects(0)
+    objects = dict(model=model, optimizer=opt, scheduler=sched, config={}, rank=0, keep=2)
+    for step in (1, 2):
+        save_checkpoint(tmp_path, TrainState(step, 0, step), **objects)
+    rmtree = shutil.rmtree
+
+    def killed_mid_delete(path: Path, ignore_errors: bool = False) -> None:
+        if ignore_errors:  # the save's own cleanups of folders that may not exist
+            return rmtree(path, ignore_errors=True)
+        (Path(path) / "model.pt").unlink()
+        raise Killed
+
+    with monkeypatch.context() as patch, pytest.raises(Killed):
+        patch.setattr(shutil, "rmtree", killed_mid_delete)
+        save_checkpoint(tmp_path, TrainState(3, 0, 3), **objects)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000002", "step-000003"]
+    assert [p.name for p in tmp_path.glob(".tmp-*")] == [".tmp-pruned-step-000001"]
+    remove_leftovers(tmp_path, rank=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000002", "step-000003"]
+
+
+def test_leftovers_are_removed_and_a_step_moved_aside_is_put_back(tmp_path: Path) -> None:
+    """A kill between replace_folder's renames leaves step N only as `.tmp-old-step-N` (beside
+    the new copy, maybe half-written): remove_leftovers renames it back. Every other temporary
+    checkpoint folder goes; a complete step-* folder and other files stay."""
+    model, opt, sched = _training_objects(0)
+    objects = dict(model=model, optimizer=opt, scheduler=sched, config={}, rank=0, keep=5)
+    for step in (2, 3):
+        save_checkpoint(tmp_path, TrainState(step, 0, step), **objects)
+    (tmp_path / "step-000003").rename(tmp_path / ".tmp-old-step-000003")
+    (tmp_path / ".tmp-step-000003").mkdir()  # the new copy of step 3, half-written
+    (tmp_path / ".tmp-old-step-000002").mkdir()  # beside a whole step-000002
+    (tmp_path / ".tmp-export").mkdir()  # not a checkpoint's
+    remove_leftovers(tmp_path, rank=0)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [".tmp-export", "step-000002", "step-000003"]
+    load = dict(model=model, optimizer=opt, scheduler=sched, rank=0, device=torch.device("cpu"))
+    assert load_checkpoint(tmp_path / "step-000003", **load)[0].step == 3
 
 
 def test_train_state_holds_the_fitted_end_flat_as_before(tmp_path: Path) -> None:

@@ -159,6 +159,32 @@ def test_truncated_newest_checkpoint_resumes_from_the_previous(
     assert torch.load(model, weights_only=True)  # written again, whole
 
 
+def test_leftover_checkpoint_folders_are_removed_when_a_run_resumes(
+    store: Path, tmp_path: Path
+) -> None:
+    """Temporary checkpoint folders of a killed run whose steps are never saved again (a save
+    at a cadence since changed, one moved aside, a prune) go as the next run starts, named in
+    its log; the checkpoints stay."""
+    out = tmp_path / "run"
+    interrupted_after_step_4(store, out)
+    leftovers = [".tmp-old-step-000002", ".tmp-pruned-step-000001", ".tmp-step-000005"]
+    for name in leftovers:
+        (out / name).mkdir()
+        (out / name / "model.pt").write_bytes(b"half")
+    logged: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: logged.append(record.getMessage())
+    get_logger().addHandler(handler)
+    try:
+        train(store, out)
+    finally:
+        get_logger().removeHandler(handler)
+    assert not list(out.glob(".tmp-*"))
+    steps = sorted(p.name for p in out.glob("step-*"))
+    assert steps == ["step-000002", "step-000004", "step-000006"]
+    assert any(line.endswith(f"left in {out}: {', '.join(leftovers)}") for line in logged)
+
+
 def test_wsd_schedule_reaches_the_optimizer(store: Path, tmp_path: Path) -> None:
     rows = train(store, tmp_path / "run", "optim.schedule=wsd", "optim.decay_ratio=0.5")
     warmup, floor = 0.04, 0.0  # debug.yaml keeps the defaults
