@@ -37,6 +37,7 @@ from common.distributed import (
 )
 from common.logging import get_logger, init_logger
 from common.store import HEAD_FILE, committed_shards
+from common.target_config import text_config
 from stage1_extract.config import ExtractConfig
 from stage1_extract.host_buffers import BufferShape, ShardBuffers, available_memory_bytes
 from stage1_extract.job import ExtractJob, fill_shard, plan_job, tapped_target
@@ -84,7 +85,7 @@ def _extract_shards(job: ExtractJob, ctx: WorkerContext, devices: list[str]) -> 
             save_target_head(model, job.store / HEAD_FILE)
         target = tapped_target(job, model)
     except BaseException:
-        writer.close()
+        _close_writer(writer)
         raise
     total = sum(job.shard_tokens(i) for i in todo)
     bar = tqdm(
@@ -101,7 +102,7 @@ def _extract_shards(job: ExtractJob, ctx: WorkerContext, devices: list[str]) -> 
         for index in todo:
             writer.submit(fill_shard(job, target, index, writer.acquire(), bar.update))
     finally:
-        writer.close()
+        _close_writer(writer)
         bar.close()
     seconds = time.perf_counter() - start
     ready = writer.ready_after_s
@@ -119,6 +120,17 @@ def _extract_shards(job: ExtractJob, ctx: WorkerContext, devices: list[str]) -> 
         "?" if ready is None else f"{ready:.1f} s",
         writer.drain_s,
     )
+
+
+def _close_writer(writer: ShardWriter) -> None:
+    """Let the writers commit the shards they hold. Interrupted (a second Ctrl-C), stop them
+    from committing before `_worker` releases the store's lock: writer threads hold no copy of
+    it, and a rerun taking it could otherwise scan the store while one renames a shard in."""
+    try:
+        writer.close()
+    except BaseException:
+        writer.pool.stop()
+        raise
 
 
 def buffer_shape(job: ExtractJob) -> BufferShape:
@@ -228,9 +240,10 @@ POST_HEAD_TRANSFORMS = ("logits_scaling", "logit_scale", "final_logit_softcappin
 def _warn_logit_transform(job: ExtractJob) -> None:
     """Say so when the target's forward transforms the head's logits (FORMAT.md: the store
     keeps the raw ones; argmax and top-k ids are the target's either way)."""
-    config = job.attrs["target"]["config"]
-    config = config.get("text_config") or config  # multimodal configs nest the decoder's
-    found = {k: config[k] for k in POST_HEAD_TRANSFORMS if config.get(k) not in (None, 1, 1.0)}
+    config = text_config(job.attrs["target"]["config"])
+    found = {
+        k: v for k in POST_HEAD_TRANSFORMS if (v := getattr(config, k, None)) not in (None, 1, 1.0)
+    }
     if found:
         get_logger().warning(
             "the target transforms its logits after the LM head (%s): topk_logits and "

@@ -69,21 +69,46 @@ class ThreadPool:
         self.watch = LockWatch.of(store)
         self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="shard-writer")
         self.ready_after_s: float | None = 0.0
+        self.stopped = False  # set by stop(): no shard commits from then on
+        self.renaming = threading.Lock()  # held by a writer from its check to its rename's end
 
     def submit(self, slot: int, task: ShardTask) -> None:
         self.executor.submit(self._write, slot, task)
 
     def _write(self, slot: int, task: ShardTask) -> None:
-        error, start = None, time.perf_counter()
+        error, start, renaming = None, time.perf_counter(), False
+
+        def before_commit() -> None:
+            nonlocal renaming
+            if self.watch is not None:
+                self.watch.check()
+            self.renaming.acquire()
+            if self.stopped:
+                self.renaming.release()
+                raise RuntimeError(f"shard {task.index} not committed: the writers were stopped")
+            renaming = True
+
         try:
-            check = self.watch.check if self.watch is not None else None
-            write_shard(self.store, task, self.buffers[slot], self.layout, check)
+            write_shard(self.store, task, self.buffers[slot], self.layout, before_commit)
         except BaseException as err:
             error = err
+        finally:
+            if renaming:
+                self.renaming.release()
         self.done(slot, task.index, error, time.perf_counter() - start)
 
     def check_alive(self) -> None:
         return
+
+    def stop(self) -> None:
+        """No shard commits once this returns (a rename under way has ended): called before the
+        store's lock is released while writers may still run (a second Ctrl-C). Threads, unlike
+        writer processes, hold no lock of their own: a rerun could take it and scan the store
+        while one renames its shard into place. A shard being written is dropped at its commit;
+        those not started are not written."""
+        with self.renaming:
+            self.stopped = True
+        self.executor.shutdown(wait=False, cancel_futures=True)
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)
@@ -150,6 +175,10 @@ class ProcessPool:
                 "often the out-of-memory killer); rerun the same command to resume, with fewer "
                 "run.writer_processes if memory is short"
             )
+
+    def stop(self) -> None:
+        """Nothing to do: the writers hold copies of the store's lock (or watch its holder), so
+        no rerun starts while one of them could commit."""
 
     def close(self) -> None:
         """Let the writers commit the shards they hold, then stop them. Interrupted (a second

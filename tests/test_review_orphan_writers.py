@@ -18,6 +18,11 @@ sends them): the first drains the writers, the second interrupts that drain. Suc
 still exit (before the fix, its writer pool's collector thread ran on and Python waited for it
 forever, the GPU memory held), and one SIGINT alone must still let the writers commit what they
 hold.
+
+A single-process extraction with writer threads (`run.writer_processes=0`) holds the lock itself
+and its threads no copy: after a double Ctrl-C, the lock is released while a thread still writes,
+so no thread may commit from then on (a rerun may be scanning the store); run.py stops them
+first. One Ctrl-C still commits what the threads hold.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from common.locks import exclusive_lock
 from common.store import TMP_PREFIX, committed_shards, shards_dir
 from stage1_extract import writer, writer_pools
 from stage1_extract.host_buffers import BufferShape, ShardBuffers
+from stage1_extract.run import _close_writer
 from stage1_extract.shard_writer import ShardJob, ShardWriter
 from stage1_extract.store_root import LOCK_FILE, writer_lock
 from stage1_extract.writer import ShardLayout, ShardTask
@@ -146,6 +152,19 @@ def _interrupted_process(store: Path, processes: int) -> None:
     finally:
         (Path(os.environ[CONTROL_ENV]) / "closing").touch()
         shard.close()
+
+
+def _interrupted_extraction(store: Path) -> None:
+    """A single-process `dflash extract` with writer threads, interrupted while a thread holds a
+    shard: it closes the writers in a `finally` as run.py does, then releases the lock."""
+    with writer_lock(store):
+        shards_dir(store).mkdir()
+        shard = _hand_over_a_shard(store, processes=0)
+        try:
+            time.sleep(600)  # the extraction loop, where the first SIGINT lands
+        finally:
+            (Path(os.environ[CONTROL_ENV]) / "closing").touch()
+            _close_writer(shard)
 
 
 def _running(pid: int) -> bool:
@@ -306,3 +325,60 @@ def test_an_interrupted_process_exits(tmp_path: Path, processes: int, sigints: i
             if child is not None:
                 child.kill()
                 child.wait()
+
+
+@pytest.mark.parametrize("sigints", [2, 1], ids=["double Ctrl-C", "one Ctrl-C"])
+def test_no_writer_thread_commits_once_the_lock_is_released(tmp_path: Path, sigints: int) -> None:
+    """Two SIGINTs: the lock is released at once, and the thread, let go only then, does not
+    commit (the process exits once it has given up). One SIGINT: the lock is held until the
+    thread has committed its shard."""
+    store, control = tmp_path / "store", tmp_path / "control"
+    store.mkdir()
+    control.mkdir()
+    child = _start("_interrupted_extraction", store, control, "pidfd")
+    try:
+        assert _wait(lambda: (control / "reached").exists() or child.poll() is not None, 180)
+        assert child.poll() is None, "the extraction ended before its writer held the shard"
+        os.kill(child.pid, signal.SIGINT)
+        assert _wait(lambda: (control / "closing").exists() or child.poll() is not None, 60)
+        time.sleep(0.1)  # into close(), which waits for the writer thread
+        if sigints == 2:
+            os.kill(child.pid, signal.SIGINT)
+            # the window a rerun could start in: the lock free, the writer thread still on
+            assert _wait(lambda: _lock_is_free(store), 30), "the lock stays held"
+            assert child.poll() is None, "the process exited before its writer thread"
+        else:
+            assert not _lock_is_free(store), "the lock was released before the shard committed"
+        (control / "go").touch()
+        try:
+            child.wait(30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the extraction interrupted by {sigints} SIGINT(s) does not exit")
+        # (on Python 3.11 the interpreter, exiting, ends the thread before its commit: a
+        # temporary folder is left, which the next run removes; test_a_stopped_... covers stop)
+        assert committed_shards(store) == ([] if sigints == 2 else [0])
+    finally:
+        (control / "go").touch()
+        if child.poll() is None:
+            child.kill()
+        child.wait()
+
+
+def test_a_stopped_writer_thread_never_commits(tmp_path: Path, monkeypatch) -> None:
+    """What run.py does on a second Ctrl-C before it releases the lock: `stop` the pool while
+    its thread writes; the thread, let go, gives up at the commit and removes its folder."""
+    store, control = tmp_path / "store", tmp_path / "control"
+    control.mkdir()
+    monkeypatch.setenv(CONTROL_ENV, str(control))
+    monkeypatch.setattr(writer, "commit_folder", writer.commit_folder)  # undone after
+    store.mkdir()
+    with writer_lock(store):
+        shards_dir(store).mkdir()
+        shard = _hand_over_a_shard(store, processes=0)
+        assert _wait(lambda: (control / "reached").exists(), 60)
+        shard.pool.stop()
+        (control / "go").touch()
+        with pytest.raises(RuntimeError, match="writers were stopped"):
+            shard.close()
+    assert committed_shards(store) == []
+    assert not list(shards_dir(store).glob(f"{TMP_PREFIX}*"))
