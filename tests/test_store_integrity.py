@@ -30,6 +30,7 @@ from common.store import (
     REEXTRACT,
     SHARD_ATTR,
     StoreError,
+    StoreInfo,
     committed_shards,
     open_store,
 )
@@ -150,9 +151,9 @@ def test_on_damaged_skip_trains_and_counts(store: Path, tmp_path: Path) -> None:
     assert all(r["loss"] == r["loss"] for r in rows)  # no NaN from the blank item
 
 
-def test_a_file_deleted_after_the_check_never_reads_as_zeros(store: Path) -> None:
-    info = open_store(store)
-    ds = StoreSequences(
+def argmax_sequences(info: StoreInfo) -> StoreSequences:
+    """The dataset the trainer reads, at the tests' small settings (argmax labels, no distill)."""
+    return StoreSequences(
         info,
         num_anchors=4,
         per_document=False,
@@ -161,6 +162,11 @@ def test_a_file_deleted_after_the_check_never_reads_as_zeros(store: Path) -> Non
         distill=False,
         seed=0,
     )
+
+
+def test_a_file_deleted_after_the_check_never_reads_as_zeros(store: Path) -> None:
+    info = open_store(store)
+    ds = argmax_sequences(info)
     assert ds[(2, 0, False)]["damaged"] is None  # shard 1 opened and read
     data_file(store, 1, "target_argmax").unlink()
     item = ds[(3, 0, False)]
@@ -177,15 +183,7 @@ def test_a_file_deleted_after_the_check_never_reads_as_zeros(store: Path) -> Non
         def __len__(self) -> int:
             return 1
 
-    fresh = StoreSequences(
-        info,
-        num_anchors=4,
-        per_document=False,
-        block_size=4,
-        label_target="argmax",
-        distill=False,
-        seed=0,
-    )
+    fresh = argmax_sequences(info)
     with pytest.raises(StoreError, match="shard-000001 array target_argmax"):
         list(make_loader(fresh, OneBatch(), 1, 2, False))
     (batch,) = list(make_loader(fresh, OneBatch(), 0, 2, False, on_damaged="skip"))
@@ -244,15 +242,7 @@ def test_train_reader_refuses_an_array_of_another_dtype_or_shape(tmp_path: Path,
     rewrite_array(folder, name, change(zarr.open_array(folder / name, mode="r")[:]))
     info = open_store(store)
     check_store_files(info)  # the sizes agree with the record
-    ds = StoreSequences(
-        info,
-        num_anchors=4,
-        per_document=False,
-        block_size=4,
-        label_target="argmax",
-        distill=False,
-        seed=0,
-    )
+    ds = argmax_sequences(info)
     assert ds[(4, 0, False)]["damaged"] is None  # shard 0
     item = ds[(5, 0, False)]
     assert item["damaged"] == f"store {store}: shard-000001 array {name}: {what}; {REEXTRACT}"
