@@ -34,7 +34,8 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -210,6 +211,33 @@ def _start(function: str, store: Path, control: Path, variant: str, *args: int) 
     return subprocess.Popen([sys.executable, "-c", script, str(store)], cwd=root, env=env)
 
 
+@contextmanager
+def _holder_then(
+    tmp_path: Path, function: str, processes: int
+) -> Iterator[tuple[Path, Path, subprocess.Popen, subprocess.Popen]]:
+    """The lock holder of a multi-process extraction, then another process of it that runs
+    `function` of this file until its writer holds a shard: (store, control, holder, other);
+    both are killed after."""
+    store, control = tmp_path / "store", tmp_path / "control"
+    store.mkdir()
+    control.mkdir()
+    holder = _start("_lock_holder", store, control, "pidfd")
+    other = None
+    try:
+        assert _wait(lambda: (control / "locked").exists() or holder.poll() is not None, 180)
+        assert holder.poll() is None, "the lock holder ended before it held the lock"
+        other = _start(function, store, control, "pidfd", processes)
+        assert _wait(lambda: (control / "reached").exists() or other.poll() is not None, 180)
+        assert other.poll() is None, "the other process ended before its writer held the shard"
+        yield store, control, holder, other
+    finally:
+        (control / "go").touch()
+        for child in (holder, other):
+            if child is not None:
+                child.kill()
+                child.wait()
+
+
 @pytest.mark.parametrize("variant", ["pidfd", "no pidfd", "late watch"])
 def test_a_killed_extractions_writer_never_commits(tmp_path: Path, variant: str) -> None:
     store, control = tmp_path / "store", tmp_path / "control"
@@ -253,17 +281,7 @@ def test_no_writer_of_another_process_commits_once_the_lock_holder_is_killed(
     """Before the fix, the other process's writer committed its shard in all four cases: it
     watched only its own process, which lives on (a GPU process drains on SIGINT, a torchrun
     rank runs until torchrun stops it, on another host until a collective fails)."""
-    store, control = tmp_path / "store", tmp_path / "control"
-    store.mkdir()
-    control.mkdir()
-    holder = _start("_lock_holder", store, control, "pidfd")
-    other = None
-    try:
-        assert _wait(lambda: (control / "locked").exists() or holder.poll() is not None, 180)
-        assert holder.poll() is None, "the lock holder ended before it held the lock"
-        other = _start("_other_process", store, control, "pidfd", processes)
-        assert _wait(lambda: (control / "reached").exists() or other.poll() is not None, 180)
-        assert other.poll() is None, "the other process ended before its writer held the shard"
+    with _holder_then(tmp_path, "_other_process", processes) as (store, control, holder, other):
         holder.kill()
         holder.wait()
         with ExitStack() as new_run:
@@ -275,12 +293,6 @@ def test_no_writer_of_another_process_commits_once_the_lock_holder_is_killed(
             assert committed_shards(store) == [], "a shard committed after the holder was killed"
         assert "held the writer lock" in (control / "closed").read_text()
         assert not list(shards_dir(store).glob(f"{TMP_PREFIX}*"))
-    finally:
-        (control / "go").touch()
-        for child in (holder, other):
-            if child is not None:
-                child.kill()
-                child.wait()
 
 
 @pytest.mark.parametrize(
@@ -292,17 +304,12 @@ def test_an_interrupted_process_exits(tmp_path: Path, processes: int, sigints: i
     """Two SIGINTs (the launcher killed: the lock holder is gone, no shard may land): the
     process exits, its writers with it. One SIGINT (the holder alive): the held shard is
     committed, as ever, and the process exits."""
-    store, control = tmp_path / "store", tmp_path / "control"
-    store.mkdir()
-    control.mkdir()
-    holder = _start("_lock_holder", store, control, "pidfd")
-    other = None
-    try:
-        assert _wait(lambda: (control / "locked").exists() or holder.poll() is not None, 180)
-        assert holder.poll() is None, "the lock holder ended before it held the lock"
-        other = _start("_interrupted_process", store, control, "pidfd", processes)
-        assert _wait(lambda: (control / "reached").exists() or other.poll() is not None, 180)
-        assert other.poll() is None, "the process ended before its writer held the shard"
+    with _holder_then(tmp_path, "_interrupted_process", processes) as (
+        store,
+        control,
+        holder,
+        other,
+    ):
         writer_pid = int((control / "reached").read_text())
         if sigints == 2:
             holder.kill()
@@ -319,12 +326,6 @@ def test_an_interrupted_process_exits(tmp_path: Path, processes: int, sigints: i
             pytest.fail(f"the process interrupted by {sigints} SIGINT(s) does not exit")
         assert _wait(lambda: not _running(writer_pid), 10), "its writer lives on"
         assert committed_shards(store) == ([] if sigints == 2 else [0])
-    finally:
-        (control / "go").touch()
-        for child in (holder, other):
-            if child is not None:
-                child.kill()
-                child.wait()
 
 
 @pytest.mark.parametrize("sigints", [2, 1], ids=["double Ctrl-C", "one Ctrl-C"])
