@@ -88,6 +88,14 @@ class TextWindowConfig:
         "too: measured better on pystd-28m, online tau 4.50 vs 3.89); false: {prompt, "
         "completion} rows, loss on the target's own tokens only",
     )
+    stop_at_eos: bool = doc(
+        True,
+        "true: a reply ends at the target's end of sequence, as a server stops; false: the "
+        "target writes all new_tokens, past its end of text as a base model does between "
+        "concatenated documents (the row keeps that token's text, e.g. <|endoftext|>, which "
+        "extract tokenizes back to its id): the text the shared harness's tau scores past a "
+        "document's end (`dflash evaluate --no-stop-at-eos`)",
+    )
 
     def problems(self) -> list[str]:
         return [

@@ -67,6 +67,8 @@ def build_manifest(cfg: GenerateConfig, raw: datasets.Dataset, fmt: str) -> dict
     # named only when on, so the keys of datasets generated before the option existed stay
     if backend == "local" and runs_tf32(cfg.target.dtype, cfg.target.matmul_precision):
         target["matmul_precision"] = cfg.target.matmul_precision
+    # stop_at_eos named only when off, so the keys of datasets generated before it existed stay
+    text = {k: v for k, v in config["text"].items() if not (k == "stop_at_eos" and v)}
     content = {
         "target": target,
         "backend": backend,
@@ -75,7 +77,7 @@ def build_manifest(cfg: GenerateConfig, raw: datasets.Dataset, fmt: str) -> dict
         "data_fingerprint": raw._fingerprint,
         "format": fmt,
         "sampling": config["sampling"],
-        "text": config["text"] if fmt == "text" else None,
+        "text": text if fmt == "text" else None,
         "rows_per_chunk": cfg.output.rows_per_chunk,
     }
     return {

@@ -148,9 +148,11 @@ class LocalBackend:
         prompts: list[list[int]],
         max_new_tokens: int,
         on_batch: Callable[[int, int], None] | None = None,
+        stop: bool = True,
     ) -> list[Completion]:
         """Replies to `prompts` (token ids), in their order. `on_batch(prompts, new_tokens)`
-        is called after each batch (progress)."""
+        is called after each batch (progress). `stop` false: every reply runs to
+        `max_new_tokens`, past the stop ids, which its text then writes out."""
         out: list[Completion | None] = [None] * len(prompts)
         lengths = [len(p) for p in prompts]
         min_row = 0
@@ -160,7 +162,7 @@ class LocalBackend:
             min_row = self.static_row
         planned = plan_batches(lengths, max_new_tokens, self.batch_size, self.batch_tokens, min_row)
         for batch in planned:
-            rows = self._generate_batch([prompts[i] for i in batch], max_new_tokens)
+            rows = self._generate_batch([prompts[i] for i in batch], max_new_tokens, stop)
             for i, completion in zip(batch, rows, strict=True):
                 out[i] = completion
             if on_batch is not None:
@@ -168,7 +170,9 @@ class LocalBackend:
         return [c for c in out if c is not None]
 
     @torch.inference_mode()
-    def _generate_batch(self, prompts: list[list[int]], max_new: int) -> list[Completion]:
+    def _generate_batch(
+        self, prompts: list[list[int]], max_new: int, stop: bool = True
+    ) -> list[Completion]:
         width = max(len(p) for p in prompts)
         ids_BT = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask_BT = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -187,7 +191,7 @@ class LocalBackend:
             attention_mask=mask_BT.to(self.device),
             max_new_tokens=max_new,
             min_new_tokens=0,
-            eos_token_id=self.stop_ids,
+            eos_token_id=self.stop_ids if stop else None,  # None: the model's is not used
             pad_token_id=self.pad_id,
             top_k=None,
             use_cache=True,
@@ -196,11 +200,11 @@ class LocalBackend:
             **kwargs,
         )
         new_BN = seq_BX[:, width:].tolist()
-        stops = set(self.stop_ids)
+        stops = set(self.stop_ids) if stop else set()
         completions = []
         for row in new_BN:
             end = next((j for j, t in enumerate(row) if t in stops), None)
             reply = row if end is None else row[:end]
-            text = self.tokenizer.decode(reply, skip_special_tokens=True)
+            text = self.tokenizer.decode(reply, skip_special_tokens=stop)
             completions.append(Completion(text, len(reply), end is not None, reply))
         return completions

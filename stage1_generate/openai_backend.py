@@ -90,14 +90,18 @@ class OpenAIBackend:
         prompts: list[list[int]],
         max_new_tokens: int,
         on_batch: Callable[[int, int], None] | None = None,
+        stop: bool = True,
     ) -> list[Completion]:
         """Replies to `prompts` (token ids), in their order; `on_batch(1, new_tokens)` is
-        called (on this thread) as each request finishes."""
+        called (on this thread) as each request finishes. `stop` false: the server is asked
+        to ignore the end of sequence (vLLM's and SGLang's `ignore_eos`) and to write special
+        tokens into the text."""
         out: list[Completion | None] = [None] * len(prompts)
         pool = ThreadPoolExecutor(max(1, min(self.endpoint.concurrency, len(prompts))))
         try:
             pending = {
-                pool.submit(self._complete, p, max_new_tokens): i for i, p in enumerate(prompts)
+                pool.submit(self._complete, p, max_new_tokens, stop): i
+                for i, p in enumerate(prompts)
             }
             while pending:
                 done, _ = wait(pending, return_when=FIRST_EXCEPTION)
@@ -112,7 +116,7 @@ class OpenAIBackend:
             self._close_idle()
         return [c for c in out if c is not None]
 
-    def _complete(self, prompt: list[int], max_new: int) -> Completion:
+    def _complete(self, prompt: list[int], max_new: int, stop: bool = True) -> Completion:
         payload: dict[str, Any] = {
             "model": self.model,
             "prompt": prompt,
@@ -125,8 +129,9 @@ class OpenAIBackend:
             "repetition_penalty": 1.0,
             "top_k": -1,
             "min_p": 0.0,
-            "stop_token_ids": self.stop_ids,
-            "skip_special_tokens": True,
+            "stop_token_ids": self.stop_ids if stop else [],
+            "ignore_eos": not stop,
+            "skip_special_tokens": stop,
             "return_token_ids": True,  # vLLM: the reply's ids, so text rows decode without a seam
         }
         if not self.sampling.greedy:
@@ -142,7 +147,7 @@ class OpenAIBackend:
                 problem = f"{type(err).__name__}: {err}"
             else:
                 if status == 200:
-                    completion = self._parse(data)
+                    completion = self._parse(data, stop)
                     if completion is not None:
                         return completion
                     problem = "the server aborted the request"
@@ -162,7 +167,7 @@ class OpenAIBackend:
             "endpoint.concurrency=N), then rerun the same command: finished chunks are kept"
         )
 
-    def _parse(self, data: bytes) -> Completion | None:
+    def _parse(self, data: bytes, stop: bool = True) -> Completion | None:
         """The completion of a 200 answer; None when the server aborted it (vLLM's "abort")."""
         try:
             answer = json.loads(data)
@@ -177,6 +182,13 @@ class OpenAIBackend:
         if reason not in ("stop", "length"):
             return None
         finished = reason == "stop"
+        if finished and not stop:
+            raise ValueError(
+                f"endpoint {self.url}/completions ended a reply at a stop token although asked "
+                "to ignore the end of sequence (ignore_eos): this server cannot write past it; "
+                "use vLLM or SGLang (both honour ignore_eos), the local backend, or "
+                "text.stop_at_eos=true"
+            )
         # vLLM and SGLang count (and return) the stop token; the local backend's reply ends
         # before it, and so do ours
         if ids is not None:

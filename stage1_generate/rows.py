@@ -45,6 +45,7 @@ class Backend(Protocol):
         prompts: list[list[int]],
         max_new_tokens: int,
         on_batch: Callable[[int, int], None] | None = None,
+        stop: bool = True,
     ) -> list[Completion]: ...
 
 
@@ -292,12 +293,17 @@ def generate_text(
             start = whole_character_start(tokenizer, ids, planned, end)
             if start < end:
                 windows.append((indices[k], start, prefix + ids[start:end]))
-    completions = backend.generate([w[2] for w in windows], cfg.text.new_tokens, on_batch)
+    stop = cfg.text.stop_at_eos
+    prompts = [w[2] for w in windows]
+    completions = backend.generate(prompts, cfg.text.new_tokens, on_batch, stop=stop)
     result.count(completions)
     for (index, start, prompt), completion in zip(windows, completions, strict=True):
         if not completion.text.strip():
             continue  # the target ended the document at once: nothing of its own to learn
-        row = _split_row(tokenizer, prompt, completion, cfg.text.loss_on_prompt)
+        # past an end of text the row keeps that token as its text (the prefix, e.g. Llama's
+        # BOS, stays out: extract adds it again)
+        keep = None if stop else len(prefix)
+        row = _split_row(tokenizer, prompt, completion, cfg.text.loss_on_prompt, keep)
         row.update(source_index=index, window_start=start, new_tokens=completion.num_tokens)
         result.rows.append(row)
     return result
@@ -314,19 +320,27 @@ def special_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
 
 
 def _split_row(
-    tokenizer: PreTrainedTokenizerBase, prompt: list[int], completion: Completion, as_text: bool
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: list[int],
+    completion: Completion,
+    as_text: bool,
+    keep_special_after: int | None = None,
 ) -> dict[str, Any]:
     """{text} or {prompt, completion} of one window. The whole window is decoded at once when
-    the reply's ids are known, so no character is cut at the seam."""
-    prompt_text = tokenizer.decode(prompt, skip_special_tokens=True)
+    the reply's ids are known, so no character is cut at the seam. `keep_special_after`: the
+    special tokens after the prompt's first that many ids are written as their text (an end of
+    text the target wrote past; its prefix dropped), else every special token is left out."""
+    start, skip = (0, True) if keep_special_after is None else (keep_special_after, False)
+    prompt = prompt[start:]
+    prompt_text = tokenizer.decode(prompt, skip_special_tokens=skip)
     if completion.token_ids is not None:
-        text = tokenizer.decode(prompt + completion.token_ids, skip_special_tokens=True)
+        text = tokenizer.decode(prompt + completion.token_ids, skip_special_tokens=skip)
         # the seam split a character (its bytes over several tokens): the prompt ends before
         # that character's first token, so prompt + completion is the text itself
         cut = len(prompt)
         while cut > 0 and not text.startswith(prompt_text):
             cut -= 1
-            prompt_text = tokenizer.decode(prompt[:cut], skip_special_tokens=True)
+            prompt_text = tokenizer.decode(prompt[:cut], skip_special_tokens=skip)
     else:
         text = prompt_text + completion.text
     if as_text:

@@ -26,3 +26,34 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from common.tiny import build_tiny_target
 
     return build_tiny_target(tmp_path_factory.mktemp("tiny-llama"), arch="llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_eos_target(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny_qwen3 with the LM head's rows of its end of sequence and of its most frequent greedy
+    token swapped: it writes an end of text wherever tiny_qwen3 writes that token, and goes on
+    after it (a random target almost never ends a text by itself)."""
+    from collections import Counter
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
+    written: Counter[int] = Counter()
+    texts = ["the quick brown fox jumps over the lazy dog " * 6, "import os\nimport sys\n" * 4]
+    for text in texts:  # 12-token windows, as the tests' text rows
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        prompts = torch.tensor([ids[s : s + 12] for s in range(0, len(ids) - 12, 20)])
+        with torch.no_grad():
+            replies = model.generate(prompts, max_new_tokens=8, do_sample=False, eos_token_id=None)
+        written.update(replies[:, 12:].flatten().tolist())
+    frequent = written.most_common(1)[0][0]
+    eos = tokenizer.eos_token_id
+    head = model.get_output_embeddings().weight
+    with torch.no_grad():
+        head[[eos, frequent]] = head[[frequent, eos]].clone()
+    out = tmp_path_factory.mktemp("tiny-eos")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

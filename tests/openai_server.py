@@ -6,7 +6,8 @@ are the local backend's with `run.batch_size=1`. It answers as vLLM does: the st
 in `usage.completion_tokens` and ends `token_ids` (returned when `return_ids`, else omitted as
 SGLang does). `fail(n)` true makes the n-th completion request (from 1) answer HTTP 500;
 a prompt plus `max_tokens` longer than `max_model_len` gets vLLM's HTTP 400; `advertise_len`
-puts `max_model_len` in the model card, as vLLM does. `requests` holds every completion request.
+puts `max_model_len` in the model card, as vLLM does; `ignore_eos` is honoured unless
+`ignores_eos=False`. `requests` holds every completion request.
 
     with OpenAIServer(model_dir, served_name="tiny") as server:
         ... --endpoint server.url ...
@@ -14,6 +15,7 @@ puts `max_model_len` in the model card, as vLLM does. `requests` holds every com
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections.abc import Callable
@@ -41,10 +43,11 @@ class OpenAIServer:
         fail: Callable[[int], bool] | None = None,
         max_model_len: int = 4096,
         advertise_len: bool = False,
+        ignores_eos: bool = True,
     ) -> None:
         self.served_name = served_name or str(model_dir)
         self.return_ids, self.fail, self.max_model_len = return_ids, fail, max_model_len
-        self.advertise_len = advertise_len
+        self.advertise_len, self.ignores_eos = advertise_len, ignores_eos
         self.requests: list[dict[str, Any]] = []
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         # loaded as the local backend loads it, so both compute the same logits
@@ -78,8 +81,17 @@ class OpenAIServer:
                 )
                 return 400, {"object": "error", "message": message, "code": 400}
             stops = request["stop_token_ids"]
-            backend = LocalBackend(self.model, self.tokenizer, SamplingConfig(), stops, 1, 1 << 20)
-            reply = backend.generate([request["prompt"]], request["max_tokens"])[0]
+            # vLLM's ignore_eos (the server's own EOS: here the tokenizer's) and the text of
+            # special tokens when skip_special_tokens is false; `ignores_eos` false: a server
+            # that does not honour it
+            stop = not (request.get("ignore_eos") and self.ignores_eos)
+            own = stops or [self.tokenizer.eos_token_id]
+            backend = LocalBackend(self.model, self.tokenizer, SamplingConfig(), own, 1, 1 << 20)
+            reply = backend.generate([request["prompt"]], request["max_tokens"], stop=stop)[0]
+            if not stop and request.get("skip_special_tokens", True):
+                text = self.tokenizer.decode(reply.token_ids or [], skip_special_tokens=True)
+                reply = dataclasses.replace(reply, text=text)
+            stops = own
         choice: dict[str, Any] = {
             "index": 0,
             "text": reply.text,

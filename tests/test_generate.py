@@ -90,11 +90,14 @@ def digests(folder: Path) -> dict[str, str]:
     }
 
 
-def greedy_reply(model_dir: Path, prompt_ids: list[int], max_new: int) -> list[int]:
-    """The target's greedy continuation, one token at a time without a cache (the reference)."""
+def greedy_reply(
+    model_dir: Path, prompt_ids: list[int], max_new: int, stop: bool = True
+) -> list[int]:
+    """The target's greedy continuation, one token at a time without a cache (the reference);
+    `stop` false: on past the stop ids."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    stops = set(stop_token_ids(tokenizer, None, {}))
+    stops = set(stop_token_ids(tokenizer, None, {})) if stop else set()
     ids = list(prompt_ids)
     with torch.no_grad():
         for _ in range(max_new):
@@ -214,6 +217,57 @@ def test_text_windows(tiny_qwen3: Path, tmp_path: Path) -> None:
     run_extract(extract_cfg)
     counts = open_store(tmp_path / "store").attrs["counts"]
     assert counts["loss_tokens"] == sum(sum(d["loss_mask"]) for d in prepared.dataset)
+
+
+def test_text_rows_written_past_the_end_of_text(tiny_eos_target: Path, tmp_path: Path) -> None:
+    """text.stop_at_eos=false: every reply runs to text.new_tokens, past the target's end of
+    text, which the row keeps as its text; extract reads that token back. The default ends each
+    reply before it, and its manifest key does not name the setting (earlier outputs resume)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_eos_target)
+    eos = tokenizer.eos_token_id
+    data = write_jsonl(tmp_path / "text.jsonl", [{"text": t} for t in TEXTS])
+    longer = "text.new_tokens=8"
+    past = run_generate(
+        config(tiny_eos_target, data, tmp_path / "past", longer, "text.stop_at_eos=false")
+    )
+    stopped = run_generate(config(tiny_eos_target, data, tmp_path / "stopped", longer))
+    assert past["content"]["text"]["stop_at_eos"] is False
+    assert "stop_at_eos" not in stopped["content"]["text"]
+    windows = []
+    for index, text in enumerate(TEXTS):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        for start in text_windows(ids, 12, 20):
+            prompt = ids[start : start + 12]
+            windows.append((index, start, prompt, greedy_reply(tiny_eos_target, prompt, 8, False)))
+    assert any(eos in reply for *_, reply in windows), "no reply wrote an end of text"
+    rows = read_rows(tmp_path / "past")
+    assert [(r["source_index"], r["window_start"]) for r in rows] == [w[:2] for w in windows]
+    for row, (_, _, prompt, reply) in zip(rows, windows, strict=True):
+        assert row["new_tokens"] == 8
+        assert row["text"] == tokenizer.decode(prompt + reply, skip_special_tokens=False)
+    assert past["counts"]["truncated"] == len(windows)
+    # the default: each reply ends before its first end of text (a reply that is one alone
+    # leaves no row)
+    cut = [(i, s, p, r[: r.index(eos)] if eos in r else r) for i, s, p, r in windows]
+    expected = [
+        (i, s, tokenizer.decode(p + r, skip_special_tokens=True)) for i, s, p, r in cut if r
+    ]
+    got = [
+        (r["source_index"], r["window_start"], r["text"]) for r in read_rows(tmp_path / "stopped")
+    ]
+    assert got == expected
+    # extract tokenizes the written end of text back to its id
+    extract_cfg = build_config(
+        ExtractConfig,
+        Path(__file__).parents[1] / "configs" / "debug.yaml",
+        "extract",
+        [f"target.model={tiny_eos_target}", f"data.path={tmp_path / 'past'}"]
+        + [f"store.out={tmp_path / 'store'}", "run.progress=false", "packing.seq_len=64"],
+    )
+    prepared = prepare_documents(extract_cfg.data, tokenizer)
+    for doc, (_, _, prompt, reply) in zip(prepared.dataset, windows, strict=True):
+        assert doc["input_ids"].count(eos) == (prompt + reply).count(eos)
+        assert doc["loss_mask"] == [1] * len(doc["input_ids"])
 
 
 def test_kill_and_resume_equals_uninterrupted(
@@ -622,7 +676,7 @@ class ContinuingBackend:
                     return ids[at + len(prompt) : at + len(prompt) + 3] or self.ending
         raise AssertionError(f"prompt {prompt} is in no document")
 
-    def generate(self, prompts, max_new_tokens, on_batch=None):  # noqa: ANN001, ANN201
+    def generate(self, prompts, max_new_tokens, on_batch=None, stop=True):  # noqa: ANN001, ANN201
         from stage1_generate.local_backend import Completion
 
         self.prompts += prompts

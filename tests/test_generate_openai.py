@@ -40,6 +40,9 @@ TEXT = [
     "Put the request in the first sentence and keep one topic per email.",
 ]
 
+# text on which tiny_eos_target writes ends of text
+FOX = "the quick brown fox jumps over the lazy dog " * 6
+
 
 def _write(path: Path, rows: list[dict[str, Any]]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -104,6 +107,36 @@ def test_openai_backend_equals_local_greedy(
         assert len(rows) == len(CHAT) and rows[1]["messages"][3] == CHAT[1][3]
         assert rows[1]["generated_turns"] == 2
     assert remote["counts"]["new_tokens"] > 0
+
+
+@pytest.mark.parametrize("return_ids", [True, False])
+def test_text_past_the_end_of_text_equals_local(
+    tiny_eos_target: Path, tmp_path: Path, return_ids: bool
+) -> None:
+    """text.stop_at_eos=false through a server: it is asked to ignore the end of sequence and
+    to write special tokens (with or without the reply's ids): the local backend's rows."""
+    text_data = _write(tmp_path / "fox.jsonl", [{"text": FOX}])
+    past = ("text.stop_at_eos=false", "text.new_tokens=16")
+    local = _generate(tiny_eos_target, text_data, tmp_path / "local", None, *past)
+    with OpenAIServer(tiny_eos_target, return_ids=return_ids) as server:
+        remote = _generate(tiny_eos_target, text_data, tmp_path / "remote", server.url, *past)
+    rows = _rows(tmp_path / "remote")
+    assert rows == _rows(tmp_path / "local") and remote["counts"] == local["counts"]
+    eos = server.tokenizer.eos_token
+    assert any(eos in r["text"] for r in rows), "no reply wrote an end of text"
+    assert all(r["ignore_eos"] and not r["skip_special_tokens"] for r in server.requests)
+    assert all(r["stop_token_ids"] == [] for r in server.requests)
+
+
+def test_a_server_that_stops_at_the_end_of_text_anyway_is_named(
+    tiny_eos_target: Path, tmp_path: Path
+) -> None:
+    """A server that does not honour ignore_eos would cut the rows short: refused by name."""
+    text_data = _write(tmp_path / "fox.jsonl", [{"text": FOX}])
+    server = OpenAIServer(tiny_eos_target, ignores_eos=False)
+    past = ("text.stop_at_eos=false", "text.new_tokens=16")
+    with server, pytest.raises(ValueError, match="ignore_eos.*text.stop_at_eos=true"):
+        _generate(tiny_eos_target, text_data, tmp_path / "out", server.url, *past)
 
 
 def test_failure_mid_run_then_rerun_resumes(
