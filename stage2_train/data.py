@@ -85,7 +85,7 @@ class StoreSequences(torch.utils.data.Dataset):
         distill: bool,
         seed: int,
     ) -> None:
-        self.root = Path(info.path)
+        self.info, self.root = info, Path(info.path)
         self.per_shard = int(info.attrs["sequences_per_shard"])
         self.num_anchors, self.per_document = num_anchors, per_document
         self.block_size, self.label_target = block_size, label_target
@@ -108,7 +108,7 @@ class StoreSequences(torch.utils.data.Dataset):
     def _shard(self, index: int) -> ShardRows:
         """The arrays this dataset reads from shard `index`, opened on first use and kept."""
         if index not in self._shards:
-            self._shards[index] = ShardRows.open(self.root, index, self.names)
+            self._shards[index] = ShardRows.open(self.info, index, self.names)
         return self._shards[index]
 
     def _read(self, index: int, into: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:

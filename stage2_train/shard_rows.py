@@ -6,7 +6,7 @@ through zarr. Bytes that cannot be trusted (a chunk that fails to decode or to c
 missing or of another size than recorded at commit: zarr would read it as zeros) raise
 `Damaged`, whose one line names the store, the shard, the array and the fix.
 
-    shard = ShardRows.open(store_root, 3, ["tokens", "hidden", ...])   # Damaged if unreadable
+    shard = ShardRows.open(store_info, 3, ["tokens", "hidden", ...])   # Damaged if unreadable
     rows = shard.read(row, {"tokens": out_S, ...})                    # Damaged if damaged
 """
 
@@ -25,8 +25,8 @@ from zarr.core.sync import sync as zarr_sync
 from common.store import (
     REEXTRACT,
     SHARD_ATTR,
+    StoreInfo,
     layout_mismatch,
-    open_store,
     shard_layout,
     shard_name,
     shards_dir,
@@ -62,11 +62,13 @@ class ShardRows:
         self.sizes = [(str(self.folder / rel), size) for rel, size in self.files.items()]
 
     @classmethod
-    def open(cls, root: Path, index: int, names: list[str]) -> ShardRows:
-        """Shard `index` of the store at `root`, its arrays `names` opened; Damaged if its
+    def open(cls, info: StoreInfo, index: int, names: list[str]) -> ShardRows:
+        """Shard `index` of the store `info` (its root read once, by the caller), its arrays
+        `names` opened; Damaged if its
         folder, metadata or an array cannot be opened, or an array's dtype or shape is not the
         one FORMAT.md gives it in this store (its rows would be read as other values, or fail
         with an error that says nothing of the store)."""
+        root = Path(info.path)
         path = shards_dir(root) / shard_name(index)
         if not path.is_dir():
             raise damaged(root, index, "-", f"shard folder {path} is missing")
@@ -76,7 +78,7 @@ class ShardRows:
             num_sequences = int(group.attrs[SHARD_ATTR]["num_sequences"])
         except Exception as err:  # zarr raises many types for damaged metadata
             raise damaged(root, index, "-", f"unreadable ({type(err).__name__}: {err})") from err
-        layout = shard_layout(open_store(root), num_sequences, 0)
+        layout = shard_layout(info, num_sequences, 0)
         arrays = {}
         for name in names:
             try:
