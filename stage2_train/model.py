@@ -47,10 +47,13 @@ class DrafterShape:
 
 
 def _rope_theta(text: Any) -> float | None:
-    # transformers >= 5 moved rope_theta into rope_parameters.
+    # transformers >= 5 moved rope_theta into rope_parameters, keyed by layer type on models
+    # with sliding-window layers (Gemma 3: {"full_attention": {...}, "sliding_attention":
+    # {...}}). The drafter attends over the whole context: the full-attention layers' theta.
     theta = getattr(text, "rope_theta", None)
     if theta is None:
-        theta = (getattr(text, "rope_parameters", None) or {}).get("rope_theta")
+        rope = getattr(text, "rope_parameters", None) or {}
+        theta = (rope.get("full_attention") or rope).get("rope_theta")
     return theta
 
 

@@ -445,6 +445,34 @@ def test_the_exported_drafter_reads_a_nested_text_config() -> None:
         assert found is not None and found.limit == 4096, parent
 
 
+def test_drafter_shape_takes_the_full_attention_theta() -> None:
+    """transformers 5 keeps Gemma 3's rope settings by layer type (sliding layers theta 1e4,
+    full-attention ones 1e6 with the 4B+ models' linear scaling): the drafter attends over the
+    whole context, so it takes the full-attention theta, as from a transformers 4 config
+    (rope_theta, rope_local_base_freq), and the export keeps plain RoPE at that theta. Keyed
+    by layer types none of which is full attention, the theta is set by hand."""
+    from transformers import Gemma3Config, Gemma3TextConfig
+
+    from stage1_extract.target import config_dict
+
+    sizes = {k: v for k, v in TARGET.items() if k not in ("rope_theta", "max_position_embeddings")}
+    linear = {"rope_type": "linear", "factor": 8.0}
+    text = Gemma3TextConfig(**sizes, rope_scaling=linear)
+    assert set(text.rope_parameters) == {"full_attention", "sliding_attention"}
+    t4 = {**sizes, "rope_theta": 1e6, "rope_local_base_freq": 1e4, "rope_scaling": linear}
+    for target_config in (config_dict(text), config_dict(Gemma3Config(text_config=text)), t4):
+        s = drafter_shape(DrafterConfig(num_layers=1, block_size=4), target_config, 3, 50, 49)
+        assert s.rope_theta == 1e6
+        config = drafter_config_json(s, [1, 2, 3], target_config)
+        assert (config["rope_theta"], config["rope_scaling"]) == (1e6, None)
+    by_type = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 5e4},
+        "indexed_attention": {"rope_type": "default", "rope_theta": 8e7},
+    }
+    with pytest.raises(ValueError, match="rope_theta is unknown: set drafter.rope_theta"):
+        drafter_shape(DrafterConfig(), {**sizes, "rope_parameters": by_type}, 5, VOCAB, MASK_ID)
+
+
 def test_drafter_shape_reads_a_nested_text_config() -> None:
     """A multimodal target's stored config nests the decoder's sizes under text_config (a
     dict): the drafter takes its sizes from there, and a width other than the decoder's is
@@ -458,14 +486,15 @@ def test_drafter_shape_reads_a_nested_text_config() -> None:
     assert (s.hidden_size, s.intermediate_size, s.num_attention_heads) == (32, 48, 4)
     assert (s.num_key_value_heads, s.head_dim, s.rope_theta, s.rms_norm_eps) == (2, 8, 1e4, 1e-6)
     sizes = {k: v for k, v in TARGET.items() if k not in ("rope_theta", "max_position_embeddings")}
-    # Gemma 3 nests its rope parameters by layer type: the drafter's single theta is set by hand
+    # Gemma 3 nests its rope parameters by layer type: the full-attention layers' theta
     gemma3 = config_dict(Gemma3Config(text_config=Gemma3TextConfig(**sizes)))
-    s = drafter_shape(DrafterConfig(rope_theta=1e4), gemma3, 5, VOCAB, MASK_ID)
+    s = drafter_shape(DrafterConfig(), gemma3, 5, VOCAB, MASK_ID)
     assert (s.hidden_size, s.intermediate_size, s.num_key_value_heads, s.head_dim) == (32, 48, 2, 8)
+    assert s.rope_theta == 1e6
     by_hand = {k: v for k, v in TARGET.items() if hasattr(DrafterConfig, k)}
     for target_config in (qwen3_vl, gemma3):
         with pytest.raises(ValueError, match=r"hidden_size \(64\) must equal the target's \(32\)"):
-            cfg = DrafterConfig(hidden_size=64, rope_theta=1e4)
+            cfg = DrafterConfig(hidden_size=64)
             drafter_shape(cfg, target_config, 5, VOCAB, MASK_ID)
         with pytest.raises(ValueError, match=r"hidden_size \(64\) must equal the target's \(32\)"):
             cfg = DrafterConfig(**{**by_hand, "hidden_size": 64})
