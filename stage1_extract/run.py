@@ -46,11 +46,18 @@ from stage1_extract.shard_writer import ShardWriter
 from stage1_extract.store_root import finalize_store, prepare_store, writer_lock
 from stage1_extract.target import load_target, save_target_head
 from stage1_extract.writer import ShardLayout
+from stage1_extract.writer_pools import LockWatch
 
 
 def _extract_shards(job: ExtractJob, ctx: WorkerContext, devices: list[str]) -> None:
     """Fill and write this process's uncommitted shards (and the head file on rank 0)."""
     log, cfg = get_logger(), job.cfg
+    # Where another process holds the store's lock (a local launch's launcher), the head file is
+    # committed as this process's shards are: only while that holder still holds it. A killed
+    # launcher's rank 0 must not rename its target's head into a store that a rerun (perhaps
+    # of another target) now writes: that rerun, finding a head file, would keep it.
+    watch = LockWatch.of(job.store)
+    head_check = None if watch is None else watch.check
     done = set(committed_shards(job.store))
     todo = [i for i in range(job.num_shards) if i % ctx.world_size == ctx.rank and i not in done]
     need_head = ctx.is_main and not (job.store / HEAD_FILE).is_file()
@@ -58,7 +65,7 @@ def _extract_shards(job: ExtractJob, ctx: WorkerContext, devices: list[str]) -> 
         return
     if not todo:
         model = load_target(cfg.target, ctx.device, devices)
-        save_target_head(model, job.store / HEAD_FILE)
+        save_target_head(model, job.store / HEAD_FILE, head_check)
         return
     shape = buffer_shape(job)
     # the writers start before the target loads, so their start-up overlaps the load
@@ -82,7 +89,7 @@ def _extract_shards(job: ExtractJob, ctx: WorkerContext, devices: list[str]) -> 
         log.info("rank %d: target loaded in %.1f s", ctx.rank, time.perf_counter() - loading)
         assert model.get_output_embeddings().out_features == job.vocab_size
         if need_head:
-            save_target_head(model, job.store / HEAD_FILE)
+            save_target_head(model, job.store / HEAD_FILE, head_check)
         target = tapped_target(job, model)
     except BaseException:
         _close_writer(writer)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -25,6 +26,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from common.config import runs_tf32
+from common.durable import fsync_path
 from common.store import quantize_fp8
 from common.target_config import text_config
 from stage1_extract.config import TargetConfig
@@ -188,8 +190,12 @@ def load_target(
     return model.eval()
 
 
-def save_target_head(model: torch.nn.Module, path: Path) -> None:
-    """Write embed_tokens / final norm / lm_head (bf16) for stage 2, atomically."""
+def save_target_head(
+    model: torch.nn.Module, path: Path, before_commit: Callable[[], None] | None = None
+) -> None:
+    """Write embed_tokens / final norm / lm_head (bf16) for stage 2: to a temporary file,
+    flushed, then renamed to `path`. `before_commit` runs just before the rename and raises to
+    call it off: the temporary file is then removed and nothing is committed."""
     base = model.get_decoder()
     tensors = {
         "embed_tokens.weight": model.get_input_embeddings().weight,
@@ -200,8 +206,18 @@ def save_target_head(model: torch.nn.Module, path: Path) -> None:
     tensors = {k: v.detach().to("cpu", torch.bfloat16).clone() for k, v in tensors.items()}
     eps = getattr(text_config(model.config), "rms_norm_eps", None)
     tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-    save_file(tensors, str(tmp), metadata={"rms_norm_eps": str(eps)})
-    os.replace(tmp, path)
+    try:
+        save_file(tensors, str(tmp), metadata={"rms_norm_eps": str(eps)})
+        # on disk before the rename, as a shard is: after a power cut an empty head file would
+        # pass for a written one (a resume writes it only when it is missing)
+        fsync_path(tmp)
+        if before_commit is not None:
+            before_commit()
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_path(path.parent)
 
 
 @dataclass

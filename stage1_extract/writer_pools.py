@@ -222,7 +222,8 @@ class ExtractionEnded(Exception):
 @dataclass(frozen=True)
 class LockWatch:
     """The store's lock where another process holds it: the writers of this process commit
-    only while the holder that the lock file named when they started still holds it."""
+    only while the holder that the lock file named when they started still holds it (and
+    rank 0 its head file, stage1_extract/run.py)."""
 
     path: Path
     holder: str | None  # what the holder wrote into the lock file; None: no one held it
@@ -240,7 +241,7 @@ class LockWatch:
         if self.holder is None or lock_holder(self.path) != self.holder:
             raise RuntimeError(
                 f"the process that held the writer lock of store {self.path.parent} "
-                f"({self.holder or 'none'}) is gone; this process's shards are not committed"
+                f"({self.holder or 'none'}) is gone; this process commits nothing more to it"
             )
 
 

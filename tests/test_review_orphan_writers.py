@@ -23,6 +23,10 @@ A single-process extraction with writer threads (`run.writer_processes=0`) holds
 and its threads no copy: after a double Ctrl-C, the lock is released while a thread still writes,
 so no thread may commit from then on (a rerun may be scanning the store); run.py stops them
 first. One Ctrl-C still commits what the threads hold.
+
+The target head file is committed under the same rule: rank 0 of a local launch (not the lock's
+holder) still loading its target when the launcher is killed and a rerun takes the store must
+not rename its head into the rerun's store, which would then keep the old target's head.
 """
 
 from __future__ import annotations
@@ -37,14 +41,18 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
+from common.distributed import WorkerContext
 from common.locks import exclusive_lock
-from common.store import TMP_PREFIX, committed_shards, shards_dir
-from stage1_extract import writer, writer_pools
+from common.store import HEAD_FILE, TMP_PREFIX, committed_shards, shards_dir
+from common.tiny import tiny_config
+from stage1_extract import run, writer, writer_pools
 from stage1_extract.host_buffers import BufferShape, ShardBuffers
 from stage1_extract.run import _close_writer
 from stage1_extract.shard_writer import ShardJob, ShardWriter
@@ -144,6 +152,31 @@ def _other_process(store: Path, processes: int) -> None:
     time.sleep(600)
 
 
+def _rank_zero_loading_its_target(store: Path) -> None:
+    """Rank 0 of a local launch (the launcher holds the lock), every shard committed but the
+    head not written: the real `_extract_shards`, its target load held until the test says go;
+    `closed` once it has returned or raised."""
+    control = Path(os.environ[CONTROL_ENV])
+    config = tiny_config("llama", vocab_size=32, num_layers=1, hidden_size=8)
+    model = AutoModelForCausalLM.from_config(config)
+
+    def held_load(*_args: object) -> torch.nn.Module:
+        (control / "reached").write_text(str(os.getpid()))
+        while not (control / "go").exists():
+            time.sleep(0.01)
+        return model
+
+    run.load_target = held_load
+    job = SimpleNamespace(store=store, num_shards=0, cfg=SimpleNamespace(target=None))
+    try:
+        run._extract_shards(job, WorkerContext(0, 2, 0, torch.device("cpu")), ["cpu", "cpu"])
+        outcome = "returned"
+    except Exception as err:
+        outcome = f"{type(err).__name__}: {err}"
+    (control / "closed").write_text(outcome)
+    time.sleep(600)
+
+
 def _interrupted_process(store: Path, processes: int) -> None:
     """A process of the same extraction that does not hold the lock, interrupted while its
     writer holds a shard: run.py closes the writers in a `finally`; `closing` as it does."""
@@ -213,11 +246,11 @@ def _start(function: str, store: Path, control: Path, variant: str, *args: int) 
 
 @contextmanager
 def _holder_then(
-    tmp_path: Path, function: str, processes: int
+    tmp_path: Path, function: str, *args: int
 ) -> Iterator[tuple[Path, Path, subprocess.Popen, subprocess.Popen]]:
     """The lock holder of a multi-process extraction, then another process of it that runs
-    `function` of this file until its writer holds a shard: (store, control, holder, other);
-    both are killed after."""
+    `function` of this file (with `args`) until it is about to commit (`reached`): (store,
+    control, holder, other); both are killed after."""
     store, control = tmp_path / "store", tmp_path / "control"
     store.mkdir()
     control.mkdir()
@@ -226,7 +259,7 @@ def _holder_then(
     try:
         assert _wait(lambda: (control / "locked").exists() or holder.poll() is not None, 180)
         assert holder.poll() is None, "the lock holder ended before it held the lock"
-        other = _start(function, store, control, "pidfd", processes)
+        other = _start(function, store, control, "pidfd", *args)
         assert _wait(lambda: (control / "reached").exists() or other.poll() is not None, 180)
         assert other.poll() is None, "the other process ended before its writer held the shard"
         yield store, control, holder, other
@@ -293,6 +326,21 @@ def test_no_writer_of_another_process_commits_once_the_lock_holder_is_killed(
             assert committed_shards(store) == [], "a shard committed after the holder was killed"
         assert "held the writer lock" in (control / "closed").read_text()
         assert not list(shards_dir(store).glob(f"{TMP_PREFIX}*"))
+
+
+def test_no_head_file_is_written_once_the_lock_holder_is_killed(tmp_path: Path) -> None:
+    """The launcher killed, a rerun (--overwrite, perhaps of another target) holds the lock:
+    the old rank 0, done loading, commits no head file and leaves no temporary one. Before the
+    fix it renamed its head into the store, and the rerun, finding one, never wrote its own."""
+    with _holder_then(tmp_path, "_rank_zero_loading_its_target") as (store, control, holder, other):
+        holder.kill()
+        holder.wait()
+        with exclusive_lock(store / LOCK_FILE, RuntimeError):  # the rerun's lock
+            (control / "go").touch()
+            assert _wait(lambda: (control / "closed").exists() or other.poll() is not None, 60)
+            assert not (store / HEAD_FILE).exists(), "a head file committed after the kill"
+        assert "held the writer lock" in (control / "closed").read_text()
+        assert not list(store.glob(f"{TMP_PREFIX}*"))
 
 
 @pytest.mark.parametrize(
