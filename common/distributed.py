@@ -12,6 +12,10 @@ extraction, the slowest rank finishing its share of shards or chunks, rank 0's e
 the dev store, checkpoint and export while the other ranks of `dflash train` wait in the next
 all-reduce. Each command therefore sets the timeout explicitly, to a default that covers its
 longest such wait, and `DFLASH_DIST_TIMEOUT_S` (seconds) overrides it for all three.
+
+A section that one rank does alone (rank 0 writing or removing files) ends in
+`failure_shared()` rather than a bare barrier: an error there reaches the other ranks at once,
+not when their next collective times out.
 """
 
 from __future__ import annotations
@@ -19,13 +23,18 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from common.errors import user_message
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -175,6 +184,42 @@ def init_worker(devices: list[str], timeout: timedelta | None = None) -> WorkerC
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def gather_from_all_ranks(value: T) -> list[T]:
+    """Every rank's `value`, by rank (collective: every rank must call it); `[value]` without
+    a process group."""
+    if not dist.is_initialized():
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+class RankFailed(RuntimeError):
+    """Another rank failed in a section that every rank ends together (`failure_shared`)."""
+
+
+@contextmanager
+def failure_shared() -> Iterator[None]:
+    """Run the body, then meet every rank as `barrier()` does, saying whether it failed there:
+    an Exception of the body on any rank is raised on every rank, on the first rank that failed
+    as itself, on the others as a RankFailed with that rank's message (its own error, if any,
+    as the cause). Without it a rank whose part failed left the others waiting in their next
+    collective until the process-group timeout (hours). Without a process group: the body."""
+    own: Exception | None = None
+    try:
+        yield
+    except Exception as err:
+        own = err
+    said = None if own is None else user_message(own) or f"{type(own).__name__}: {own}"
+    failed = [(rank, text) for rank, text in enumerate(gather_from_all_ranks(said)) if text]
+    if not failed:
+        return
+    first, text = failed[0]
+    if own is not None and first == (dist.get_rank() if dist.is_initialized() else 0):
+        raise own
+    raise RankFailed(f"rank {first} failed, so every rank stops: {text}") from own
 
 
 def finish_worker() -> None:

@@ -20,6 +20,11 @@ Pruning renames a folder to `.tmp-pruned-step-*` before deleting it, so a kill m
 never leaves a half-deleted `step-*`. The temporary folders a killed run leaves (`.tmp-step-*`,
 `.tmp-old-step-*` of `replace_folder`, `.tmp-pruned-step-*`) are removed by the next run of
 that folder as it starts (`remove_leftovers`), whatever step it saves next.
+
+A file rank 0 cannot create, write, commit or remove in any of these steps (a permission
+denied, a read-only or full disk) stops every rank at once, each naming that path and the fix
+(common.distributed.failure_shared), where the other ranks used to wait for the process-group
+timeout.
 """
 
 from __future__ import annotations
@@ -29,17 +34,17 @@ import pickle
 import random
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from common.distributed import barrier
-from common.durable import replace_folder, space_checked
+from common.distributed import failure_shared, gather_from_all_ranks
+from common.durable import OutOfSpaceError, replace_folder, space_checked
 from common.logging import get_logger
 from stage2_train.schedule import FittedEnd
 
@@ -151,19 +156,23 @@ def save_checkpoint(
     `fitted`: the schedule's end fitted to a time limit, if any (ScheduleEnd.fitted)."""
     final = step_dir(out, state.step)
     tmp = final.with_name(TMP_PREFIX + final.name)
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()
+    previous = latest_checkpoint(out)
+    resume = "rerun the same command to resume" + (f" from {previous.name}" if previous else "")
+    unsaved = f"{final.name} was not saved; make {out} writable for this user, then {resume}"
+    with failure_shared(), _fix_named(unsaved):
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
     model_state = model.state_dict()
     optim_state = optimizer.state_dict()
     needed = state_bytes(model_state) + state_bytes(optim_state)
-    previous = latest_checkpoint(out)
-    fix = "free space on that disk, then rerun the same command to resume" + (
-        f" from {previous.name}" if previous else ""
-    )
+    no_space = f"free space on that disk, then {resume}"
     try:
-        with space_checked("checkpoint", final, needed, fix):
+        with (
+            failure_shared(),
+            _fix_named(unsaved),
+            space_checked("checkpoint", final, needed, no_space),
+        ):
             torch.save(rng_state(), tmp / f"rng-rank{rank}.pt")
             if rank == 0:
                 torch.save(model_state, tmp / "model.pt")
@@ -172,21 +181,48 @@ def save_checkpoint(
                 train_state = state.to_dict(fitted)
                 meta = {"train_state": train_state, "config": config, **(extra_meta or {})}
                 (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-            barrier()
+        with failure_shared():
             if rank == 0:  # a step saved again after a resume replaces the old folder whole
-                replace_folder(tmp, final)
+                with _fix_named(unsaved), space_checked("checkpoint", final, needed, no_space):
+                    replace_folder(tmp, final)
+                _prune(out, state.step, keep)
     except BaseException:
-        if rank == 0:  # a half-written folder must not fill the disk; it is never a checkpoint
+        # after every rank has written or failed (failure_shared): a half-written folder must
+        # not fill the disk; it is never a checkpoint (committed, there is no tmp left)
+        if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if rank == 0:  # the newest `keep` up to this one; a newer, damaged one waits to be replaced
-        older = [p for p in list_checkpoints(out) if _step(p) < state.step]
-        for old in older[: max(len(older) - (keep - 1), 0)]:
-            aside = old.with_name(PRUNED_PREFIX + old.name)
+    return final
+
+
+def _prune(out: str | Path, step: int, keep: int) -> None:
+    """Delete all but the newest `keep` checkpoints up to `step`; a newer, damaged one waits to
+    be replaced."""
+    older = [p for p in list_checkpoints(out) if _step(p) < step]
+    saved = step_dir(out, step).name
+    fix = (
+        f"{saved} is saved whole; remove that folder (or make it writable for this user), "
+        f"then rerun the same command to resume from {saved}"
+    )
+    for old in older[: max(len(older) - (keep - 1), 0)]:
+        aside = old.with_name(PRUNED_PREFIX + old.name)
+        with _fix_named(fix):
             old.rename(aside)  # a kill mid-delete leaves a temporary folder, not a step-* one
             shutil.rmtree(aside)
-    barrier()
-    return final
+
+
+@contextmanager
+def _fix_named(fix: str) -> Iterator[None]:
+    """An OSError of the body (a permission denied, a read-only disk) raised again with its
+    path and `fix` in its message, which is all that the other ranks see of it
+    (failure_shared); an OutOfSpaceError names its own fix."""
+    try:
+        yield
+    except OSError as err:
+        if isinstance(err, OutOfSpaceError):
+            raise
+        where = f": {err.filename}" if err.filename else ""
+        raise OSError(err.errno, f"{err.strerror or err}{where}; {fix}") from err
 
 
 def remove_leftovers(out: str | Path, rank: int) -> None:
@@ -195,33 +231,40 @@ def remove_leftovers(out: str | Path, rank: int) -> None:
     of the step it writes, which a changed cadence or an earlier resume never writes again.
     A `.tmp-old-step-N` without `step-N` (killed between replace_folder's two renames) is
     step N whole as it was before that save (the new copy may be half-written): it is renamed
-    back, not removed."""
+    back, not removed. A folder rank 0 cannot rename or remove stops every rank, naming it."""
     out = Path(out)
-    if rank == 0 and out.is_dir():
-        removed, restored = [], []
-        for path in sorted(out.iterdir()):  # .tmp-old-step-N before .tmp-step-N
-            if not (m := LEFTOVER_RE.match(path.name)) or not path.is_dir():
-                continue
-            final = out / m.group(2)
-            if m.group(1) == "old-" and not final.exists():
+    with failure_shared():
+        if rank == 0 and out.is_dir():
+            _remove_leftovers(out)
+
+
+RERUN = "then rerun the same command"
+
+
+def _remove_leftovers(out: Path) -> None:
+    removed, restored = [], []
+    for path in sorted(out.iterdir()):  # .tmp-old-step-N before .tmp-step-N
+        if not (m := LEFTOVER_RE.match(path.name)) or not path.is_dir():
+            continue
+        final = out / m.group(2)
+        if m.group(1) == "old-" and not final.exists():
+            with _fix_named(f"rename it to {final.name} (it is that step, whole), {RERUN}"):
                 path.rename(final)
-                restored.append(path.name)
-            else:
+            restored.append(path.name)
+        else:  # never a checkpoint: the user may remove it as well as we would
+            with _fix_named(f"remove that folder (or make it writable for this user), {RERUN}"):
                 shutil.rmtree(path)
-                removed.append(path.name)
-        log = get_logger()
-        if removed:
-            names = ", ".join(removed)
-            log.info(
-                "removed the temporary checkpoint folders a killed run left in %s: %s", out, names
-            )
-        for name in restored:
-            log.info(
-                "renamed %s in %s back to its step-* name (a killed run had moved it aside)",
-                name,
-                out,
-            )
-    barrier()
+            removed.append(path.name)
+    log = get_logger()
+    if removed:
+        names = ", ".join(removed)
+        log.info("removed the temporary checkpoint folders a killed run left in %s: %s", out, names)
+    for name in restored:
+        log.info(
+            "renamed %s in %s back to its step-* name (a killed run had moved it aside)",
+            name,
+            out,
+        )
 
 
 def _step(path: Path) -> int:
@@ -302,11 +345,7 @@ def _problems_of_all_ranks(problem: str | None) -> list[str]:
     """What every rank found wrong with its checkpoint, each once (none: all read it whole), so
     that all fall back together and rank 0, which logs, names a file only another rank read
     (its rng-rank{r}.pt)."""
-    if not dist.is_initialized():
-        return [problem] if problem else []
-    found: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(found, problem)
-    return list(dict.fromkeys(p for p in found if p))
+    return list(dict.fromkeys(p for p in gather_from_all_ranks(problem) if p))
 
 
 def resume_latest(
