@@ -18,7 +18,11 @@ class DrafterConfig:
     num_attention_heads: int | None = doc(None, "default: the target's")
     num_key_value_heads: int | None = doc(None, "default: the target's")
     head_dim: int | None = doc(None, "default: the target's")
-    rope_theta: float | None = doc(None, "default: the target's")
+    rope_theta: float | None = doc(
+        None,
+        "default: the target's (where its rope is set per layer type, e.g. Gemma 3, its "
+        "full-attention layers': the drafter attends over the whole context)",
+    )
     rms_norm_eps: float | None = doc(None, "default: the target's")
     mask_token_id: int | None = doc(
         None,
