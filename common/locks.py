@@ -10,7 +10,8 @@ An flock belongs to the open file, not to the process: a process given a copy of
 descriptor (`held_lock_fd`) keeps the lock held until it has exited too, even if the holder is
 killed. Extract's writer processes hold one, so no other run can start while one of them lives
 (stage1_extract/writer_pools.py). The other processes of the run have no copy (a launch's GPU
-processes, torchrun's ranks but 0): they ask `lock_holder` whether the holder still holds it.
+processes, torchrun's ranks but 0): handed the text the holder wrote (`exclusive_lock` yields
+it), they ask `lock_holder` whether the file still names it.
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ def lock_holder(path: Path) -> str | None:
 
 
 @contextmanager
-def exclusive_lock(path: Path, refused: Callable[[str], Exception]) -> Iterator[None]:
-    """Hold an exclusive lock on `path` (created if needed); when another process holds it,
+def exclusive_lock(path: Path, refused: Callable[[str], Exception]) -> Iterator[str]:
+    """Hold an exclusive lock on `path` (created if needed), yielding what this process wrote
+    into it (what `lock_holder` returns while it holds it); when another process holds it,
     raise `refused(holder)` with the holder's pid, host and start time."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -66,12 +68,12 @@ def exclusive_lock(path: Path, refused: Callable[[str], Exception]) -> Iterator[
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise refused(holder_of(fd)) from None
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.ctime()}
+        me = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.ctime()})
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(me).encode(), 0)
+        os.pwrite(fd, me.encode(), 0)
         _held[os.path.abspath(path)] = fd
         try:
-            yield
+            yield me
         finally:
             del _held[os.path.abspath(path)]
             os.ftruncate(fd, 0)

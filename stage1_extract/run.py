@@ -30,6 +30,7 @@ from common.distributed import (
     WorkerContext,
     barrier,
     finish_worker,
+    gather_from_all_ranks,
     init_worker,
     launch,
     parse_devices,
@@ -49,14 +50,16 @@ from stage1_extract.writer import ShardLayout
 from stage1_extract.writer_pools import LockWatch
 
 
-def _extract_shards(job: ExtractJob, ctx: WorkerContext, devices: list[str]) -> None:
-    """Fill and write this process's uncommitted shards (and the head file on rank 0)."""
+def _extract_shards(
+    job: ExtractJob, ctx: WorkerContext, devices: list[str], watch: LockWatch | None
+) -> None:
+    """Fill and write this process's uncommitted shards (and the head file on rank 0).
+    `watch`: the store's lock where another process took it for this run (None: this one)."""
     log, cfg = get_logger(), job.cfg
     # Where another process holds the store's lock (a local launch's launcher), the head file is
     # committed as this process's shards are: only while that holder still holds it. A killed
     # launcher's rank 0 must not rename its target's head into a store that a rerun (perhaps
     # of another target) now writes: that rerun, finding a head file, would keep it.
-    watch = LockWatch.of(job.store)
     head_check = None if watch is None else watch.check
     done = set(committed_shards(job.store))
     todo = [i for i in range(job.num_shards) if i % ctx.world_size == ctx.rank and i not in done]
@@ -82,6 +85,7 @@ def _extract_shards(job: ExtractJob, ctx: WorkerContext, devices: list[str]) -> 
         len(todo),
         job.shard_bytes,
         lambda: ShardBuffers.allocate(shape, pin=ctx.device.type == "cuda"),
+        watch,
     )
     try:
         loading = time.perf_counter()
@@ -180,27 +184,33 @@ def check_host_memory(job: ExtractJob, local_processes: int) -> None:
 BARRIER_TIMEOUT = timedelta(hours=48)
 
 
-def _worker(cfg: ExtractConfig, devices: list[str], error_dir: str | None, ready: bool) -> None:
-    """One process. `ready`: the launcher already prepared the store and will finalize it."""
+def _worker(
+    cfg: ExtractConfig, devices: list[str], error_dir: str | None, launcher_lock: str | None
+) -> None:
+    """One process. `launcher_lock`: what the launcher wrote into the store's lock file, where
+    it took the lock, prepared the store and will finalize it; None: rank 0 does all three."""
     init_logger()
     ctx = init_worker(devices, timeout=BARRIER_TIMEOUT)
     lock = ExitStack()  # rank 0 holds the store's writer lock for the whole run
     try:
-        if ready:
-            job = plan_job(cfg)
+        if launcher_lock is not None:
+            job, holder = plan_job(cfg), launcher_lock
         elif ctx.is_main:  # rank 0 first: it fills the datasets cache the others then reuse
             job = _plan_and_say(cfg)
             _warn_padding(job)
             _warn_logit_transform(job)
             check_host_memory(job, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-            lock.enter_context(writer_lock(job.store))
+            holder = lock.enter_context(writer_lock(job.store))
             prepare_store(job.store, job.attrs, cfg.store.overwrite)
-            barrier()
+            gather_from_all_ranks(holder)  # the others' barrier, which hands them `holder`
         else:
-            barrier()
+            # Rank 0's holder text comes from its memory, not from the lock file read after a
+            # barrier: rank 0 killed just after it, a rerun could take the lock before this rank
+            # (busy, or on another host) read the file, and the watch would guard the rerun
+            holder = gather_from_all_ranks(None)[0]
             job = plan_job(cfg)
-        _extract_shards(job, ctx, devices)
-        if not ready:
+        _extract_shards(job, ctx, devices, LockWatch.of(job.store, holder))
+        if launcher_lock is None:
             barrier()
             if ctx.is_main:
                 _finalize(job)
@@ -284,19 +294,20 @@ def run_extract(cfg: ExtractConfig) -> None:
         raise ValueError("target.device_map=true needs GPUs in run.devices, e.g. 0,1")
     procs = 1 if cfg.target.device_map else len(devices)
     if procs == 1 or under_torchrun():
-        _worker(cfg, devices, None, ready=False)
+        _worker(cfg, devices, None, launcher_lock=None)
         return
     # several local processes: validate and prepare here, so user errors stay ValueErrors
     job = _plan_and_say(cfg)
     _warn_padding(job)
     _warn_logit_transform(job)
     check_host_memory(job, procs)
-    # this process holds the writer lock for its ranks, which never take it
-    with writer_lock(job.store):
+    # this process holds the writer lock for its ranks, which never take it: they are handed
+    # what it wrote into the lock file, and commit only while the file still names it
+    with writer_lock(job.store) as holder:
         prepare_store(job.store, job.attrs, cfg.store.overwrite)
         with tempfile.TemporaryDirectory(prefix="dflash-extract-") as error_dir:
             try:
-                launch(_worker, devices, cfg, devices, error_dir, True)
+                launch(_worker, devices, cfg, devices, error_dir, holder)
             except Exception as err:
                 messages = sorted(Path(error_dir).glob("rank-*.txt"))
                 if messages:

@@ -27,7 +27,7 @@ from common.logging import get_logger
 from common.store import StoreError, shards_dir
 from stage1_extract.host_buffers import ShardBuffers
 from stage1_extract.writer import ShardLayout, ShardTask, no_space_errno
-from stage1_extract.writer_pools import ProcessPool, ThreadPool
+from stage1_extract.writer_pools import LockWatch, ProcessPool, ThreadPool
 
 KILL_ENV = "DFLASH_TEST_KILL_AFTER_COMMITS"  # test hook: SIGKILL self after this many commits
 
@@ -54,6 +54,7 @@ class ShardWriter:
         num_todo: int,
         shard_bytes: int,
         make_buffers: Callable[[], ShardBuffers],
+        watch: LockWatch | None,  # the store's lock where another process holds it
     ) -> None:
         self.store, self.layout = store, layout
         # no more writers (nor buffers beyond one per writer + 1) than there are shards to write
@@ -81,9 +82,9 @@ class ShardWriter:
         self.pending: queue.Queue[ShardJob | None] = queue.Queue()
         self.dispatcher = threading.Thread(target=self._dispatch, name="shard-dispatch")
         self.pool: ProcessPool | ThreadPool = (
-            ProcessPool(store, layout, processes, self.buffers, self._done)
+            ProcessPool(store, layout, processes, self.buffers, self._done, watch)
             if processes
-            else ThreadPool(store, layout, threads, self.buffers, self._done)
+            else ThreadPool(store, layout, threads, self.buffers, self._done, watch)
         )
         self.dispatcher.start()
 

@@ -261,9 +261,10 @@ def _has_content(store: Path) -> bool:
 
 
 @contextmanager
-def writer_lock(store: Path) -> Iterator[None]:
-    """Hold the store's writer lock (see the module docstring), creating the folder if needed;
-    StoreError naming the holder if another process holds it."""
+def writer_lock(store: Path) -> Iterator[str]:
+    """Hold the store's writer lock (see the module docstring), creating the folder if needed,
+    yielding what this process wrote into the lock file: the run's other processes are handed
+    it (`LockWatch`). StoreError naming the holder if another process holds it."""
     if _has_content(store):
         read_root_attrs(store)  # never put a lock file into a folder that is not a dflash store
     store.mkdir(parents=True, exist_ok=True)
@@ -275,8 +276,8 @@ def writer_lock(store: Path) -> Iterator[None]:
             "it), then rerun this command to resume"
         )
 
-    with exclusive_lock(store / LOCK_FILE, refused):
-        yield
+    with exclusive_lock(store / LOCK_FILE, refused) as holder:
+        yield holder
 
 
 def prepare_store(store: Path, attrs: dict[str, Any], overwrite: bool) -> list[int]:

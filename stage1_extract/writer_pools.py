@@ -15,12 +15,12 @@ watch needs this process's GIL and a core, so it can be late), and gives up ther
 temporary folder; and holds a copy of the lock's descriptor (an flock belongs to the open file,
 common/locks.py), so the lock stays held, and a rerun refused, until the last writer has exited.
 Only the process that took the lock has that descriptor: the writers of the others (the GPU
-processes of a local launch, torchrun's ranks but 0) commit only while the lock's holder, as its
-lock file named it when they started, still holds it (`LockWatch`), so that once it is gone no
-shard of theirs lands in a store that a rerun may be scanning or cleaning: a killed launcher's
-GPU processes get SIGINT twice (the first drains the writers, the second stops them), torchrun
-stops the other ranks of a killed rank 0 at its next poll, and ranks on other hosts extract on
-until a collective fails.
+processes of a local launch, torchrun's ranks but 0) commit only while the process that took it
+for their run still holds it (`LockWatch`, of the holder text it handed down), so that once it
+is gone no shard of theirs lands in a store that a rerun may be scanning or cleaning: a killed
+launcher's GPU processes get SIGINT twice (the first drains the writers, the second stops them),
+torchrun stops the other ranks of a killed rank 0 at its next poll, and ranks on other hosts
+extract on until a collective fails.
 
 Writers are forked from a forkserver that imported this module once: a spawned writer would
 import torch, zarr and the caller's whole main module (a bench or a user script that imports
@@ -64,9 +64,10 @@ class ThreadPool:
         threads: int,
         buffers: list[ShardBuffers],
         done: Done,
+        watch: LockWatch | None,
     ) -> None:
         self.store, self.layout, self.buffers, self.done = store, layout, buffers, done
-        self.watch = LockWatch.of(store)
+        self.watch = watch
         self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="shard-writer")
         self.ready_after_s: float | None = 0.0
         self.stopped = False  # set by stop(): no shard commits from then on
@@ -122,6 +123,7 @@ class ProcessPool:
         processes: int,
         buffers: list[ShardBuffers],
         done: Done,
+        watch: LockWatch | None,
     ) -> None:
         # never fork a process that holds CUDA state: fork from a clean server instead
         ctx = mp.get_context("forkserver")
@@ -136,7 +138,7 @@ class ProcessPool:
         lock = held_lock_fd(store / LOCK_FILE)  # None where another process holds it
         shared_lock = None if lock is None else SharedFd(lock)
         args = (store, layout, buffers[0].shape, arenas, self.tasks, self.results)
-        args += (os.getpid(), shared_lock, LockWatch.of(store))
+        args += (os.getpid(), shared_lock, watch)
         self.procs = [
             ctx.Process(target=_writer_main, args=args, name=f"shard-writer-{i}", daemon=True)
             for i in range(processes)
@@ -222,26 +224,27 @@ class ExtractionEnded(Exception):
 @dataclass(frozen=True)
 class LockWatch:
     """The store's lock where another process holds it: the writers of this process commit
-    only while the holder that the lock file named when they started still holds it (and
-    rank 0 its head file, stage1_extract/run.py)."""
+    only while the process that took it for their run still holds it (and rank 0 its head
+    file, stage1_extract/run.py)."""
 
     path: Path
-    holder: str | None  # what the holder wrote into the lock file; None: no one held it
+    holder: str  # what the process that took the lock for this run wrote into the lock file
 
     @staticmethod
-    def of(store: Path) -> LockWatch | None:
-        """None where this process holds the lock, or where there is no lock (no extraction)."""
+    def of(store: Path, holder: str) -> LockWatch | None:
+        """The watch of `holder`, handed down from where the lock was taken (the launcher, or
+        rank 0), never read from the file here: a process that starts its writers minutes after
+        the launcher was killed could find a rerun's text there. None where this process holds
+        the lock itself."""
         path = store / LOCK_FILE
-        if held_lock_fd(path) is not None or not path.exists():
-            return None
-        return LockWatch(path, lock_holder(path))
+        return None if held_lock_fd(path) is not None else LockWatch(path, holder)
 
     def check(self) -> None:
         """Raise once the holder is gone, even where a new run holds the lock now."""
-        if self.holder is None or lock_holder(self.path) != self.holder:
+        if lock_holder(self.path) != self.holder:
             raise RuntimeError(
                 f"the process that held the writer lock of store {self.path.parent} "
-                f"({self.holder or 'none'}) is gone; this process commits nothing more to it"
+                f"({self.holder}) is gone; this process commits nothing more to it"
             )
 
 

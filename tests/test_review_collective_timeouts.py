@@ -47,7 +47,7 @@ def torchrun_rank0(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
 
 WORKERS = {
     "train": (lambda: train._worker(None, ["cpu"]), timedelta(hours=2)),
-    "extract": (lambda: extract_run._worker(None, ["cpu"], None, False), timedelta(hours=48)),
+    "extract": (lambda: extract_run._worker(None, ["cpu"], None, None), timedelta(hours=48)),
     "generate": (lambda: generate_run._worker(None, ["cpu"], "-", False), timedelta(hours=48)),
 }
 

@@ -27,6 +27,11 @@ first. One Ctrl-C still commits what the threads hold.
 The target head file is committed under the same rule: rank 0 of a local launch (not the lock's
 holder) still loading its target when the launcher is killed and a rerun takes the store must
 not rename its head into the rerun's store, which would then keep the old target's head.
+
+The holder they watch is the one that took the lock for their run, handed down to them (by the
+launcher, or by rank 0 under torchrun), not whoever the lock file names when they start: a GPU
+process still preparing its data when the launcher is killed and a rerun takes the store must
+not take the rerun for its own run's holder.
 """
 
 from __future__ import annotations
@@ -48,20 +53,24 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from common.config import build_config
 from common.distributed import WorkerContext
 from common.locks import exclusive_lock
 from common.store import HEAD_FILE, TMP_PREFIX, committed_shards, shards_dir
-from common.tiny import tiny_config
+from common.tiny import EXAMPLE_DATA, tiny_config
 from stage1_extract import run, writer, writer_pools
+from stage1_extract.config import ExtractConfig
 from stage1_extract.host_buffers import BufferShape, ShardBuffers
 from stage1_extract.run import _close_writer
 from stage1_extract.shard_writer import ShardJob, ShardWriter
 from stage1_extract.store_root import LOCK_FILE, writer_lock
 from stage1_extract.writer import ShardLayout, ShardTask
+from stage1_extract.writer_pools import LockWatch
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="flock, /proc and memfd")
 
 SHAPE = BufferShape(slots=8, num_tapped=2, hidden_size=4, topk=2, vocab=None, fp8=False)
+DEBUG_CONFIG = Path(__file__).parents[1] / "configs" / "debug.yaml"
 CONTROL_ENV = "DFLASH_TEST_ORPHAN_CONTROL"  # folder of the `reached` and `go` files
 VARIANT_ENV = "DFLASH_TEST_ORPHAN_VARIANT"
 
@@ -95,7 +104,7 @@ def _held_writer_main(*args: object) -> None:
     writer_pools._writer_main(*args)
 
 
-def _hand_over_a_shard(store: Path, processes: int) -> ShardWriter:
+def _hand_over_a_shard(store: Path, processes: int, watch: LockWatch | None) -> ShardWriter:
     """The real ShardWriter (one writer process, or one thread), shard 0 handed over."""
     writer_pools._writer_main = _held_writer_main  # the target the writer processes run
     if not processes:
@@ -108,6 +117,7 @@ def _hand_over_a_shard(store: Path, processes: int) -> ShardWriter:
         num_todo=1,
         shard_bytes=1 << 20,
         make_buffers=lambda: ShardBuffers.allocate(SHAPE, pin=False),
+        watch=watch,
     )
     buffers = shard.acquire()
     host = buffers.tensors
@@ -126,23 +136,28 @@ def _extraction(store: Path) -> None:
     """The killed `dflash extract`: lock, writers, one shard handed over, then waits."""
     with writer_lock(store):
         shards_dir(store).mkdir()
-        _hand_over_a_shard(store, processes=1)
+        _hand_over_a_shard(store, processes=1, watch=None)
         time.sleep(600)
 
 
 def _lock_holder(store: Path) -> None:
     """The process of a multi-process extraction that holds the store's lock (the launcher, or
-    torchrun's rank 0), until it is killed."""
-    with writer_lock(store):
+    torchrun's rank 0), until it is killed; `locked` holds what it wrote into the lock file."""
+    with writer_lock(store) as holder:
         shards_dir(store).mkdir()
-        (Path(os.environ[CONTROL_ENV]) / "locked").touch()
+        (Path(os.environ[CONTROL_ENV]) / "locked").write_text(holder)
         time.sleep(600)
+
+
+def _launchers_watch(store: Path) -> LockWatch | None:
+    """The watch of the process that does not hold the lock, of the holder text it is handed."""
+    return LockWatch.of(store, (Path(os.environ[CONTROL_ENV]) / "locked").read_text())
 
 
 def _other_process(store: Path, processes: int) -> None:
     """A process of the same extraction that does not hold the lock (a GPU process of a local
     launch, or a torchrun rank but 0): one shard handed over; `closed` once its writer is done."""
-    shard = _hand_over_a_shard(store, processes)
+    shard = _hand_over_a_shard(store, processes, _launchers_watch(store))
     try:
         shard.close()
         outcome = "closed"
@@ -169,7 +184,38 @@ def _rank_zero_loading_its_target(store: Path) -> None:
     run.load_target = held_load
     job = SimpleNamespace(store=store, num_shards=0, cfg=SimpleNamespace(target=None))
     try:
-        run._extract_shards(job, WorkerContext(0, 2, 0, torch.device("cpu")), ["cpu", "cpu"])
+        ctx = WorkerContext(0, 2, 0, torch.device("cpu"))
+        run._extract_shards(job, ctx, ["cpu", "cpu"], _launchers_watch(store))
+        outcome = "returned"
+    except Exception as err:
+        outcome = f"{type(err).__name__}: {err}"
+    (control / "closed").write_text(outcome)
+    time.sleep(600)
+
+
+def _launched_worker(store: Path, model: str, data: str, rank: int, processes: int) -> None:
+    """A process of a local launch (rank `rank` of 2): the real `_worker`, handed the launcher's
+    holder text as `run_extract` hands it, held while it prepares its data (tokenizing, minutes
+    on real data) until the test says go; `closed` once it has returned or raised."""
+    control = Path(os.environ[CONTROL_ENV])
+    sets = [f"target.model={model}", f"data.path={data}", f"store.out={store}"]
+    sets += ["packing.seq_len=64", "store.sequences_per_shard=2", "store.chunk_tokens=32"]
+    sets += ["run.progress=false", f"run.writer_processes={processes}"]
+    cfg = build_config(ExtractConfig, DEBUG_CONFIG, "extract", sets)
+    real_plan_job = run.plan_job
+
+    def held_plan_job(cfg: ExtractConfig) -> object:
+        (control / "reached").write_text(str(os.getpid()))
+        while not (control / "go").exists():
+            time.sleep(0.01)
+        return real_plan_job(cfg)
+
+    run.plan_job = held_plan_job
+    # the rank a launch gives it, without the process group: a launched worker meets no other
+    # rank in a collective
+    run.init_worker = lambda *_args, **_kwargs: WorkerContext(rank, 2, rank, torch.device("cpu"))
+    try:
+        run._worker(cfg, ["cpu", "cpu"], None, (control / "locked").read_text())
         outcome = "returned"
     except Exception as err:
         outcome = f"{type(err).__name__}: {err}"
@@ -180,7 +226,7 @@ def _rank_zero_loading_its_target(store: Path) -> None:
 def _interrupted_process(store: Path, processes: int) -> None:
     """A process of the same extraction that does not hold the lock, interrupted while its
     writer holds a shard: run.py closes the writers in a `finally`; `closing` as it does."""
-    shard = _hand_over_a_shard(store, processes)
+    shard = _hand_over_a_shard(store, processes, _launchers_watch(store))
     try:
         time.sleep(600)  # the extraction loop, where the first SIGINT lands
     finally:
@@ -193,7 +239,7 @@ def _interrupted_extraction(store: Path) -> None:
     shard: it closes the writers in a `finally` as run.py does, then releases the lock."""
     with writer_lock(store):
         shards_dir(store).mkdir()
-        shard = _hand_over_a_shard(store, processes=0)
+        shard = _hand_over_a_shard(store, processes=0, watch=None)
         try:
             time.sleep(600)  # the extraction loop, where the first SIGINT lands
         finally:
@@ -235,7 +281,9 @@ def _wait(condition: object, seconds: float) -> bool:
     return bool(condition())  # type: ignore[operator]
 
 
-def _start(function: str, store: Path, control: Path, variant: str, *args: int) -> subprocess.Popen:
+def _start(
+    function: str, store: Path, control: Path, variant: str, *args: int | str
+) -> subprocess.Popen:
     """A child process that runs `function` of this file on the store (and `args`)."""
     env = {**os.environ, CONTROL_ENV: str(control), VARIANT_ENV: variant}
     script = "import sys; from pathlib import Path; from tests.test_review_orphan_writers "
@@ -246,7 +294,7 @@ def _start(function: str, store: Path, control: Path, variant: str, *args: int) 
 
 @contextmanager
 def _holder_then(
-    tmp_path: Path, function: str, *args: int
+    tmp_path: Path, function: str, *args: int | str
 ) -> Iterator[tuple[Path, Path, subprocess.Popen, subprocess.Popen]]:
     """The lock holder of a multi-process extraction, then another process of it that runs
     `function` of this file (with `args`) until it is about to commit (`reached`): (store,
@@ -344,6 +392,35 @@ def test_no_head_file_is_written_once_the_lock_holder_is_killed(tmp_path: Path) 
 
 
 @pytest.mark.parametrize(
+    ("rank", "processes"),
+    [(0, 0), (1, 0), (1, 1)],
+    ids=["rank 0: head file", "rank 1: writer thread", "rank 1: writer process"],
+)
+def test_a_worker_still_preparing_never_takes_a_rerun_for_its_holder(
+    tmp_path: Path, tiny_qwen3: Path, rank: int, processes: int
+) -> None:
+    """The launcher killed while a GPU process still prepares its data, a rerun (--overwrite,
+    or another dataset) takes the store: that process, going on, commits nothing (rank 0 its
+    head file first, rank 1 its shards) and leaves no temporary. Before the fix its watches read
+    the lock file only as it started its writers (and rank 0 its head), found the rerun there,
+    took it for its own run's holder, and committed into the rerun's store."""
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(EXAMPLE_DATA.read_text().splitlines()[:4]) + "\n")
+    args = (str(tiny_qwen3), str(data), rank, processes)
+    with _holder_then(tmp_path, "_launched_worker", *args) as (store, control, holder, other):
+        holder.kill()
+        holder.wait()
+        with exclusive_lock(store / LOCK_FILE, RuntimeError):  # the rerun's lock
+            (control / "go").touch()
+            assert _wait(lambda: (control / "closed").exists() or other.poll() is not None, 60)
+            assert committed_shards(store) == [], "a shard committed into the rerun's store"
+            assert not (store / HEAD_FILE).exists(), "a head file committed into the rerun's store"
+        assert "held the writer lock" in (control / "closed").read_text()
+        assert not list(store.glob(f"{TMP_PREFIX}*"))
+        assert not list(shards_dir(store).glob(f"{TMP_PREFIX}*"))
+
+
+@pytest.mark.parametrize(
     ("processes", "sigints"),
     [(1, 2), (0, 2), (1, 1)],
     ids=["writer process, launcher killed", "writer thread, launcher killed", "one Ctrl-C"],
@@ -426,7 +503,7 @@ def test_a_stopped_writer_thread_never_commits(tmp_path: Path, monkeypatch) -> N
     store.mkdir()
     with writer_lock(store):
         shards_dir(store).mkdir()
-        shard = _hand_over_a_shard(store, processes=0)
+        shard = _hand_over_a_shard(store, processes=0, watch=None)
         assert _wait(lambda: (control / "reached").exists(), 60)
         shard.pool.stop()
         (control / "go").touch()

@@ -33,7 +33,8 @@ class Results:
 def test_a_writer_error_comes_back_with_its_message(tmp_path: Path) -> None:
     buffers = [ShardBuffers.allocate(SHAPE, pin=False)]
     results = Results()
-    pool = ProcessPool(tmp_path / "missing-store", ShardLayout(8, 8, 1), 1, buffers, results)
+    store = tmp_path / "missing-store"
+    pool = ProcessPool(store, ShardLayout(8, 8, 1), 1, buffers, results, None)
     try:
         pool.submit(0, ShardTask(index=3, num_sequences=1, documents={}, attrs={}, finite=False))
         assert results.event.wait(60)
@@ -46,7 +47,7 @@ def test_a_writer_error_comes_back_with_its_message(tmp_path: Path) -> None:
 
 def test_a_dead_writer_is_reported(tmp_path: Path) -> None:
     buffers = [ShardBuffers.allocate(SHAPE, pin=False)]
-    pool = ProcessPool(tmp_path, ShardLayout(8, 8, 1), 1, buffers, Results())
+    pool = ProcessPool(tmp_path, ShardLayout(8, 8, 1), 1, buffers, Results(), None)
     try:
         pool.check_alive()
         os.kill(pool.procs[0].pid, signal.SIGKILL)
@@ -82,7 +83,7 @@ def test_buffers_seen_by_a_writer_process_are_the_parents(tmp_path: Path) -> Non
     documents = {"doc_length": np.array([8], np.int32)}
     attrs = {"num_tokens": 8, "num_loss_tokens": 8, "num_documents": 1}
     results = Results()
-    pool = ProcessPool(tmp_path, ShardLayout(8, 8, 1), 1, buffers, results)
+    pool = ProcessPool(tmp_path, ShardLayout(8, 8, 1), 1, buffers, results, None)
     try:
         pool.submit(0, ShardTask(index=0, num_sequences=1, documents=documents, attrs=attrs))
         assert results.event.wait(60)
