@@ -29,7 +29,7 @@ from transformers import PreTrainedTokenizerBase
 
 from common.distributed import (
     WorkerContext,
-    barrier,
+    failure_shared,
     finish_worker,
     init_worker,
     launch,
@@ -59,7 +59,7 @@ from stage1_generate.rows import (
     stop_token_ids,
 )
 
-# a rank that finished its chunks waits at the final barrier for the slowest one (up to one
+# a rank that finished its chunks waits for the slowest one (failure_shared in _worker: up to one
 # rank's whole share on a resume where the others have nothing left: hours); the process-group
 # timeout must outlast it. DFLASH_DIST_TIMEOUT_S overrides it (common/distributed.py)
 BARRIER_TIMEOUT = timedelta(hours=48)
@@ -163,23 +163,27 @@ def _worker(
     inputs: Inputs | None = None,
 ) -> None:
     """One process. `prepared`: the launcher prepared the folder and will finalize it; else
-    (under torchrun) rank 0 does both, around barriers. `inputs`: already read by the caller
+    (under torchrun) rank 0 does both, each section ending in failure_shared (every rank
+    raises, naming the rank that failed: on another node, a rank waiting in a bare barrier
+    after it would only end at the 48-hour timeout). `inputs`: already read by the caller
     when this runs in its process."""
     init_logger()
     ctx = init_worker(devices, timeout=BARRIER_TIMEOUT)
     try:
-        inputs = inputs or read_inputs(cfg)
+        if prepared:
+            _generate_chunks(cfg, ctx, devices, inputs or read_inputs(cfg))
+            return
         with ExitStack() as lock:
-            if not prepared:  # under torchrun: rank 0 holds the lock for the run
-                if ctx.is_main:
+            with failure_shared():
+                inputs = read_inputs(cfg)
+                if ctx.is_main:  # rank 0 holds the lock for the run
                     out = Path(cfg.output.out).expanduser()
                     check_output_folder(out, cfg.output.overwrite)
                     lock.enter_context(output_lock(out))
                     _prepare(cfg, inputs)
-                barrier()
-            _generate_chunks(cfg, ctx, devices, inputs)
-            if not prepared:
-                barrier()
+            with failure_shared():  # a rank that finished waits here for the slowest
+                _generate_chunks(cfg, ctx, devices, inputs)
+            with failure_shared():  # the others return the finalized manifest
                 if ctx.is_main:
                     _finalize(cfg)
     except ValueError as err:

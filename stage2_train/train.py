@@ -27,10 +27,16 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
-from common.distributed import WorkerContext, finish_worker, init_worker, launch, parse_devices
+from common.distributed import (
+    WorkerContext,
+    failure_shared,
+    finish_worker,
+    init_worker,
+    launch,
+    parse_devices,
+)
 from common.errors import report_to_launcher
 from common.locks import exclusive_lock
 from common.logging import get_logger, init_logger
@@ -257,15 +263,19 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
     total_steps = restore_fitted(
         saved_end, runner.schedule_end, runner.scheduler, cfg.optim, total_steps
     )
-    metrics = MetricsWriter(out / "metrics.jsonl", enabled=ctx.is_main, keep_until=state.step)
-    trackers = Trackers(
-        cfg.run.report_to if ctx.is_main else [],
-        out,
-        project=cfg.run.wandb_project,
-        name=cfg.run.wandb_name,
-        config=config_dict,
-        resumed_step=state.step,
-    )
+    # rank 0 alone opens these (a damaged metrics.jsonl, a tracker that cannot start): each
+    # section rank 0 does alone ends in failure_shared, so that the others stop with its error
+    # rather than wait in their next collective until the process-group timeout
+    with failure_shared():
+        metrics = MetricsWriter(out / "metrics.jsonl", enabled=ctx.is_main, keep_until=state.step)
+        trackers = Trackers(
+            cfg.run.report_to if ctx.is_main else [],
+            out,
+            project=cfg.run.wandb_project,
+            name=cfg.run.wandb_name,
+            config=config_dict,
+            resumed_step=state.step,
+        )
 
     dev_info = open_dev_store(cfg.data.dev_store, info) if cfg.data.dev_store else None
 
@@ -526,8 +536,9 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
             if due and holdout.ready():  # --follow: once the held-out shards are committed
                 record.update(run_eval())
             if due:
-                record.update(run_dev_eval())
-                export_if_best(record)
+                with failure_shared():  # rank 0 alone; one collective per evaluation
+                    record.update(run_dev_eval())
+                    export_if_best(record)
                 collector.after_step(state.step, evaluated=True)  # what the evaluations dropped
             write(record)
             if save:
@@ -536,19 +547,18 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
             if code:
                 stop_now(code)
     bar.close()
-    trackers.close()
     if skipped_damaged and ctx.is_main:
         log.warning(
             "skipped %d damaged sequences (data.on_damaged=skip; each named above): delete "
             "their shard folders and rerun the same `dflash extract` command to rebuild them",
             skipped_damaged,
         )
-    if ctx.is_main:
-        path = export_to(
-            out / "export",
-            fix="free space, then rerun the same command (it only exports: the checkpoints "
-            f"are whole), or `dflash export {out} --out FOLDER`",
-        )
-        log.info("exported the drafter to %s", path)
-    if dist.is_initialized():
-        dist.barrier()
+    with failure_shared():
+        trackers.close()
+        if ctx.is_main:
+            path = export_to(
+                out / "export",
+                fix="free space, then rerun the same command (it only exports: the checkpoints "
+                f"are whole), or `dflash export {out} --out FOLDER`",
+            )
+            log.info("exported the drafter to %s", path)
