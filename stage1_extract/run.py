@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from datetime import timedelta
 from pathlib import Path
 
@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from common.distributed import (
     WorkerContext,
-    barrier,
+    failure_shared,
     finish_worker,
     gather_from_all_ranks,
     init_worker,
@@ -196,24 +196,29 @@ def _worker(
         if launcher_lock is not None:
             job, holder = plan_job(cfg), launcher_lock
         elif ctx.is_main:  # rank 0 first: it fills the datasets cache the others then reuse
-            job = _plan_and_say(cfg)
-            _warn_padding(job)
-            _warn_logit_transform(job)
-            check_host_memory(job, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-            holder = lock.enter_context(writer_lock(job.store))
-            prepare_store(job.store, job.attrs, cfg.store.overwrite)
-            gather_from_all_ranks(holder)  # the others' barrier, which hands them `holder`
+            # (its failure stops every rank at once, not at the process-group timeout)
+            with failure_shared():
+                job = _plan_and_say(cfg)
+                _warn_padding(job)
+                _warn_logit_transform(job)
+                check_host_memory(job, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+                holder = lock.enter_context(writer_lock(job.store))
+                prepare_store(job.store, job.attrs, cfg.store.overwrite)
+            gather_from_all_ranks(holder)  # hands the others `holder`
         else:
+            with failure_shared():  # rank 0's preparation
+                pass
             # Rank 0's holder text comes from its memory, not from the lock file read after a
             # barrier: rank 0 killed just after it, a rerun could take the lock before this rank
             # (busy, or on another host) read the file, and the watch would guard the rerun
             holder = gather_from_all_ranks(None)[0]
             job = plan_job(cfg)
-        _extract_shards(job, ctx, devices, LockWatch.of(job.store, holder))
+        with nullcontext() if launcher_lock is not None else failure_shared():
+            _extract_shards(job, ctx, devices, LockWatch.of(job.store, holder))
         if launcher_lock is None:
-            barrier()
-            if ctx.is_main:
-                _finalize(job)
+            with failure_shared():  # the others leave once the store is marked complete
+                if ctx.is_main:
+                    _finalize(job)
     except ValueError as err:
         if error_dir is not None:
             Path(error_dir, f"rank-{ctx.rank}.txt").write_text(str(err))

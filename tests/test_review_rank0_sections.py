@@ -1,6 +1,7 @@
 """A failure in a section that rank 0 does alone under torchrun reaches every rank at once,
 named: `dflash generate` checking and preparing the output folder (and every rank reading the
-inputs), generating (every rank), finalizing the manifest; `dflash train` opening its metrics
+inputs), generating (every rank), finalizing the manifest; `dflash extract` planning and preparing the store, writing the target
+head file, marking the store complete; `dflash train` opening its metrics
 and trackers, evaluating on the dev store and exporting the best drafter, exporting at the end.
 The other ranks used to wait in the barrier or all-reduce after it until the process-group
 timeout (48 hours for generate, two hours for train), or to end as if the run had succeeded
@@ -40,6 +41,11 @@ GENERATE = {
     "check": "is a file; pass a folder path",  # --out is a file: rank 0 alone checks it
     "chunk": "No space left on device",  # committing its chunk (rank 1 writes its own)
     "finalize": "No space left on device",  # the manifest's totals, after every chunk
+}
+EXTRACT = {
+    "prepare": "No space left on device",  # rank 0 alone plans, locks and prepares the store
+    "head": "No space left on device",  # its target head file, beside its shards
+    "finalize": "No space left on device",  # the complete mark, after every shard
 }
 TRAIN = {
     "metrics": "line 1 is not a JSON record",  # truncating RUN/metrics.jsonl as it starts
@@ -146,6 +152,46 @@ def test_generate_stops_every_rank_when_rank_0_fails(tiny_qwen3: Path, tmp_path:
     assert len(list((tmp_path / "out").glob("part-*.jsonl.gz"))) == 3
     manifest = json.loads((tmp_path / "out" / ".dflash-generate" / "manifest.json").read_text())
     assert not manifest.get("complete")
+
+
+def _extract_rank(rank: int, root: Path, cfg: Any, seen: Any) -> None:
+    import stage1_extract.run as extract_run
+
+    outcomes = {}
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in (("RANK", rank), ("WORLD_SIZE", 2), ("LOCAL_RANK", rank)):
+            patch.setenv(name, str(value))  # under torchrun, on a node of its own
+        patch.setenv("LOCAL_WORLD_SIZE", "1")
+        patch.setattr(extract_run, "finish_worker", lambda: None)
+        for scenario in EXTRACT:
+            with pytest.MonkeyPatch.context() as fail:
+                if rank == 0 and scenario == "prepare":
+                    fail.setattr(extract_run, "prepare_store", lambda store, *a: _raise(store))
+                if rank == 0 and scenario == "head":
+                    fail.setattr(extract_run, "save_target_head", lambda m, path, *a: _raise(path))
+                if rank == 0 and scenario == "finalize":
+                    fail.setattr(extract_run, "finalize_store", lambda store, *a: _raise(store))
+                run = extract_run.run_extract
+                out = root / f"extract-{scenario}"
+                outcomes[scenario] = _in_group(root, scenario, rank, run, _with_store(cfg, out))
+    seen.put((rank, outcomes))
+
+
+def _with_store(cfg: Any, out: Path) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, out=str(out)))
+
+
+def test_extract_stops_every_rank_when_rank_0_fails(tiny_qwen3: Path, tmp_path: Path) -> None:
+    from test_extract import make_config, write_data
+
+    cfg = make_config(tiny_qwen3, write_data(tmp_path, 4), tmp_path / "unset", "run.progress=false")
+    outcomes = _run_ranks(_extract_rank, tmp_path, cfg)
+    _check(outcomes, EXTRACT)
+    assert not (tmp_path / "extract-finalize" / "zarr.json").exists() or not json.loads(
+        (tmp_path / "extract-finalize" / "zarr.json").read_text()
+    )["attributes"].get("complete")
 
 
 def _train_rank(rank: int, root: Path, configs: dict[str, TrainConfig], seen: Any) -> None:
