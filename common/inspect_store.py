@@ -268,7 +268,9 @@ def _generation_rows(generation: dict[str, Any] | None) -> list[tuple[str, str]]
             (
                 "",
                 f"text windows: {text['prompt_tokens']} prompt + {text['new_tokens']} new "
-                f"tokens every {text['stride']}",
+                f"tokens every {text['stride']}"
+                # (absent: the default, a reply ends at the target's end of text)
+                + (", written past the end of text" if text.get("stop_at_eos") is False else ""),
             )
         )
     rows.append(

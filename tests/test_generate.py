@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.config import build_config
 from common.generated import read_manifest
+from common.inspect_store import _generation_rows
 from common.store import open_store
 from dflash_offline.cli import main as cli
 from stage1_extract.config import ExtractConfig
@@ -233,6 +234,8 @@ def test_text_rows_written_past_the_end_of_text(tiny_eos_target: Path, tmp_path:
     stopped = run_generate(config(tiny_eos_target, data, tmp_path / "stopped", longer))
     assert past["content"]["text"]["stop_at_eos"] is False
     assert "stop_at_eos" not in stopped["content"]["text"]
+    shown = [line for manifest in (past, stopped) for _, line in _generation_rows(manifest)]
+    assert sum("written past the end of text" in line for line in shown) == 1  # inspect's
     windows = []
     for index, text in enumerate(TEXTS):
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -566,7 +569,6 @@ def test_tf32_matmuls_keyed_recorded_and_shown(tiny_qwen3: Path, tmp_path: Path)
     """target.matmul_precision=high (TF32 on GPUs) can change near-tie replies: it is part of
     the dataset's key and provenance when on, and absent when off, so that datasets generated
     before the option existed keep their keys; load_target sets the process's CUDA flag."""
-    from common.inspect_store import _generation_rows
     from stage1_extract.target import load_target
     from stage1_generate.inputs import build_manifest, read_inputs
 
