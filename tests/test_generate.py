@@ -78,6 +78,15 @@ def config(model: Path, data: Path, out: Path, *extra: str) -> GenerateConfig:
     return build_config(GenerateConfig, None, "generate", [*flags, *extra])
 
 
+def extract_config(model: Path, data: Path, store: Path) -> ExtractConfig:
+    """debug.yaml's extract settings over a generated folder, 64-token sequences."""
+    flags = [f"target.model={model}", f"data.path={data}", f"store.out={store}"]
+    flags += ["run.progress=false", "packing.seq_len=64"]
+    return build_config(
+        ExtractConfig, Path(__file__).parents[1] / "configs" / "debug.yaml", "extract", flags
+    )
+
+
 def read_rows(out: Path) -> list[dict]:
     rows = []
     for path in sorted(out.glob("part-*.jsonl.gz")):
@@ -201,13 +210,7 @@ def test_text_windows(tiny_qwen3: Path, tmp_path: Path) -> None:
     assert manifest["counts"]["new_tokens"] == sum(r["new_tokens"] for r in rows)
 
     # extract reads {prompt, completion} rows with the loss on the completion only
-    extract_cfg = build_config(
-        ExtractConfig,
-        Path(__file__).parents[1] / "configs" / "debug.yaml",
-        "extract",
-        [f"target.model={tiny_qwen3}", f"data.path={tmp_path / 'out'}"]
-        + [f"store.out={tmp_path / 'store'}", "run.progress=false", "packing.seq_len=64"],
-    )
+    extract_cfg = extract_config(tiny_qwen3, tmp_path / "out", tmp_path / "store")
     prepared = prepare_documents(extract_cfg.data, tokenizer)
     assert prepared.format == "completion"
     for doc, row in zip(prepared.dataset, rows, strict=True):
@@ -260,13 +263,7 @@ def test_text_rows_written_past_the_end_of_text(tiny_eos_target: Path, tmp_path:
     ]
     assert got == expected
     # extract tokenizes the written end of text back to its id
-    extract_cfg = build_config(
-        ExtractConfig,
-        Path(__file__).parents[1] / "configs" / "debug.yaml",
-        "extract",
-        [f"target.model={tiny_eos_target}", f"data.path={tmp_path / 'past'}"]
-        + [f"store.out={tmp_path / 'store'}", "run.progress=false", "packing.seq_len=64"],
-    )
+    extract_cfg = extract_config(tiny_eos_target, tmp_path / "past", tmp_path / "store")
     prepared = prepare_documents(extract_cfg.data, tokenizer)
     for doc, (_, _, prompt, reply) in zip(prepared.dataset, windows, strict=True):
         assert doc["input_ids"].count(eos) == (prompt + reply).count(eos)

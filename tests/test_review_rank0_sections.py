@@ -90,10 +90,7 @@ def _generate_rank(rank: int, root: Path, cfg: GenerateConfig, seen: Any) -> Non
 
     outcomes = {}
     with pytest.MonkeyPatch.context() as patch:
-        for name, value in (("RANK", rank), ("WORLD_SIZE", 2), ("LOCAL_RANK", rank)):
-            patch.setenv(name, str(value))  # under torchrun, on a node of its own
-        patch.setenv("LOCAL_WORLD_SIZE", "1")
-        patch.setattr(generate_run, "finish_worker", lambda: None)
+        _as_torchrun_rank(patch, rank, generate_run)
         for scenario in GENERATE:
             out = root / ("check" if scenario == "check" else "out")
             with pytest.MonkeyPatch.context() as fail:
@@ -102,7 +99,9 @@ def _generate_rank(rank: int, root: Path, cfg: GenerateConfig, seen: Any) -> Non
                 if rank == 0 and scenario == "finalize":
                     fail.setattr(generate_run, "finalize_output", lambda out, *a: _raise(out))
                 run = generate_run.run_generate
-                outcomes[scenario] = _in_group(root, scenario, rank, run, _with_out(cfg, out))
+                outcomes[scenario] = _in_group(
+                    root, scenario, rank, run, _with_out(cfg, "output", out)
+                )
     seen.put((rank, outcomes))
 
 
@@ -110,10 +109,21 @@ def _raise(path: object) -> None:
     raise _no_space(path)
 
 
-def _with_out(cfg: GenerateConfig, out: Path) -> GenerateConfig:
+def _as_torchrun_rank(patch: pytest.MonkeyPatch, rank: int, command: Any) -> None:
+    """This process as rank `rank` of 2 under torchrun, on a node of its own; `command`'s
+    module keeps its process group after a failure (see the module docstring)."""
+    for name, value in (("RANK", rank), ("WORLD_SIZE", 2), ("LOCAL_RANK", rank)):
+        patch.setenv(name, str(value))
+    patch.setenv("LOCAL_WORLD_SIZE", "1")
+    patch.setattr(command, "finish_worker", lambda: None)
+
+
+def _with_out(cfg: Any, section: str, out: Path) -> Any:
+    """`cfg` with its `section`'s `out` set to `out`."""
     import dataclasses
 
-    return dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, out=str(out)))
+    changed = dataclasses.replace(getattr(cfg, section), out=str(out))
+    return dataclasses.replace(cfg, **{section: changed})
 
 
 def _run_ranks(target: Any, root: Path, *args: Any) -> dict[int, dict[str, tuple[str, float]]]:
@@ -159,10 +169,7 @@ def _extract_rank(rank: int, root: Path, cfg: Any, seen: Any) -> None:
 
     outcomes = {}
     with pytest.MonkeyPatch.context() as patch:
-        for name, value in (("RANK", rank), ("WORLD_SIZE", 2), ("LOCAL_RANK", rank)):
-            patch.setenv(name, str(value))  # under torchrun, on a node of its own
-        patch.setenv("LOCAL_WORLD_SIZE", "1")
-        patch.setattr(extract_run, "finish_worker", lambda: None)
+        _as_torchrun_rank(patch, rank, extract_run)
         for scenario in EXTRACT:
             with pytest.MonkeyPatch.context() as fail:
                 if rank == 0 and scenario == "prepare":
@@ -173,14 +180,10 @@ def _extract_rank(rank: int, root: Path, cfg: Any, seen: Any) -> None:
                     fail.setattr(extract_run, "finalize_store", lambda store, *a: _raise(store))
                 run = extract_run.run_extract
                 out = root / f"extract-{scenario}"
-                outcomes[scenario] = _in_group(root, scenario, rank, run, _with_store(cfg, out))
+                outcomes[scenario] = _in_group(
+                    root, scenario, rank, run, _with_out(cfg, "store", out)
+                )
     seen.put((rank, outcomes))
-
-
-def _with_store(cfg: Any, out: Path) -> Any:
-    import dataclasses
-
-    return dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, out=str(out)))
 
 
 def test_extract_stops_every_rank_when_rank_0_fails(tiny_qwen3: Path, tmp_path: Path) -> None:
