@@ -12,7 +12,8 @@
 #   prefetch   bench/prefetch_check.py --measure: data.prefetch_to_device checked, then timed on/off
 #   generate_pystd  bench/bench_generate.py at the pystd recipe's generate shape: sdpa,
 #              sdpa_gqa_decode, eager, static cache, flex_attention
-# Start the device command with the wheel install line, carry [".whl", ".bench"], timeout 540:
+# Start the device command with the wheel install line, carry [".whl", ".bench"] (and ".whl-fp8"
+# for the fp8 part: bench/prepare_carry.sh puts torchao's wheel there), timeout 540:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 #     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site && python3 -m pip install \
 #     -q --no-index --no-deps --no-build-isolation -e . || exit 1; bash bench/issue12_call.sh
@@ -159,6 +160,10 @@ train_8b_compiled() {
 # torchao==0.18.0); compare with train_8b_compiled's step. FP8_RECIPE=tensorwise for one scale
 # per tensor (rowwise: 141.9 vs 135.4 ms bf16 at 8B, sixteenth session: the casts cost it)
 train_8b_fp8() {
+  if [ -d .whl-fp8 ] && ! python3 -c 'import torchao' > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl-fp8/*.whl > /dev/null 2>&1
+  fi
   if ! python3 -c 'import torchao' > /dev/null 2>&1; then
     record '{"part": "train_8b_fp8", "status": "skipped", "reason": "torchao not installed"}'
     return 0
