@@ -222,6 +222,50 @@ def failure_shared() -> Iterator[None]:
     raise RankFailed(f"rank {first} failed, so every rank stops: {text}") from own
 
 
+class HeldFailure:
+    """An error of this rank's own per-step work (rank 0's metrics line, its trackers), held
+    until the ranks next meet instead of raised where it happened.
+
+    Raised at once, it ended this rank while the others waited for it in their next step's
+    collectives until the process-group timeout; sharing it at once (failure_shared) would add
+    a collective to every step. Held, the rank trains on with the others (skipping the failed
+    work), the flag `failed` rides on a collective the step already does (the stop agreement,
+    stage2_train/stop.py), and `share()`, called by every rank where they meet (that
+    agreement, a checkpoint, the end), ends every rank with this rank's error. Without a
+    process group (world 1) the error is raised at once, as before."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.error: Exception | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def run(self, work: Callable[..., Any], *args: Any) -> None:
+        """`work(*args)`, its error held; skipped once an error is held (a metrics line after
+        the failed one would leave a gap in the file that a resume cannot see)."""
+        if self.error is not None:
+            return
+        try:
+            work(*args)
+        except Exception as err:
+            if self.world_size == 1 or not dist.is_initialized():
+                raise
+            self.error = err
+
+    def raise_held(self) -> None:
+        """Raise the held error, if any; inside failure_shared every rank then stops with it."""
+        if self.error is not None:
+            raise self.error
+
+    def share(self) -> None:
+        """Every rank: end them all with the first held error (collective: one gather of
+        nothing per call while nothing failed)."""
+        with failure_shared():
+            self.raise_held()
+
+
 def finish_worker() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -11,7 +11,9 @@ since the last checkpoint.
 With several ranks the signal may reach them at different steps (the launcher forwards it), so
 each step the ranks agree on whether to stop (one all-reduce of one number): all of them stop
 after the same step and the checkpoint is whole. With run.read_metrics_late that agreement is
-read a step later, like the metrics, and the run stops one step after the request.
+read a step later, like the metrics, and the run stops one step after the request. The same
+number carries a rank's held failure (RANK_FAILED, common.distributed.HeldFailure): rank 0's
+per-step writes reach the other ranks at no cost of their own.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from common.errors import Stopped
 from stage2_train.host_copy import HostCopy
 
 TIME_LIMIT_EXIT = 124
+# a rank holds a failure: above every exit code (0-255), so the MAX of the agreement keeps it
+RANK_FAILED = 256
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -78,13 +82,14 @@ class StopRequests:
             return TIME_LIMIT_EXIT
         return 0
 
-    def due(self, late: bool = False) -> int:
+    def due(self, late: bool = False, failed: bool = False) -> int:
         """0 to go on, else the exit code to stop with; every rank calls it after every step
         and all of them get the same answer. With several ranks the answer is a collective;
         `late` takes the one agreed at the previous call (0 at the first) and leaves this
         call's to the next, so the host need not wait for this step's kernels to learn it:
-        the run stops one step later, still all ranks after the same step."""
-        code = self._local_code()
+        the run stops one step later, still all ranks after the same step. `failed`: this
+        rank holds a failure; RANK_FAILED then comes back on every rank (in place of a code)."""
+        code = RANK_FAILED if failed else self._local_code()
         if self.world_size == 1 or not dist.is_initialized():
             return code
         agreed = torch.full((1,), code, dtype=torch.int32, device=self.device)

@@ -30,6 +30,7 @@ import torch
 from tqdm import tqdm
 
 from common.distributed import (
+    HeldFailure,
     WorkerContext,
     failure_shared,
     finish_worker,
@@ -68,7 +69,7 @@ from stage2_train.plots import draw_plots_safely
 from stage2_train.prefetch import DevicePrefetcher
 from stage2_train.resume import resume_run
 from stage2_train.step import load_frozen_head
-from stage2_train.stop import TIME_LIMIT_EXIT, StopRequests, stopped
+from stage2_train.stop import RANK_FAILED, TIME_LIMIT_EXIT, StopRequests, stopped
 from stage2_train.time_fit import TimeFit, restore_fitted
 from stage2_train.trackers import Trackers, check_trackers
 from stage2_train.trainstep import (
@@ -441,7 +442,16 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         record["tokens_per_s"] = round(record["tokens"] / record["step_s"], 1)
         return record
 
+    # a step's line, trackers and log are rank 0's alone: its error there is held (held.run)
+    # and reaches the other ranks by the stop agreement, a checkpoint, an evaluation or the
+    # end, which every rank meets anyway; raised at once, the others waited in the next
+    # step's collectives until the process-group timeout
+    held = HeldFailure(ctx.world_size)
+
     def write(record: dict[str, Any]) -> None:
+        held.run(write_now, record)
+
+    def write_now(record: dict[str, Any]) -> None:
         metrics.write(record)
         trackers.log(record)
         if ctx.is_main and ("eval_tau" in record or record["step"] == total_steps):
@@ -464,6 +474,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
     def keep_progress() -> None:
         """The steps trained so far into the metrics and a checkpoint (a stop, an error)."""
         write_unread()  # its tokens count into the checkpoint's state
+        held.share()  # rank 0's line failed: no checkpoint without it, as with one rank
         if saved_step != state.step:
             checkpoint()
 
@@ -518,7 +529,10 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
             due = (cfg.run.eval_every and state.step % cfg.run.eval_every == 0) or last
             every = cfg.run.checkpoint_every
             save = (every and state.step % every == 0) or last
-            code = 0 if last else stop.due(late)  # a signal or the time limit (stop.py)
+            # a signal or the time limit (stop.py); also whether a rank holds a failure
+            code = 0 if last else stop.due(late, failed=held.failed)
+            if code == RANK_FAILED:
+                held.share()  # raises on every rank, rank 0's error named
             if code == TIME_LIMIT_EXIT and fit.finish_at_limit(state.step):
                 # the fitted decay is over: evaluate, checkpoint and export as at the end
                 log.info(
@@ -537,11 +551,13 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
                 record.update(run_eval())
             if due:
                 with failure_shared():  # rank 0 alone; one collective per evaluation
+                    held.raise_held()
                     record.update(run_dev_eval())
                     export_if_best(record)
                 collector.after_step(state.step, evaluated=True)  # what the evaluations dropped
             write(record)
             if save:
+                held.share()  # as in keep_progress (the last step always saves: its line too)
                 checkpoint()
                 saved_step = state.step
             if code:
