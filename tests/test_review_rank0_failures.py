@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from common.distributed import HeldFailure
 from stage2_train.checkpoint import TrainState, remove_leftovers, save_checkpoint
 
 TIMEOUT_S = 3.0
@@ -140,3 +141,16 @@ def test_without_a_process_group_the_error_is_rank_0s_own(
     _inject(monkeypatch, "leftovers")
     with pytest.raises(PermissionError, match=r"\.tmp-step-000007; remove that folder"):
         remove_leftovers(tmp_path, rank=0)
+
+
+def test_a_held_failure_without_a_process_group_is_raised_at_once() -> None:
+    """One rank has no one to wait for it: rank 0's per-step write fails where it happened,
+    as before HeldFailure (nothing is held for a later stop agreement)."""
+    held = HeldFailure(world_size=1)
+    with pytest.raises(OSError, match="No space left on device"):
+        held.run(_refused_line, {"step": 1})
+    assert not held.failed
+
+
+def _refused_line(record: dict) -> None:
+    raise OSError(errno.ENOSPC, "No space left on device", "metrics.jsonl")
