@@ -55,17 +55,32 @@ FILE_MODE, FOLDER_MODE = 0o644, 0o755
 
 
 def mask_token_string(tokenizer_attrs: dict, token_id: int) -> str | None:
-    """The mask token's string, from the tokenizer the store names (None when it cannot be
-    loaded offline, or when the id is an embedding row past the tokenizer's vocabulary)."""
+    """The mask token's string, from the tokenizer the store names, read from local files only
+    (its folder, or the Hugging Face cache); None, with a warning that says what to do, when it
+    is not there, and None when the id is an embedding row past the tokenizer's vocabulary."""
     name = tokenizer_attrs.get("name_or_path")
     if not name:
         return None
-    try:
-        from transformers import AutoTokenizer
+    from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(name)
+    # Local files only: for a hub id without HF_HUB_OFFLINE, transformers asks the hub first even
+    # when the files are cached, and a machine without network sits through its retries (~47 s)
+    # at every training start, for a string that only labels the export. The machine that
+    # extracted the store loaded this tokenizer, so it has the folder or the cached files.
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=True)
     except (OSError, ValueError) as err:  # not there, or not a tokenizer: only a nicety lost
-        get_logger().warning("export: no mask token string (tokenizer %s: %s)", name, err)
+        get_logger().warning(
+            "export: no mask token string (tokenizer %s could not be read from local files, "
+            "its folder or the Hugging Face cache: %s); the export's dflash_config.mask_token "
+            "stays null (its mask_token_id %d is written). To have it, download the tokenizer "
+            "before training (`hf download %s`, or HF_HUB_CACHE naming a cache that holds it), "
+            "or set dflash_config.mask_token in the export's config.json by hand",
+            name,
+            err,
+            token_id,
+            name,
+        )
         return None
     return tokenizer.convert_ids_to_tokens(token_id) if token_id < len(tokenizer) else None
 
