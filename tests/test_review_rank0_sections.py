@@ -2,7 +2,8 @@
 named: `dflash generate` checking and preparing the output folder (and every rank reading the
 inputs), generating (every rank), finalizing the manifest; `dflash extract` planning and preparing the store, writing the target
 head file, marking the store complete; `dflash train` opening its metrics
-and trackers, evaluating on the dev store and exporting the best drafter, exporting at the end.
+and trackers, writing a step's metrics line (every step), evaluating on the dev store and
+exporting the best drafter, exporting at the end.
 The other ranks used to wait in the barrier or all-reduce after it until the process-group
 timeout (48 hours for generate, two hours for train), or to end as if the run had succeeded
 (generate's finalize). Two gloo ranks under a short timeout, so a regression fails in seconds
@@ -29,6 +30,7 @@ from common.distributed import WorkerContext
 from stage1_generate.config import GenerateConfig
 from stage2_train.best import BEST_DIR
 from stage2_train.config import TrainConfig
+from stage2_train.metrics import MetricsWriter
 
 TIMEOUT_S = 8.0  # slower ranks (model loads, 2 shared cores) must not time out legitimately
 DEBUG = Path(__file__).parents[1] / "configs" / "debug.yaml"
@@ -49,6 +51,7 @@ EXTRACT = {
 }
 TRAIN = {
     "metrics": "line 1 is not a JSON record",  # truncating RUN/metrics.jsonl as it starts
+    "step": "No space left on device",  # a step's metrics line, between two plain steps
     "best": "No space left on device",  # exporting the best drafter after a dev evaluation
     "final": "No space left on device",  # the export at the end
 }
@@ -215,8 +218,20 @@ def _train_rank(rank: int, root: Path, configs: dict[str, TrainConfig], seen: An
         if rank == 0:
             patch.setattr(train, "export_drafter", export_refused)
         for scenario, cfg in configs.items():
-            outcomes[scenario] = _in_group(root, scenario, rank, train.train_worker, cfg, ctx)
+            with pytest.MonkeyPatch.context() as fail:
+                if rank == 0 and scenario == "step":
+                    fail.setattr(MetricsWriter, "write", _line_refused)
+                run = train.train_worker
+                outcomes[scenario] = _in_group(root, scenario, rank, run, cfg, ctx)
     seen.put((rank, outcomes))
+
+
+def _line_refused(writer: MetricsWriter, record: dict[str, Any]) -> None:
+    """Step 1's line fails as a full disk would. It is written once step 2 is queued
+    (run.read_metrics_late); the failure rides on step 2's stop agreement, read late, at step
+    3: rank 1 trains steps 2 and 3 meanwhile, and used to wait in step 3's collectives."""
+    if record["step"] == 1:
+        raise _no_space(writer.path)
 
 
 def test_train_stops_every_rank_when_rank_0_fails(tmp_path: Path) -> None:
@@ -225,7 +240,11 @@ def test_train_stops_every_rank_when_rank_0_fails(tmp_path: Path) -> None:
     for scenario in TRAIN:
         out = tmp_path / scenario
         sets = [f"data.store={store}", f"run.out={out}", "run.progress=false"]
-        sets += ["optim.max_steps=2", "run.eval_every=1", "data.holdout_sequences=2"]
+        sets += ["data.holdout_sequences=2", "optim.max_steps=2", "run.eval_every=1"]
+        if scenario == "step":  # plain steps after the failed line (no evaluation, no
+            # checkpoint: the ranks meet only in the step's collectives); step 3 reads the
+            # agreement, so it must not be the last (the last step asks none)
+            sets += ["optim.max_steps=4", "run.eval_every=0"]
         if scenario == "best":
             sets += [f"data.dev_store={store}", "run.export_best=true"]
         configs[scenario] = build_config(TrainConfig, DEBUG, "train", sets)
@@ -236,3 +255,4 @@ def test_train_stops_every_rank_when_rank_0_fails(tmp_path: Path) -> None:
     _check(outcomes, TRAIN)
     assert not (tmp_path / "best" / "step-000001").exists()  # every rank stopped at step 1
     assert (tmp_path / "final" / "step-000002" / "meta.json").is_file()
+    assert not list((tmp_path / "step").glob("step-*"))  # every rank stopped before the end
