@@ -300,10 +300,10 @@ def generate_text(
     for (index, start, prompt), completion in zip(windows, completions, strict=True):
         if not completion.text.strip():
             continue  # the target ended the document at once: nothing of its own to learn
-        # past an end of text the row keeps that token as its text (the prefix, e.g. Llama's
-        # BOS, stays out: extract adds it again)
-        keep = None if stop else len(prefix)
-        row = _split_row(tokenizer, prompt, completion, cfg.text.loss_on_prompt, keep)
+        # the prefix (e.g. Llama's BOS) stays out of the row: extract adds it again
+        row = _split_row(
+            tokenizer, prompt[len(prefix) :], completion, cfg.text.loss_on_prompt, not stop
+        )
         row.update(source_index=index, window_start=start, new_tokens=completion.num_tokens)
         result.rows.append(row)
     return result
@@ -324,14 +324,14 @@ def _split_row(
     prompt: list[int],
     completion: Completion,
     as_text: bool,
-    keep_special_after: int | None = None,
+    reply_specials: bool = False,
 ) -> dict[str, Any]:
     """{text} or {prompt, completion} of one window. The whole window is decoded at once when
-    the reply's ids are known, so no character is cut at the seam. `keep_special_after`: the
-    special tokens after the prompt's first that many ids are written as their text (an end of
-    text the target wrote past; its prefix dropped), else every special token is left out."""
-    start, skip = (0, True) if keep_special_after is None else (keep_special_after, False)
-    prompt = prompt[start:]
+    the reply's ids are known, so no character is cut at the seam. The prompt keeps its special
+    tokens as their text (a document's own `<|endoftext|>` or chat markers): extract's tokenizer
+    reads them back as the ids the target continued. The reply's special tokens are written
+    only with `reply_specials` (an end of text the target wrote past), else left out."""
+    skip = not reply_specials
     prompt_text = tokenizer.decode(prompt, skip_special_tokens=skip)
     if completion.token_ids is not None:
         text = tokenizer.decode(prompt + completion.token_ids, skip_special_tokens=skip)
@@ -341,11 +341,16 @@ def _split_row(
         while cut > 0 and not text.startswith(prompt_text):
             cut -= 1
             prompt_text = tokenizer.decode(prompt[:cut], skip_special_tokens=skip)
+        reply_text = text[len(prompt_text) :]
     else:
-        text = prompt_text + completion.text
+        cut, reply_text = len(prompt), completion.text
+    if skip:
+        # the reply was split off the text without special tokens; the prompt's own go back
+        # in (a prompt that has none is written as before: resumed runs mix both)
+        prompt_text = tokenizer.decode(prompt[:cut], skip_special_tokens=False)
     if as_text:
-        return {"text": text}
-    return {"prompt": prompt_text, "completion": text[len(prompt_text) :]}
+        return {"text": prompt_text + reply_text}
+    return {"prompt": prompt_text, "completion": reply_text}
 
 
 def generate_completion(
@@ -359,6 +364,7 @@ def generate_completion(
     """A new completion by the target for every `prompt` (completion rows; the old completion
     is dropped)."""
     check_settings(cfg, "completion", backend.max_positions, backend.max_positions_source, 0)
+    prefix = special_prefix(tokenizer)
     result = ChunkResult()
     keep: list[int] = []
     prompts: list[list[int]] = []
@@ -379,7 +385,9 @@ def generate_completion(
     for k, prompt, completion in zip(keep, prompts, completions, strict=True):
         if not completion.text.strip():
             continue  # counted in empty_replies; a row without loss tokens trains nothing
-        row = _split_row(tokenizer, prompt, completion, as_text=False)
+        # the prefix stays out, as for text rows: extract adds it again
+        body = prompt[len(prefix) :] if prompt[: len(prefix)] == prefix else prompt
+        row = _split_row(tokenizer, body, completion, as_text=False)
         row.update(source_index=indices[k], new_tokens=completion.num_tokens)
         result.rows.append(row)
     return result

@@ -428,6 +428,76 @@ def test_rerun_removes_a_killed_runs_temporary_files(
     assert digests(out) == digests(chat_out)
 
 
+# a document that holds special tokens as text: documents joined by an end of text, chat
+# markers in raw text; the tokenizer reads each as its id (as extract's does)
+SPECIAL_TEXT = "the quick brown fox<|endoftext|>jumps over<|im_start|> the lazy dog " * 4
+
+
+@pytest.mark.parametrize("stop", [True, False], ids=["stop_at_eos", "past_eos"])
+def test_text_rows_keep_the_documents_special_tokens(
+    tiny_qwen3: Path, tmp_path: Path, stop: bool
+) -> None:
+    """The target continued the window's ids, special tokens included: the written prompt keeps
+    them as their text, so extract's tokens are the ones it was conditioned on (both modes),
+    and the completion is the target's reply, as the rows of plain text."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    data = write_jsonl(tmp_path / "text.jsonl", [{"text": SPECIAL_TEXT}])
+    mode = [] if stop else ["text.stop_at_eos=false"]
+    run_generate(config(tiny_qwen3, data, tmp_path / "split", "text.loss_on_prompt=false", *mode))
+    run_generate(config(tiny_qwen3, data, tmp_path / "text", *mode))
+    rows = read_rows(tmp_path / "split")
+    ids = tokenizer(SPECIAL_TEXT, add_special_tokens=False)["input_ids"]
+    specials = set(tokenizer.all_special_ids)
+    windows = [ids[s : s + 12] for s in text_windows(ids, 12, 20)]
+    assert [r["window_start"] for r in rows] == text_windows(ids, 12, 20)
+    assert sum(bool(specials & set(w)) for w in windows) >= 2, "no window holds a special token"
+    for row, prompt in zip(rows, windows, strict=True):
+        assert tokenizer(row["prompt"], add_special_tokens=False)["input_ids"] == prompt
+        reply = greedy_reply(tiny_qwen3, prompt, 5, stop)
+        # the reply as before: special tokens it wrote as text only past the end of text
+        whole = tokenizer.decode(prompt + reply, skip_special_tokens=stop)
+        assert row["completion"] == whole[len(tokenizer.decode(prompt, skip_special_tokens=stop)) :]
+    texts = [r["text"] for r in read_rows(tmp_path / "text")]
+    assert texts == [r["prompt"] + r["completion"] for r in rows]
+    # extract's tokens of a prompt row: the ids the target saw
+    prepared = prepare_documents(
+        extract_config(tiny_qwen3, tmp_path / "split", tmp_path / "store").data, tokenizer
+    )
+    for doc, prompt in zip(prepared.dataset, windows, strict=True):
+        assert doc["input_ids"][: len(prompt)] == prompt
+
+
+@pytest.mark.parametrize("bos", [False, True], ids=["no_prefix", "bos_prefix"])
+def test_completion_rows_keep_the_prompts_special_tokens(
+    tiny_qwen3: Path, tmp_path: Path, bos: bool
+) -> None:
+    """Completion rows: the written prompt re-tokenizes to the ids the target continued, its
+    special tokens included, and a tokenizer's BOS is not written as text (extract adds it)."""
+    from tokenizers import processors
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    model_dir = tiny_qwen3
+    if bos:
+        first = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+        tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+            single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", first)]
+        )
+        model_dir = tmp_path / "target"
+        AutoModelForCausalLM.from_pretrained(tiny_qwen3).save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+    prompts = ["Say<|im_start|> hi<|endoftext|>the quick brown fox", "import os\nimport sys\n"]
+    data = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": p, "completion": "x"} for p in prompts])
+    run_generate(config(model_dir, data, tmp_path / "out"))
+    rows = read_rows(tmp_path / "out")
+    assert [r["source_index"] for r in rows] == [0, 1]
+    for row, prompt in zip(rows, prompts, strict=True):
+        ids = tokenizer(prompt)["input_ids"]
+        assert tokenizer(row["prompt"])["input_ids"] == ids
+        reply = greedy_reply(model_dir, ids, 6)
+        whole = tokenizer.decode(ids + reply, skip_special_tokens=True)
+        assert row["completion"] == whole[len(tokenizer.decode(ids, skip_special_tokens=True)) :]
+
+
 def test_json_output_has_no_nan(tmp_path: Path) -> None:
     from dflash_offline.options import echo_json
 

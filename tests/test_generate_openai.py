@@ -128,6 +128,24 @@ def test_text_past_the_end_of_text_equals_local(
     assert all(r["stop_token_ids"] == [] for r in server.requests)
 
 
+@pytest.mark.parametrize("return_ids", [True, False])
+def test_text_with_special_tokens_equals_local(
+    tiny_qwen3: Path, tmp_path: Path, return_ids: bool
+) -> None:
+    """A document holding special tokens (an end of text between documents, a chat marker):
+    through a server the rows' prompts keep them as text, as the local backend's."""
+    text = "the quick brown fox<|endoftext|>jumps over<|im_start|> the lazy dog " * 4
+    data = _write(tmp_path / "special.jsonl", [{"text": text}])
+    split = "text.loss_on_prompt=false"
+    local = _generate(tiny_qwen3, data, tmp_path / "local", None, split)
+    with OpenAIServer(tiny_qwen3, return_ids=return_ids) as server:
+        remote = _generate(tiny_qwen3, data, tmp_path / "remote", server.url, split)
+    rows = _rows(tmp_path / "remote")
+    assert rows == _rows(tmp_path / "local") and remote["counts"] == local["counts"]
+    assert any("<|endoftext|>" in r["prompt"] for r in rows)
+    assert all(r["skip_special_tokens"] for r in server.requests)
+
+
 def test_a_server_that_stops_at_the_end_of_text_anyway_is_named(
     tiny_eos_target: Path, tmp_path: Path
 ) -> None:
