@@ -51,17 +51,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from common.config import build_config
 from common.distributed import WorkerContext
 from common.locks import exclusive_lock
 from common.store import HEAD_FILE, TMP_PREFIX, committed_shards, shards_dir
-from common.tiny import EXAMPLE_DATA, tiny_config
-from stage1_extract import run, writer, writer_pools
+from stage1_extract import writer, writer_pools
 from stage1_extract.config import ExtractConfig
 from stage1_extract.host_buffers import BufferShape, ShardBuffers
-from stage1_extract.run import _close_writer
 from stage1_extract.shard_writer import ShardJob, ShardWriter
 from stage1_extract.store_root import LOCK_FILE, writer_lock
 from stage1_extract.writer import ShardLayout, ShardTask
@@ -73,6 +70,8 @@ SHAPE = BufferShape(slots=8, num_tapped=2, hidden_size=4, topk=2, vocab=None, fp
 DEBUG_CONFIG = Path(__file__).parents[1] / "configs" / "debug.yaml"
 CONTROL_ENV = "DFLASH_TEST_ORPHAN_CONTROL"  # folder of the `reached` and `go` files
 VARIANT_ENV = "DFLASH_TEST_ORPHAN_VARIANT"
+# The child processes import this file: transformers, datasets (by stage1_extract.run) and
+# common.tiny are imported only by the functions that use them, seconds a child otherwise pays.
 
 
 def _hold_commits() -> None:
@@ -145,7 +144,9 @@ def _lock_holder(store: Path) -> None:
     torchrun's rank 0), until it is killed; `locked` holds what it wrote into the lock file."""
     with writer_lock(store) as holder:
         shards_dir(store).mkdir()
-        (Path(os.environ[CONTROL_ENV]) / "locked").write_text(holder)
+        control = Path(os.environ[CONTROL_ENV])
+        (control / "locked.part").write_text(holder)  # whole when `locked` appears
+        (control / "locked.part").rename(control / "locked")
         time.sleep(600)
 
 
@@ -171,6 +172,11 @@ def _rank_zero_loading_its_target(store: Path) -> None:
     """Rank 0 of a local launch (the launcher holds the lock), every shard committed but the
     head not written: the real `_extract_shards`, its target load held until the test says go;
     `closed` once it has returned or raised."""
+    from transformers import AutoModelForCausalLM
+
+    from common.tiny import tiny_config
+    from stage1_extract import run
+
     control = Path(os.environ[CONTROL_ENV])
     config = tiny_config("llama", vocab_size=32, num_layers=1, hidden_size=8)
     model = AutoModelForCausalLM.from_config(config)
@@ -197,6 +203,8 @@ def _launched_worker(store: Path, model: str, data: str, rank: int, processes: i
     """A process of a local launch (rank `rank` of 2): the real `_worker`, handed the launcher's
     holder text as `run_extract` hands it, held while it prepares its data (tokenizing, minutes
     on real data) until the test says go; `closed` once it has returned or raised."""
+    from stage1_extract import run
+
     control = Path(os.environ[CONTROL_ENV])
     sets = [f"target.model={model}", f"data.path={data}", f"store.out={store}"]
     sets += ["packing.seq_len=64", "store.sequences_per_shard=2", "store.chunk_tokens=32"]
@@ -237,6 +245,8 @@ def _interrupted_process(store: Path, processes: int) -> None:
 def _interrupted_extraction(store: Path) -> None:
     """A single-process `dflash extract` with writer threads, interrupted while a thread holds a
     shard: it closes the writers in a `finally` as run.py does, then releases the lock."""
+    from stage1_extract.run import _close_writer
+
     with writer_lock(store):
         shards_dir(store).mkdir()
         shard = _hand_over_a_shard(store, processes=0, watch=None)
@@ -281,6 +291,17 @@ def _wait(condition: object, seconds: float) -> bool:
     return bool(condition())  # type: ignore[operator]
 
 
+def _once_locked(store: Path, function: str, *args: int | str) -> None:
+    """Run `function` of this file once the lock holder holds the lock (`locked`): a child
+    started with the holder, so that their imports (seconds each) overlap, yet `function` runs
+    only where it ran when started after the holder had locked."""
+    locked = Path(os.environ[CONTROL_ENV]) / "locked"
+    deadline = time.monotonic() + 180
+    while not locked.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    globals()[function](store, *args)
+
+
 def _start(
     function: str, store: Path, control: Path, variant: str, *args: int | str
 ) -> subprocess.Popen:
@@ -305,9 +326,10 @@ def _holder_then(
     holder = _start("_lock_holder", store, control, "pidfd")
     other = None
     try:
+        # started with the holder, it runs `function` once the holder holds the lock
+        other = _start("_once_locked", store, control, "pidfd", function, *args)
         assert _wait(lambda: (control / "locked").exists() or holder.poll() is not None, 180)
         assert holder.poll() is None, "the lock holder ended before it held the lock"
-        other = _start(function, store, control, "pidfd", *args)
         assert _wait(lambda: (control / "reached").exists() or other.poll() is not None, 180)
         assert other.poll() is None, "the other process ended before its writer held the shard"
         yield store, control, holder, other
@@ -404,6 +426,8 @@ def test_a_worker_still_preparing_never_takes_a_rerun_for_its_holder(
     head file first, rank 1 its shards) and leaves no temporary. Before the fix its watches read
     the lock file only as it started its writers (and rank 0 its head), found the rerun there,
     took it for its own run's holder, and committed into the rerun's store."""
+    from common.tiny import EXAMPLE_DATA
+
     data = tmp_path / "data.jsonl"
     data.write_text("\n".join(EXAMPLE_DATA.read_text().splitlines()[:4]) + "\n")
     args = (str(tiny_qwen3), str(data), rank, processes)
