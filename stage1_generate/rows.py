@@ -309,14 +309,20 @@ def generate_text(
     return result
 
 
-def special_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """The ids the tokenizer puts before a text by default (a BOS for Llama; none for Qwen)."""
+def special_affixes(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer puts before and after a text by default (a BOS before for Llama;
+    an EOS after for a tokenizer set to add one; none for Qwen)."""
     plain = tokenizer("x", add_special_tokens=False)["input_ids"]
     default = tokenizer("x")["input_ids"]
     for i in range(len(default) - len(plain) + 1):
         if default[i : i + len(plain)] == plain:
-            return list(default[:i])
-    return []
+            return list(default[:i]), list(default[i + len(plain) :])
+    return [], []
+
+
+def special_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The ids the tokenizer puts before a text by default (a BOS for Llama; none for Qwen)."""
+    return special_affixes(tokenizer)[0]
 
 
 def _split_row(
@@ -364,7 +370,7 @@ def generate_completion(
     """A new completion by the target for every `prompt` (completion rows; the old completion
     is dropped)."""
     check_settings(cfg, "completion", backend.max_positions, backend.max_positions_source, 0)
-    prefix = special_prefix(tokenizer)
+    prefix, suffix = special_affixes(tokenizer)
     result = ChunkResult()
     keep: list[int] = []
     prompts: list[list[int]] = []
@@ -385,8 +391,12 @@ def generate_completion(
     for k, prompt, completion in zip(keep, prompts, completions, strict=True):
         if not completion.text.strip():
             continue  # counted in empty_replies; a row without loss tokens trains nothing
-        # the prefix stays out, as for text rows: extract adds it again
+        # what the tokenizer added to the prompt (a BOS, an EOS after it) stays out, as the
+        # prefix of text rows: extract tokenizes the prompt with the same defaults and adds
+        # it again (written as text, a special token would be there twice)
         body = prompt[len(prefix) :] if prompt[: len(prefix)] == prefix else prompt
+        if suffix and body[-len(suffix) :] == suffix:
+            body = body[: -len(suffix)]
         row = _split_row(tokenizer, body, completion, as_text=False)
         row.update(source_index=indices[k], new_tokens=completion.num_tokens)
         result.rows.append(row)

@@ -467,20 +467,23 @@ def test_text_rows_keep_the_documents_special_tokens(
         assert doc["input_ids"][: len(prompt)] == prompt
 
 
-@pytest.mark.parametrize("bos", [False, True], ids=["no_prefix", "bos_prefix"])
+@pytest.mark.parametrize(
+    "template", ["$A", "<|endoftext|> $A", "$A <|endoftext|>"], ids=["plain", "bos", "eos"]
+)
 def test_completion_rows_keep_the_prompts_special_tokens(
-    tiny_qwen3: Path, tmp_path: Path, bos: bool
+    tiny_qwen3: Path, tmp_path: Path, template: str
 ) -> None:
     """Completion rows: the written prompt re-tokenizes to the ids the target continued, its
-    special tokens included, and a tokenizer's BOS is not written as text (extract adds it)."""
+    special tokens included, and what the tokenizer adds by default (a BOS before, an EOS after
+    the prompt) is not written as text: extract adds it again."""
     from tokenizers import processors
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
     model_dir = tiny_qwen3
-    if bos:
+    if template != "$A":
         first = tokenizer.convert_tokens_to_ids("<|endoftext|>")
         tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
-            single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", first)]
+            single=template, special_tokens=[("<|endoftext|>", first)]
         )
         model_dir = tmp_path / "target"
         AutoModelForCausalLM.from_pretrained(tiny_qwen3).save_pretrained(model_dir)
