@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,19 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _long_lived_objects_frozen() -> Iterator[None]:
+    """Every full garbage collection in this process walks every object it tracks: ~450k once
+    torch, transformers and the test modules are imported, ~0.2 s a pass, and training makes
+    one at its start and after each evaluation (stage2_train/gc_schedule.py), dozens in a test
+    file. Before each file, after a collection (no garbage is frozen), the objects that live on
+    (modules, session fixtures) are frozen out of those passes; collections still run where and
+    when they did, over everything the tests make."""
+    gc.collect()
+    gc.freeze()
+    yield
 
 
 @pytest.fixture(scope="session")
