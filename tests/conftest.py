@@ -32,6 +32,25 @@ def _long_lived_objects_frozen() -> Iterator[None]:
     yield
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "plots: training in this test draws its PNG plots (conftest: the others don't)"
+    )
+
+
+@pytest.fixture(autouse=True)
+def _training_draws_no_plots(request: pytest.FixtureRequest, monkeypatch) -> None:
+    """Training draws its PNG plots at each evaluation and at the end (~0.3 s of matplotlib
+    each, a third of a tiny run); no test looks at them but those marked `plots` and
+    test_trackers' run (built before this fixture), and a plot that fails is only a warning
+    (`draw_plots_safely`), so elsewhere the call is a no-op. Training in a process a test
+    starts still draws them."""
+    if request.node.get_closest_marker("plots") is None:
+        from stage2_train import train
+
+        monkeypatch.setattr(train, "draw_plots_safely", lambda out: None)
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 4-layer random-weight Qwen3 target with a ChatML tokenizer."""
