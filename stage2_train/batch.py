@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
 
+from common.store import quantize_fp8
 from stage2_train.mask_widths import narrow_widths
 from stage2_train.masks import NARROW, TILE, MaskTables, anchor_mask_tables, context_intervals
 
@@ -54,6 +55,14 @@ class Batch:
             for f in fields(self)
         }
         return Batch(**moved)
+
+    def rounded_to_fp8(self) -> Batch:
+        """This batch as an fp8 store would give it (`data.hidden_as_fp8`): bf16 hidden states
+        quantized by extract's own `quantize_fp8`, on the batch's device; an fp8 batch as it is."""
+        if self.hidden_scale_TK is not None:
+            return self
+        bits_TKD, scale_TK = quantize_fp8(self.hidden_TKD)
+        return replace(self, hidden_TKD=bits_TKD, hidden_scale_TK=scale_TK)
 
 
 def batch_tensors(batch: Batch) -> Iterator[torch.Tensor]:

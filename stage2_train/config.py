@@ -163,6 +163,14 @@ class TrainDataConfig:
         " off until a GPU has passed bench/prefetch_check.py and measured the gain)",
     )
     seed: int = doc(0, "seed of shuffling and anchor sampling")
+    hidden_as_fp8: bool = doc(
+        False,
+        "train and evaluate held-out on a bf16 store's hidden states rounded as an fp8 store "
+        "(store.hidden_dtype=float8_e4m3fn) holds them: one scale per token and layer, then the "
+        "fp8 path's decode. What the fp8 store costs in acceptance, measured from one bf16 store "
+        "on the same text and held-out sequences (the dev store keeps its own dtype); nothing "
+        "changes on an fp8 store",
+    )
     on_damaged: Literal["error", "skip"] = doc(
         "error",
         "a sequence whose stored bytes do not decode or whose file is missing or cut: stop "

@@ -304,11 +304,14 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         return {"dev_chained_tau": chained["chained_tau"]}
 
     def run_eval() -> dict[str, Any]:
+        batches = eval_loader
+        if cfg.data.hidden_as_fp8:  # held out as trained: the fp8 store's features
+            batches = (batch.to(device).rounded_to_fp8() for batch in eval_loader)
         with compute_context(cfg.run.dtype, device):
             return evaluate(
                 served,
                 head,
-                eval_loader,
+                batches,
                 block_size=B,
                 mask_token_id=shape.mask_token_id,
                 backend=backend,
