@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from common.durable import replace_folder, space_checked
 from common.logging import get_logger
+from common.store import StoreError, read_root_attrs
 from stage2_train.checkpoint import DamagedCheckpoint, latest_checkpoint, read_meta, step_dir
 from stage2_train.model import DFlashDrafter, DrafterShape, drafter_config_json
 
@@ -74,8 +75,9 @@ def mask_token_string(tokenizer_attrs: dict, token_id: int) -> str | None:
             "export: no mask token string (tokenizer %s could not be read from local files, "
             "its folder or the Hugging Face cache: %s); the export's dflash_config.mask_token "
             "stays null (its mask_token_id %d is written). To have it, download the tokenizer "
-            "before training (`hf download %s`, or HF_HUB_CACHE naming a cache that holds it), "
-            "or set dflash_config.mask_token in the export's config.json by hand",
+            "(`hf download %s`, or HF_HUB_CACHE naming a cache that holds it) and rerun "
+            "`dflash export RUN`, or set dflash_config.mask_token in the export's config.json "
+            "by hand",
             name,
             err,
             token_id,
@@ -83,6 +85,29 @@ def mask_token_string(tokenizer_attrs: dict, token_id: int) -> str | None:
         )
         return None
     return tokenizer.convert_ids_to_tokens(token_id) if token_id < len(tokenizer) else None
+
+
+def checkpoint_mask_token(meta: dict, token_id: int) -> str | None:
+    """The mask token's string for the export of a checkpoint: the one training recorded, else
+    (null: the tokenizer was not in local files then) read again from local files, which
+    `hf download` may have filled since. The tokenizer is the one the checkpoint names, or for
+    checkpoints older than that record, the one its store names while the store is there."""
+    if meta.get("mask_token") is not None:
+        return meta["mask_token"]
+    tokenizer = meta.get("tokenizer")
+    if tokenizer is None:
+        try:
+            tokenizer = read_root_attrs(meta["store"])["tokenizer"]
+        except (StoreError, KeyError) as err:
+            get_logger().warning(
+                "export: no mask token string: the checkpoint does not name its tokenizer and "
+                "its store cannot tell (%s); the export's dflash_config.mask_token stays null "
+                "(its mask_token_id %d is written): set it in the export's config.json by hand",
+                err,
+                token_id,
+            )
+            return None
+    return mask_token_string(tokenizer, token_id)
 
 
 def export_drafter(
@@ -233,6 +258,6 @@ def export_checkpoint(
         target["config"],
         out,
         dtype=dtype,
-        mask_token=meta.get("mask_token"),
+        mask_token=checkpoint_mask_token(meta, shape.mask_token_id),
         fix=f"free space or pass another --out, then rerun `dflash export {run}`",
     )

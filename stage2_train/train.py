@@ -326,6 +326,8 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         "store_content_key": info.attrs["content_key"],
         "shape": dataclasses.asdict(shape),
         "target": {"tapped_layers": info.tapped_layers, "config": info.attrs["target"]["config"]},
+        # named for `dflash export`, which looks a null mask_token up again (the store may be gone)
+        "tokenizer": {"name_or_path": info.attrs["tokenizer"].get("name_or_path")},
         # its string goes into the export's dflash_config (rank 0 writes meta and export)
         "mask_token": mask_token_string(info.attrs.get("tokenizer", {}), shape.mask_token_id)
         if ctx.is_main

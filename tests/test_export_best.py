@@ -14,6 +14,7 @@ from store_factory import FactorySpec, build_store
 import stage2_train.train as train_module
 from common.config import build_config
 from stage2_train.best import BEST_DIR, BEST_FILE, best_so_far, record_best
+from stage2_train.checkpoint import latest_checkpoint, read_meta
 from stage2_train.config import TrainConfig
 from stage2_train.export import load_export
 from stage2_train.train import run_train
@@ -62,6 +63,9 @@ def test_off_exports_no_best(store: Path, tmp_path: Path) -> None:
     train(store, tmp_path / "run", "run.export_best=false", "optim.max_steps=8")
     assert not (tmp_path / "run" / BEST_DIR).exists()
     assert (tmp_path / "run" / "export" / "config.json").is_file()
+    # named for `dflash export RUN`, which looks a null mask token up again
+    meta = read_meta(latest_checkpoint(tmp_path / "run"))
+    assert meta["tokenizer"] == {"name_or_path": "factory"}
 
 
 def test_a_resumed_run_keeps_only_a_record_it_has_reached(tmp_path: Path) -> None:
