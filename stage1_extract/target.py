@@ -87,14 +87,24 @@ def max_positions(config: PretrainedConfig | dict[str, Any]) -> MaxPositions | N
     rope scaling as transformers applies it: factor x original_max_position_embeddings, the
     original defaulting to max_position_embeddings itself. A config whose
     max_position_embeddings already is the scaled length (Llama 3.1: 131072, factor 8 x 8192)
-    keeps it. `config` is a transformers config or the stored JSON dict; a multimodal
-    target's limit is its decoder's (`text_config`, nested as an object or a dict)."""
+    keeps it, and so does Gemma 3's, scaled already (131072, its 128K context, under linear
+    scaling x8 that has no original length: vLLM skips its factor the same way). `config` is a
+    transformers config or the stored JSON dict; a multimodal target's limit is its decoder's
+    (`text_config`, nested as an object or a dict)."""
     text = text_config(config)
     named = [(n, getattr(text, n, None)) for n in MAX_POSITION_NAMES]
     named = [(n, v) for n, v in named if type(v) is int and v > 0]  # not None, nor a bool
     if not named:
         return None
     found = MaxPositions(named[0][1], named[0][0])
+    # Gemma 3 (any of its model types): its limit is scaled already (above)
+    outer = (
+        config.get("model_type")
+        if isinstance(config, dict)
+        else getattr(config, "model_type", None)
+    )
+    if any("gemma3" in str(kind) for kind in (outer, getattr(text, "model_type", None))):
+        return found
     # transformers 5 keeps rope scaling in rope_parameters (from config.json's rope_scaling
     # too), earlier versions in rope_scaling; nested by layer type on some models
     rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
