@@ -15,7 +15,9 @@ longest such wait, and `DFLASH_DIST_TIMEOUT_S` (seconds) overrides it for all th
 
 A section that one rank does alone (rank 0 writing or removing files) ends in
 `failure_shared()` rather than a bare barrier: an error there reaches the other ranks at once,
-not when their next collective times out.
+not when their next collective times out. A section where every rank works long on its own
+share (generate's chunks) asks `another_rank_failed()` between two units of it, so a rank
+stops at its next unit once another has failed rather than finishing its share first.
 """
 
 from __future__ import annotations
@@ -200,18 +202,34 @@ class RankFailed(RuntimeError):
     """Another rank failed in a section that every rank ends together (`failure_shared`)."""
 
 
+# the process-group store key of the innermost failure_shared section this process is in
+# (None: in none), under which a rank that failed there says so as it fails; every rank enters
+# the sections in the same order (each ends in a collective), so the keys agree across ranks
+_section_key: str | None = None
+_sections_entered = 0
+
+
 @contextmanager
 def failure_shared() -> Iterator[None]:
     """Run the body, then meet every rank as `barrier()` does, saying whether it failed there:
     an Exception of the body on any rank is raised on every rank, on the first rank that failed
     as itself, on the others as a RankFailed with that rank's message (its own error, if any,
     as the cause). Without it a rank whose part failed left the others waiting in their next
-    collective until the process-group timeout (hours). Without a process group: the body."""
+    collective until the process-group timeout (hours). Without a process group: the body.
+    A failing rank also marks the section failed on the group's store before it waits, for
+    the others' `another_rank_failed()`."""
+    global _section_key, _sections_entered
+    _sections_entered += 1
+    outer, _section_key = _section_key, f"dflash-failure-shared-{_sections_entered}"
     own: Exception | None = None
     try:
         yield
     except Exception as err:
         own = err
+        if dist.is_initialized():
+            _group_store().set(_section_key, str(dist.get_rank()))
+    finally:
+        _section_key = outer
     said = None if own is None else user_message(own) or f"{type(own).__name__}: {own}"
     failed = [(rank, text) for rank, text in enumerate(gather_from_all_ranks(said)) if text]
     if not failed:
@@ -220,6 +238,24 @@ def failure_shared() -> Iterator[None]:
     if own is not None and first == (dist.get_rank() if dist.is_initialized() else 0):
         raise own
     raise RankFailed(f"rank {first} failed, so every rank stops: {text}") from own
+
+
+def _group_store() -> dist.Store:
+    # torch's own (private) accessor for the key-value store every rank of the default group
+    # joined through (torchrun's TCPStore, a test's FileStore): no collective, no rank waits
+    return dist.distributed_c10d._get_default_store()
+
+
+def another_rank_failed() -> bool:
+    """Inside failure_shared: whether a rank has already failed in this section (one look-up
+    on the process group's store, not a collective: ranks may ask it a different number of
+    times). A rank with long work of its own left stops at its next unit of it when this says
+    so and leaves the body, so the section's end raises that rank's error on every rank at
+    once, instead of after this rank's whole share. False outside a section or without a
+    process group."""
+    if _section_key is None or not dist.is_initialized():
+        return False
+    return _group_store().check([_section_key])
 
 
 class HeldFailure:

@@ -11,7 +11,10 @@ Flow: the source rows are cut into chunks of `output.rows_per_chunk`; the launch
 checks the inputs and prepares the output folder (or checks that it resumes one made by the
 same settings); each process (one per GPU, data parallel through torchrun's launcher) generates
 the chunks `c % world == rank` not done yet and commits each as one file; once all are done the
-manifest gets the totals and `complete: true`. Rerunning the same command resumes.
+manifest gets the totals and `complete: true`. Rerunning the same command resumes. A rank that
+fails stops the others at their next chunk: torchrun's ranks through `another_rank_failed`
+(they meet in failure_shared, which raises its error on every rank), a local launch's
+processes through the launcher, which ends the others as soon as one exits.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from transformers import PreTrainedTokenizerBase
 
 from common.distributed import (
     WorkerContext,
+    another_rank_failed,
     failure_shared,
     finish_worker,
     init_worker,
@@ -115,7 +119,7 @@ def _generate_chunks(
         desc=f"generate (rank {ctx.rank}/{ctx.world_size}, {len(todo)} chunks)",
         disable=not (cfg.run.progress and ctx.is_main),
     )
-    start, new_tokens = time.perf_counter(), 0
+    start, new_tokens, finished = time.perf_counter(), 0, 0
 
     def on_batch(_prompts: int, tokens: int) -> None:
         nonlocal new_tokens
@@ -125,6 +129,8 @@ def _generate_chunks(
 
     try:
         for chunk in todo:
+            if another_rank_failed():  # its error ends this rank too, where the ranks meet
+                break
             lo, hi = chunk * per_chunk, min((chunk + 1) * per_chunk, len(raw))
             rows = raw.select(range(lo, hi))[column]
             if not cfg.sampling.greedy:  # each chunk its own seed: a resumed chunk agrees
@@ -142,13 +148,14 @@ def _generate_chunks(
                 out, chunk, result.rows, {"chunk": chunk, "rows_in": hi - lo, **result.stats()}
             )
             bar.update(hi - lo)
+            finished += 1
     finally:
         bar.close()
     seconds = time.perf_counter() - start
     log.info(
         "rank %d: %d chunks, %d new tokens in %.1f s (%.0f new tokens/s)",
         ctx.rank,
-        len(todo),
+        finished,
         new_tokens,
         seconds,
         new_tokens / max(seconds, 1e-9),
