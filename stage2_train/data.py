@@ -63,6 +63,12 @@ DISTILL_FIELDS = ("topk_ids", "topk_logits", "logsumexp")
 BUFFER_DTYPES = {"uint8": torch.uint8, "uint16": torch.int16, "float32": torch.float32}
 
 
+def loader_arrays(hidden_dtype: str, distill: bool) -> list[str]:
+    """The arrays of each shard that StoreSequences reads (train checks them before step 1)."""
+    names = [*SEQUENCE_FIELDS, *(DISTILL_FIELDS if distill else ())]
+    return names + (["hidden_scale"] if HIDDEN_DTYPES[hidden_dtype][1] else [])
+
+
 def anchor_generator(seed: int, epoch: int, index: int) -> torch.Generator:
     """A generator that depends only on (seed, epoch, sequence index)."""
     seed %= 2**64  # SeedSequence takes no negative data.seed (torch's manual_seed wraps them so)
@@ -91,8 +97,7 @@ class StoreSequences(torch.utils.data.Dataset):
         self.block_size, self.label_target = block_size, label_target
         self.distill, self.seed = distill, seed
         self.scaled = HIDDEN_DTYPES[info.hidden_dtype][1]
-        self.names = [*SEQUENCE_FIELDS, *(DISTILL_FIELDS if distill else ())]
-        self.names += ["hidden_scale"] if self.scaled else []
+        self.names = loader_arrays(info.hidden_dtype, distill)
         # what a blank item (a damaged sequence) is made of: zeros of each array's row shape
         specs = sequence_array_specs(info.hidden_dtype, False)
         self.blank_rows = {

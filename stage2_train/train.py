@@ -50,7 +50,7 @@ from stage2_train.anchors import training_slot_weights
 from stage2_train.best import BEST_DIR, best_so_far, record_best
 from stage2_train.checkpoint import TrainState, save_checkpoint, step_dir
 from stage2_train.config import TrainConfig, with_compile_defaults
-from stage2_train.data import StoreSequences, make_loader
+from stage2_train.data import StoreSequences, loader_arrays, make_loader
 from stage2_train.export import export_drafter, mask_token_string, served_copy
 from stage2_train.follow import (
     FollowHoldout,
@@ -68,6 +68,7 @@ from stage2_train.plan import EpochPlan, HoldoutSampler, PlanSampler, split_stor
 from stage2_train.plots import draw_plots_safely
 from stage2_train.prefetch import DevicePrefetcher
 from stage2_train.resume import resume_run
+from stage2_train.shard_rows import check_shard_metadata
 from stage2_train.step import load_frozen_head
 from stage2_train.stop import RANK_FAILED, TIME_LIMIT_EXIT, StopRequests, stopped
 from stage2_train.time_fit import TimeFit, restore_fitted
@@ -105,8 +106,12 @@ def run_train(cfg: TrainConfig) -> None:
         wait_for_store(cfg.data)
         cfg = limit_after_wait(cfg, time.monotonic() - waiting_since)
     info, _ = check_inputs(cfg)
-    if info.complete:  # (--follow before completion: each sequence's files after its read)
+    if info.complete:  # (--follow before completion: at each shard's and sequence's read)
         check_store_files(info)  # a deleted or cut file reads as zeros: caught before step 1
+        # a foreign or damaged shard's arrays (its sizes agree with its own record): all of
+        # them now, not each at its first read hours in. Under torchrun every rank checks
+        # alike (JSON only: ~0.5 ms a shard), before any process group or model exists
+        check_shard_metadata(info, loader_arrays(info.hidden_dtype, cfg.loss.distill_weight > 0))
     check_trackers(cfg.run.report_to)  # a missing package fails here, not in a worker
     check_fp8_installed(cfg.run.fp8_linear)
     devices = parse_devices(cfg.run.devices)
