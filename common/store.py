@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.generated import META_DIR as GENERATE_META_DIR
+
 FORMAT_NAME = "dflash-offline-store"
 FORMAT_VERSION = 2
 # Version 2 added each shard's recorded file sizes (`files`, below); the values are unchanged,
@@ -223,6 +225,11 @@ def read_root_attrs(store: str | Path) -> dict[str, Any]:
     if not store.exists():
         raise StoreError(f"store {store} does not exist; run `dflash extract` to create it")
     if not meta.is_file():
+        if (store / GENERATE_META_DIR).is_dir():  # the step before extract: a common slip
+            raise StoreError(
+                f"{store} is a `dflash generate` output, not a store: run `dflash extract "
+                f"--data {store} --out STORE` on it, then pass STORE"
+            )
         raise StoreError(
             f"{store} is not a dflash store (no zarr.json); pass the folder extract wrote"
         )

@@ -10,7 +10,7 @@ import click
 
 from common.errors import cli_errors
 from common.logging import init_logger
-from dflash_offline.options import echo_json
+from dflash_offline.options import device_option, echo_json
 
 
 def _json_object(value: str) -> dict[str, Any]:
@@ -30,13 +30,14 @@ def _json_object(value: str) -> dict[str, Any]:
 @click.option(
     "--data",
     required=True,
-    help="JSON/JSONL(.gz) of `text` documents (first tokens) or `messages` conversations (up to the last assistant turn)",
+    help="JSON/JSONL(.gz) or Parquet file, or a folder of them (a `dflash generate` output): "
+    "`text` documents (first tokens) or `messages` conversations (up to the last assistant turn)",
 )
 @click.option("--drafter", default=None, help="exported drafter folder (RUN/export)")
 @click.option("--num-prompts", default=12, show_default=True, type=int)
 @click.option("--prompt-tokens", default=256, show_default=True, type=int)
 @click.option("--new-tokens", default=128, show_default=True, type=int)
-@click.option("--device", default="cpu", show_default=True, help="cpu or cuda:N")
+@device_option
 @click.option(
     "--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"])
 )
@@ -79,7 +80,7 @@ def evaluate(json_out: str | None, plot: str | None, **kwargs: Any) -> None:
 @click.command("evaluate-offline")
 @click.option("--drafter", required=True, help="exported drafter folder (RUN/export)")
 @click.option("--store", required=True, help="a store of the same target and tapped layers")
-@click.option("--device", default="cpu", show_default=True, help="cpu or cuda:N")
+@device_option
 @click.option("--num-anchors", default=512, show_default=True, type=int, help="per sequence")
 @click.option("--max-sequences", default=None, type=int, help="only the first N sequences")
 @click.option(

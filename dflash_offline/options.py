@@ -1,4 +1,4 @@
-"""Shared pieces of the `dflash` commands: the config options, one-line errors, JSON output."""
+"""Shared pieces of the `dflash` commands: the config options, the checked --device, JSON output."""
 
 from __future__ import annotations
 
@@ -46,6 +46,37 @@ def help_config_option(config_class: type) -> Callable[..., Any]:
         callback=show,
         help="list every config field and exit",
     )
+
+
+def device_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`--device cpu|cuda:N`, checked as it is parsed: torch's own errors for a GPU that is not
+    there ("Torch not compiled with CUDA enabled", an AssertionError) or a name it does not
+    know come out of the first tensor moved, as a bug, after the weights load."""
+    return click.option(
+        "--device",
+        default="cpu",
+        show_default=True,
+        callback=_check_device,
+        help="cpu or cuda:N",
+    )(fn)
+
+
+def _check_device(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    import torch
+
+    try:
+        device = torch.device(value)
+    except RuntimeError as err:
+        raise click.BadParameter(f"{value!r} is not a device; pass cpu or cuda:N") from err
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise click.BadParameter(f"{value}: this machine has no CUDA GPU; pass cpu")
+        if (device.index or 0) >= count:
+            raise click.BadParameter(
+                f"{value}: this machine has {count} GPU(s), cuda:0 to cuda:{count - 1}"
+            )
+    return value
 
 
 def echo_json(results: dict[str, Any], json_out: str | None) -> None:

@@ -35,7 +35,7 @@ SMALL_HIDDEN = 512
 @dataclass
 class EvaluateConfig:
     target: str  # target model folder or hub id
-    data: str  # .json/.jsonl(.gz) of `text` documents or `messages` conversations
+    data: str  # .json/.jsonl(.gz)/.parquet file or folder: `text` documents or `messages` chats
     drafter: str | None = None  # exported drafter folder; None: prompt lookup only
     num_prompts: int = 12  # the first N rows of `data`
     prompt_tokens: int = 256  # prompt length (text: first tokens; chat: last tokens)
@@ -76,12 +76,17 @@ def _chat_prompt(tokenizer, messages: list[dict], template_kwargs: dict[str, Any
 def load_prompts(cfg: EvaluateConfig, tokenizer) -> list[list[int]]:
     """Prompts from text rows (their first tokens) or chat rows (`messages`, up to the last
     assistant turn, rendered by the target's chat template)."""
-    import datasets
+    from stage1_extract.data_files import load_local
 
     path = Path(cfg.data)
     if not path.exists():
-        raise ValueError(f"--data {path} does not exist; pass a .json/.jsonl(.gz) of documents")
-    rows = datasets.load_dataset("json", data_files=str(path), split="train")
+        raise ValueError(
+            f"--data {path} does not exist; pass a .json/.jsonl(.gz)/.parquet file of "
+            "documents or conversations, or a folder of them"
+        )
+    # extract's reader: the same files and folders (a `dflash generate` output too), and a
+    # malformed line or an empty file named with the fix
+    rows = load_local(path, "train")
     rows = rows.select(range(min(cfg.num_prompts, len(rows))))
     if "messages" in rows.column_names:
         if not tokenizer.chat_template:
@@ -109,7 +114,9 @@ def load_prompts(cfg: EvaluateConfig, tokenizer) -> list[list[int]]:
             )
     elif cfg.text_field not in rows.column_names:
         raise ValueError(
-            f"{path}: no column {cfg.text_field!r} or 'messages' (found {rows.column_names})"
+            f"--data {path}: no column {cfg.text_field!r} or 'messages' (found "
+            f"{rows.column_names}); pass rows of plain text in 'text' or conversations in "
+            "'messages' [{role, content}]"
         )
     else:
         texts = rows[cfg.text_field]
@@ -123,6 +130,31 @@ def load_prompts(cfg: EvaluateConfig, tokenizer) -> list[list[int]]:
             "give it text"
         )
     return prompts
+
+
+def check_drafter_fits(
+    drafter_config: dict[str, Any], target_config: Any, cfg: EvaluateConfig
+) -> None:
+    """Refuse a drafter trained for another target: its input is the target's tapped hidden
+    states and it drafts through the target's embedding and LM head, so another width fails
+    deep in the first draft (after all of prompt lookup) and another vocabulary drafts ids
+    that mean other tokens, without an error."""
+    text = text_config(target_config)
+    problems = []
+    if drafter_config["hidden_size"] != text.hidden_size:
+        problems.append(f"hidden size {drafter_config['hidden_size']} vs {text.hidden_size}")
+    if drafter_config["vocab_size"] != text.vocab_size:
+        problems.append(f"vocab {drafter_config['vocab_size']} vs {text.vocab_size}")
+    layers = drafter_config["dflash_config"]["target_layer_ids"]
+    if max(layers) >= text.num_hidden_layers:
+        problems.append(f"it reads layers {layers} of a target with {text.num_hidden_layers}")
+    if problems:
+        raise ValueError(
+            f"--drafter {cfg.drafter} was not trained for --target {cfg.target}: "
+            + "; ".join(problems)
+            + "; pass the target whose store trained the drafter, or a drafter trained on "
+            "this target's store"
+        )
 
 
 def check_positions(
@@ -168,17 +200,23 @@ def reply_stop_ids(model: torch.nn.Module, tokenizer: Any, template_kwargs: dict
 
 def run_evaluate(cfg: EvaluateConfig) -> dict:
     """Measure tau for prompt lookup and, when given, the DFlash drafter; return the figures."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stage1_extract.target import max_positions
-    from stage2_train.export import load_export
+    from stage1_extract.config import TargetConfig
+    from stage1_extract.target import load_target_config, max_positions
+    from stage2_train.export import load_export, read_export_config
 
     cfg.validate()
     dtype = getattr(torch, cfg.dtype)
     # the target's positions from its config alone, and the prompts, before any weights load
-    found = max_positions(AutoConfig.from_pretrained(cfg.target))
+    # (a missing folder or an unreachable hub id is named with the fix)
+    target_config = load_target_config(TargetConfig(model=cfg.target))
+    found = max_positions(target_config)
     check_positions(cfg, found)
-    # the drafter first: a wrong folder fails before minutes of prompt lookup
+    # the drafter first: a wrong folder, or one of another target, fails before minutes of
+    # prompt lookup
+    if cfg.drafter:
+        check_drafter_fits(read_export_config(cfg.drafter), target_config, cfg)
     drafter = load_export(cfg.drafter).to(cfg.device, dtype).eval() if cfg.drafter else None
     tokenizer = AutoTokenizer.from_pretrained(cfg.target)
     prompts = load_prompts(cfg, tokenizer)

@@ -94,6 +94,11 @@ def load_tokenizer(cfg: ExtractConfig) -> PreTrainedTokenizerBase:
             name, revision=revision, trust_remote_code=cfg.target.trust_remote_code
         )
     except (OSError, ValueError) as err:
+        if not cfg.target.tokenizer:
+            # the model's own tokenizer: a missing folder, a folder of something else or an
+            # unreachable hub id is a wrong --model (named so), not a tokenizer to add
+            # (generate loads the tokenizer before the target's config)
+            load_target_config(cfg.target)
         raise ValueError(
             f"cannot load the tokenizer from {name} ({err}); pass a folder or hub id holding "
             "one with --set target.tokenizer=..."
