@@ -79,9 +79,16 @@ def parse_devices(devices: str | list[int] | list[str]) -> list[str]:
         available = torch.cuda.device_count()
         missing = [d for d in gpus if int(d.split(":")[1]) >= available]
         if missing:
+            # the list may be the config's run.devices, which the user never typed: name both
+            asked = f"the devices {','.join(items)} (--devices, or run.devices in the config)"
+            if available == 0:
+                raise ValueError(
+                    f"{asked} ask for {missing}, but this machine has no CUDA GPU; "
+                    "pass --devices cpu"
+                )
             raise ValueError(
-                f"--devices asks for {missing} but this machine has {available} GPU(s); "
-                "pass existing ids, e.g. --devices 0, or --devices cpu"
+                f"{asked} ask for {missing}, but this machine has {available} GPU(s), ids "
+                f"0..{available - 1}; pass existing ids, e.g. --devices 0, or --devices cpu"
             )
         if "cpu" in out:
             raise ValueError("--devices mixes 'cpu' and GPUs; use one or the other")

@@ -25,7 +25,14 @@ from safetensors.torch import load_file, save_file
 from common.durable import replace_folder, space_checked
 from common.logging import get_logger
 from common.store import StoreError, read_root_attrs
-from stage2_train.checkpoint import DamagedCheckpoint, latest_checkpoint, read_meta, step_dir
+from stage2_train.checkpoint import (
+    STEP_RE,
+    DamagedCheckpoint,
+    latest_checkpoint,
+    list_checkpoints,
+    read_meta,
+    step_dir,
+)
 from stage2_train.model import DFlashDrafter, DrafterShape, drafter_config_json
 
 LAYER_KEYS = [
@@ -226,6 +233,21 @@ def served_copy(
     return twin.eval()
 
 
+def no_checkpoint_fix(run: str | Path, step: int | None) -> str:
+    """What to pass instead, by what `run` is (the mistakes a user makes with `dflash export`)."""
+    run = Path(run)
+    if not run.is_dir():
+        return "no such folder: pass the run folder `dflash train --out` wrote"
+    if STEP_RE.match(run.name):
+        return f"this is one checkpoint: pass its run folder, {run.parent}, with --step N"
+    if (run / "config.json").is_file() and (run / "model.safetensors").is_file():
+        return "this is already an export (config.json and model.safetensors): load it as it is"
+    kept = [int(STEP_RE.match(p.name).group(1)) for p in list_checkpoints(run)]
+    if kept:  # only a --step that is not kept gets here
+        return f"kept steps: {', '.join(map(str, kept))} (run.keep_checkpoints sets how many stay)"
+    return "pass the run folder `dflash train --out` wrote, after its first checkpoint"
+
+
 def export_checkpoint(
     run: str | Path,
     step: int | None = None,
@@ -236,7 +258,7 @@ def export_checkpoint(
     ckpt = step_dir(run, step) if step is not None else latest_checkpoint(run)
     if ckpt is None or not ckpt.is_dir():
         which = f"step {step} " if step is not None else ""
-        raise ValueError(f"{run}: no checkpoint {which}to export")
+        raise ValueError(f"{run}: no checkpoint {which}to export; {no_checkpoint_fix(run, step)}")
     try:
         meta = read_meta(ckpt)
         if not (ckpt / "model.pt").is_file():

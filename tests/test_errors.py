@@ -191,3 +191,35 @@ def test_first_shard_gone_or_unreadable(store: Path, tmp_path: Path, damage: str
     assert result.exit_code == 2, result.output
     line = error_line(result)
     assert expected in line and "rerun the same `dflash extract`" in line
+
+
+def test_export_of_the_wrong_folder_says_what_to_pass(store: Path, tmp_path: Path) -> None:
+    """`dflash export X` where X is not a run folder with a checkpoint: the error names what X
+    is and what to pass instead, not only that nothing was found."""
+    out = tmp_path / "run"
+    assert train(store, out, "optim.max_steps=2", "run.checkpoint_every=1").exit_code == 0
+    cases = {
+        (tmp_path / "missing",): "no such folder: pass the run folder `dflash train --out` wrote",
+        (
+            out / "step-000002",
+        ): f"this is one checkpoint: pass its run folder, {out}, with --step N",
+        (out / "export",): "this is already an export",
+        (out, "--step", "7"): "kept steps: 1, 2 (run.keep_checkpoints sets how many stay)",
+        (tmp_path,): "pass the run folder `dflash train --out` wrote, after its first checkpoint",
+    }
+    for args, fix in cases.items():
+        result = CliRunner().invoke(cli, ["export", *map(str, args), "--out", str(tmp_path / "x")])
+        assert result.exit_code == 2 and fix in error_line(result), (args, result.output)
+
+
+def test_gpu_devices_on_a_machine_without_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    from common.distributed import parse_devices
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ValueError) as err:
+        parse_devices("2,3")  # e.g. train's default run.devices, never typed by the user
+    assert "(--devices, or run.devices in the config)" in str(err.value)
+    assert "this machine has no CUDA GPU; pass --devices cpu" in str(err.value)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"has 2 GPU\(s\), ids 0..1; pass existing ids"):
+        parse_devices("2,3")
