@@ -16,8 +16,9 @@ longest such wait, and `DFLASH_DIST_TIMEOUT_S` (seconds) overrides it for all th
 A section that one rank does alone (rank 0 writing or removing files) ends in
 `failure_shared()` rather than a bare barrier: an error there reaches the other ranks at once,
 not when their next collective times out. A section where every rank works long on its own
-share (generate's chunks) asks `another_rank_failed()` between two units of it, so a rank
-stops at its next unit once another has failed rather than finishing its share first.
+share (generate's chunks, extract's shards) asks `another_rank_failed()` between two units of
+it, so a rank stops at its next unit once another has failed rather than finishing its share
+first.
 """
 
 from __future__ import annotations

@@ -7,9 +7,12 @@ Flow: every process plans identically (tokenize via a cached `datasets` map, pac
 deterministic plan); the store root is prepared once (created, or checked for resuming); each
 process loads the target and fills the shards `i % world == rank` that are not committed yet;
 once all exist the root gets its counts and `complete: true`. Rerunning the same command
-resumes. Within a shard the documents are run alone (positions from 0), sorted by length and
-batched to `run.batch_tokens` padded tokens, and their outputs are scattered into the packed
-layout by non-blocking copies into pinned buffers that background threads write to disk.
+resumes. A rank that fails stops the others at their next shard: torchrun's ranks through
+`another_rank_failed` (they meet in failure_shared, which raises its error on every rank), a
+local launch's processes through the launcher, which ends the others as soon as one exits.
+Within a shard the documents are run alone (positions from 0), sorted by length and batched to
+`run.batch_tokens` padded tokens, and their outputs are scattered into the packed layout by
+non-blocking copies into pinned buffers that background threads write to disk.
 
 Legend: B batch rows, T padded length, N valid tokens of a batch, M = n * S token slots of a
 shard, K tapped layers, D hidden size.
@@ -28,6 +31,7 @@ from tqdm import tqdm
 
 from common.distributed import (
     WorkerContext,
+    another_rank_failed,
     failure_shared,
     finish_worker,
     gather_from_all_ranks,
@@ -108,10 +112,13 @@ def _extract_shards(
         disable=not (cfg.run.progress and ctx.is_main),
     )
     log.debug("t=%.2f s: target loaded, the first shard starts", writer.clock())
-    start = time.perf_counter()
+    start, filled, tokens = time.perf_counter(), 0, 0
     try:
         for index in todo:
+            if another_rank_failed():  # its error ends this rank too, where the ranks meet
+                break
             writer.submit(fill_shard(job, target, index, writer.acquire(), bar.update))
+            filled, tokens = filled + 1, tokens + job.shard_tokens(index)
     finally:
         _close_writer(writer)
         bar.close()
@@ -122,12 +129,12 @@ def _extract_shards(
         "%.1f s for a free buffer; writers busy %.1f s per shard, ready after %s (started "
         "before the target load), the last shards drained in %.1f s",
         ctx.rank,
-        len(todo),
-        total,
+        filled,
+        tokens,
         seconds,
-        total / max(seconds, 1e-9),
+        tokens / max(seconds, 1e-9),
         writer.waited_s,
-        writer.write_s / max(len(todo), 1),
+        writer.write_s / max(filled, 1),
         "?" if ready is None else f"{ready:.1f} s",
         writer.drain_s,
     )
