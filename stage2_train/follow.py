@@ -25,6 +25,8 @@ steps of one more shuffled epoch. `optim.max_steps` caps it as usual.
 Waiting: caught up, the stream logs what it waits for and polls every `data.follow_poll_s`;
 after `data.follow_timeout_s` without a new shard, while no process holds the store's writer
 lock (the kernel drops it when extract dies, even by kill -9), it stops with one StoreError.
+A lock found held counts as a new shard would: it is probed again `data.follow_timeout_s`
+later, so an extract killed and restarted in between keeps the run waiting.
 Every rank waits for the shards of the whole step, its peers' too, so that no rank waits in a
 collective (under the process-group timeout) while another waits for extraction.
 """
@@ -44,6 +46,7 @@ import torch.distributed as dist
 from common.logging import get_logger
 from common.store import (
     HEAD_FILE,
+    ROOT_ATTR,
     SHARD_ATTR,
     StoreError,
     StoreInfo,
@@ -105,6 +108,7 @@ class ExtractionWatch:
             return
         log = get_logger()
         seen, since, warned = self._progress(), time.monotonic(), False
+        held_at = since  # when the writer lock was last found held (a sign of life, as a shard)
         log.info(
             "caught up with extraction of %s: waiting for %s (%d shards committed), checking "
             "every %g s",
@@ -120,8 +124,9 @@ class ExtractionWatch:
             if (now := self._progress()) != seen:
                 seen, since, warned = now, time.monotonic(), False
                 continue
-            idle = time.monotonic() - since
-            if idle < self.timeout_s:
+            clock = time.monotonic()
+            idle = clock - since
+            if clock - max(since, held_at) < self.timeout_s:
                 continue
             if not writer_lock_held(self.store):
                 if not seen[0]:  # no store was ever created: nothing was started here
@@ -137,6 +142,10 @@ class ExtractionWatch:
                     "command (it resumes), then this `dflash train --follow` command (it resumes "
                     "from its newest checkpoint), or raise data.follow_timeout_s"
                 )
+            # held: probed again only timeout_s from now, so that an extract killed and
+            # restarted meanwhile (a requeued job; its restart loads the target before its next
+            # shard) is found holding it, not taken for dead the first poll its lock is free
+            held_at = clock
             if not warned:
                 log.warning(
                     "no new shard in %s for %.0f s, but `dflash extract` still holds its writer "
@@ -202,11 +211,36 @@ class FollowPlan:
         self.surely_train = self.num_train - self.per_shard + 1
         self._split: SequenceSplit | None = None
         self._shuffled: EpochPlan | None = None
+        self.content_key = info.attrs["content_key"]
+        self._checked: set[int] = set()  # shards committed under this run's content key
+
+    def committed(self, index: int) -> bool:
+        """Whether shard `index` is committed, by the extraction this run began on: a store
+        rewritten meanwhile (`dflash extract --overwrite` with other settings or data) raises,
+        where its shards would have gone on the stream after those of the first. The new root
+        is written before any of its shards, so a shard seen committed is checked against the
+        root that was there when it was."""
+        if index in self._checked:
+            return True
+        if not shard_ready(self.store, index):
+            return False
+        try:
+            root = json.loads((self.store / "zarr.json").read_text())["attributes"][ROOT_ATTR]
+        except (OSError, ValueError, KeyError):  # --overwrite between its deletion and new root
+            return False
+        if root.get("content_key") != self.content_key:
+            raise StoreError(
+                f"store {self.store} was rewritten by a `dflash extract` with other settings or "
+                "data (another content key) while this run followed it; its shards no longer "
+                "continue the ones trained on: train on the new store with a new --out"
+            )
+        self._checked.add(index)
+        return True
 
     def known_split(self) -> SequenceSplit | None:
         """The train / held-out split, once the last shard is committed (never waits)."""
         last = self.num_shards - 1
-        if self._split is None and shard_ready(self.store, last):
+        if self._split is None and self.committed(last):
             meta = shards_dir(self.store) / shard_name(last) / "zarr.json"
             tail = int(json.loads(meta.read_text())["attributes"][SHARD_ATTR]["num_sequences"])
             total = last * self.per_shard + tail
@@ -254,7 +288,7 @@ class FollowPlan:
         first = step * self.per_step
         train = [pos for pos in range(first, first + self.per_step) if self._is_train(pos)]
         for shard in sorted({pos // self.per_shard for pos in train}):
-            self.watch.wait(lambda s=shard: shard_ready(self.store, s), f"shard {shard}")
+            self.watch.wait(lambda s=shard: self.committed(s), f"shard {shard}")
 
     def micro_batches(self, epoch: int, start_step: int = 0) -> Iterator[list[ItemKey]]:
         """This rank's micro-batches of `epoch` from step `start_step` on; in the streamed
@@ -291,7 +325,7 @@ class FollowHoldout(torch.utils.data.Sampler[list[ItemKey]]):
         split = self.plan.known_split() if self.plan.holdout else None
         first = split.num_train // self.plan.per_shard if split else self.plan.num_shards
         ok = split is not None and all(
-            shard_ready(self.plan.store, i) for i in range(first, self.plan.num_shards)
+            self.plan.committed(i) for i in range(first, self.plan.num_shards)
         )
         if dist.is_initialized() and dist.get_world_size() > 1:
             flag = torch.tensor([int(ok)], device=self.device)
