@@ -187,10 +187,12 @@ def load_section(path: str | Path | None, section: str) -> dict[str, Any]:
     if not path.is_file():
         raise ValueError(f"config file {path} does not exist; pick one from configs/ or pass none")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        with path.open() as stream:  # a stream: YAML's message names the file, not a string
+            data = yaml.safe_load(stream) or {}
     except yaml.YAMLError as err:
         raise ValueError(
-            f"config file {path} is not valid YAML: {' '.join(str(err).split())}"
+            f"config file {path} is not valid YAML: {' '.join(str(err).split())}; fix the "
+            f"YAML near the lines named (`dflash {section} --help-config` lists the keys)"
         ) from None
     if not isinstance(data, dict):
         raise ValueError(f"config file {path}: expected a mapping with sections, got {type(data)}")

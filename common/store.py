@@ -10,6 +10,7 @@ rename of its finished temporary folder, so a reader never sees half a shard.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,6 +231,11 @@ def read_root_attrs(store: str | Path) -> dict[str, Any]:
                 f"{store} is a `dflash generate` output, not a store: run `dflash extract "
                 f"--data {store} --out STORE` on it, then pass STORE"
             )
+        if store.resolve().name == SHARDS_DIR and (store / ".." / "zarr.json").is_file():
+            raise StoreError(
+                f"{store} is the shards folder of a store, not a store: pass the store "
+                f"folder {os.path.normpath(store / '..')} (one level up)"
+            )
         raise StoreError(
             f"{store} is not a dflash store (no zarr.json); pass the folder extract wrote"
         )
@@ -244,6 +250,13 @@ def read_root_attrs(store: str | Path) -> dict[str, Any]:
     node = doc.get("attributes") if isinstance(doc, dict) else None
     attrs = node.get(ROOT_ATTR) if isinstance(node, dict) else None
     if not isinstance(doc, dict) or doc.get("zarr_format") != 3 or not isinstance(attrs, dict):
+        shard = isinstance(node, dict) and SHARD_ATTR in node
+        if shard and store.resolve().parent.name == SHARDS_DIR:
+            # one committed shard (STORE/shards/shard-NNNNNN): a slip of the tab key
+            raise StoreError(
+                f"{store} is one shard of a store, not a store: pass the store folder "
+                f"{os.path.normpath(store / '..' / '..')} (two levels up)"
+            )
         raise StoreError(
             f"{store} is a Zarr store but not a dflash store (no '{ROOT_ATTR}' attributes)"
         )

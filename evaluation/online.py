@@ -210,7 +210,7 @@ def run_evaluate(cfg: EvaluateConfig) -> dict:
     dtype = getattr(torch, cfg.dtype)
     # the target's positions from its config alone, and the prompts, before any weights load
     # (a missing folder or an unreachable hub id is named with the fix)
-    target_config = load_target_config(TargetConfig(model=cfg.target))
+    target_config = load_target_config(TargetConfig(model=cfg.target), "--target")
     found = max_positions(target_config)
     check_positions(cfg, found)
     # the drafter first: a wrong folder, or one of another target, fails before minutes of

@@ -71,7 +71,9 @@ def load_raw_dataset(cfg: DataConfig) -> datasets.Dataset:
         except Exception as err:  # offline, unknown name, wrong split: all end here
             raise ValueError(
                 f"data {cfg.path!r} is neither a local file/folder nor a reachable hub dataset "
-                f"(name={cfg.name!r}, split={cfg.split!r}): {type(err).__name__}: {err}"
+                f"(name={cfg.name!r}, split={cfg.split!r}): {type(err).__name__}: {err}; pass "
+                f"a local {'/'.join(LOCAL_BUILDERS)} file or folder of them with --data, or "
+                "check the hub name, data.name and data.split, the network and HF_DATASETS_OFFLINE"
             ) from err
     if cfg.max_samples is not None and cfg.max_samples < len(ds):
         ds = ds.select(range(cfg.max_samples))

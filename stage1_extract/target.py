@@ -38,17 +38,18 @@ def _looks_local(name: str) -> bool:
     return os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1
 
 
-def load_target_config(cfg: TargetConfig) -> PretrainedConfig:
-    """The target's transformers config; ValueError naming the model and the fix when absent."""
+def load_target_config(cfg: TargetConfig, name: str = "target.model") -> PretrainedConfig:
+    """The target's transformers config; ValueError naming the model and the fix when absent.
+    `name` is the input as the user gave it: the config key, or a command's flag (--target)."""
     path = Path(cfg.model)
     if path.exists() and not (path / "config.json").is_file():
         raise ValueError(
-            f"target.model {cfg.model}: folder has no config.json; pass the folder that "
+            f"{name} {cfg.model}: folder has no config.json; pass the folder that "
             "save_pretrained wrote (config.json + weights) or a hub id"
         )
     if not path.exists() and _looks_local(cfg.model):
         raise ValueError(
-            f"target.model {cfg.model}: no such folder; pass an existing model folder "
+            f"{name} {cfg.model}: no such folder; pass an existing model folder "
             "(config.json + weights) or a hub id like Qwen/Qwen3-8B"
         )
     try:
@@ -56,9 +57,11 @@ def load_target_config(cfg: TargetConfig) -> PretrainedConfig:
             cfg.model, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
         )
     except (OSError, ValueError) as err:
+        # target.revision is a config key: offered only where the target came from the config
+        revision = ", target.revision" if name == "target.model" else ""
         raise ValueError(
-            f"target.model {cfg.model}: cannot load its config ({err}); pass an existing model "
-            "folder or a reachable hub id (check the name, target.revision, network/HF_HUB_OFFLINE)"
+            f"{name} {cfg.model}: cannot load its config ({err}); pass an existing model "
+            f"folder or a reachable hub id (check the name{revision}, network/HF_HUB_OFFLINE)"
         ) from err
 
 

@@ -146,10 +146,22 @@ def test_a_drafter_of_another_target_is_refused_before_the_weights_load(
 
 
 def test_evaluate_names_a_target_that_is_not_one(tmp_path: Path) -> None:
-    # before: `error: OSError: Repo id must be in the form 'repo_name' ...` (exit 1, "a bug")
+    # before: `error: OSError: Repo id must be in the form 'repo_name' ...` (exit 1, "a bug");
+    # then extract's `target.model X`, a key evaluate has not: the user typed --target
     result = _evaluate(tmp_path / "nope", tmp_path / "d.jsonl")
     assert result.exit_code == 2
-    assert f"target.model {tmp_path / 'nope'}: no such folder" in error_line(result)
+    assert error_line(result) == (
+        f"error: --target {tmp_path / 'nope'}: no such folder; pass an existing model folder "
+        "(config.json + weights) or a hub id like Qwen/Qwen3-8B"
+    )
+    # a hub id offline: the fix offers no target.revision, which evaluate has no flag for
+    result = _evaluate(Path("no-such-org/no-such-model"), tmp_path / "d.jsonl")
+    assert result.exit_code == 2
+    assert error_line(result).startswith(
+        "error: --target no-such-org/no-such-model: cannot load its config"
+    )
+    # (transformers' reason spans lines)
+    assert result.output.rstrip().endswith("(check the name, network/HF_HUB_OFFLINE)")
 
 
 def test_evaluate_data_reads_as_extract_does(

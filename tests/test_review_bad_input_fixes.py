@@ -1,0 +1,125 @@
+"""The gaps a review of tests/test_review_bad_input.py left: each `error:` line names the input
+as the user typed it (a flag or config key) and the fix: a --set data.dev_store that is no
+store, a shard folder (or the shards folder) given for the store, a --config that is no YAML,
+a --data hub name that cannot be reached.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from store_factory import FactorySpec, build_store
+
+from dflash_offline.cli import main as cli
+
+DEBUG = Path(__file__).parents[1] / "configs" / "debug.yaml"
+DEV_FIX = (
+    ": pass a store of your dev prompts, written by `dflash generate --data DEV.jsonl --out "
+    "GEN` then `dflash extract --data GEN --out STORE` with the training target (README's "
+    "evaluate-offline recipe), or leave data.dev_store unset"
+)
+
+
+def error_line(result: Any) -> str:
+    """The output's one `error:` line (no traceback)."""
+    lines = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in result.output, result.output
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_store(tmp_path_factory.mktemp("s") / "store", FactorySpec(num_sequences=4))
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty folder", "shard"])
+def test_train_dev_store_that_is_no_store_names_the_key(
+    tmp_path: Path, store: Path, kind: str
+) -> None:
+    # before: `store X does not exist; run dflash extract to create it`, or `X is not a dflash
+    # store`: the path alone, not that it came from data.dev_store, nor what a dev store is
+    dev = {"missing": tmp_path / "dev", "empty folder": tmp_path, "shard": None}[kind]
+    dev = dev or store / "shards" / "shard-000000"
+    args = ["train", "--config", str(DEBUG), "--store", str(store), "--out", str(tmp_path / "r")]
+    args += ["--devices", "cpu", "--set", f"data.dev_store={dev}"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2
+    expected = {
+        "missing": f"error: data.dev_store {dev} does not exist{DEV_FIX}",
+        "empty folder": f"error: data.dev_store {dev} is not a dflash store (no zarr.json){DEV_FIX}",
+        "shard": f"error: data.dev_store: {dev} is one shard of a store, not a store: pass the "
+        f"store folder {store} (two levels up)",
+    }[kind]
+    assert error_line(result) == expected
+    assert not list((tmp_path / "r").glob("step-*"))
+
+
+def test_inspect_of_a_shard_says_to_pass_its_store(
+    store: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # before: `X is a Zarr store but not a dflash store (no 'dflash' attributes)`, no fix
+    shard = store / "shards" / "shard-000000"
+    result = CliRunner().invoke(cli, ["inspect", str(shard)])
+    assert result.exit_code == 2
+    assert error_line(result) == (
+        f"error: {shard} is one shard of a store, not a store: pass the store folder {store} "
+        "(two levels up)"
+    )
+    result = CliRunner().invoke(cli, ["inspect", str(store / "shards")])
+    assert error_line(result) == (
+        f"error: {store / 'shards'} is the shards folder of a store, not a store: pass the "
+        f"store folder {store} (one level up)"
+    )
+    # relative, from inside the shards folder: the store is `..`
+    monkeypatch.chdir(store / "shards")
+    result = CliRunner().invoke(cli, ["inspect", "shard-000000"])
+    assert "pass the store folder .. (two levels up)" in error_line(result)
+
+
+def test_inspect_of_another_zarr_store_is_unchanged(tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "zarr.json").write_text('{"zarr_format": 3, "node_type": "group", "attributes": {}}')
+    result = CliRunner().invoke(cli, ["inspect", str(other)])
+    assert error_line(result) == (
+        f"error: {other} is a Zarr store but not a dflash store (no 'dflash' attributes)"
+    )
+
+
+@pytest.mark.parametrize("command", ["generate", "extract", "train"])
+def test_config_that_is_not_yaml_names_the_file_line_and_fix(tmp_path: Path, command: str) -> None:
+    # before: the parser's message about "<unicode string>" and no fix
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"{command}:\n  data:\n    store: x\n   bad: [\n")
+    result = CliRunner().invoke(cli, [command, "--config", str(bad)])
+    assert result.exit_code == 2
+    line = error_line(result)
+    assert line.startswith(f"error: config file {bad} is not valid YAML: "), line
+    assert f'in "{bad}", line 4, column 4' in line and "<unicode string>" not in line
+    assert line.endswith(
+        f"; fix the YAML near the lines named (`dflash {command} --help-config` lists the keys)"
+    )
+
+
+@pytest.mark.parametrize("command", ["extract", "generate"])
+def test_unreachable_hub_dataset_gives_the_fix(
+    tiny_qwen3: Path, tmp_path: Path, command: str
+) -> None:
+    # offline (conftest: HF_DATASETS_OFFLINE=1). Before: the reason alone, no fix
+    args = [command, "--config", str(DEBUG), "--model", str(tiny_qwen3)]
+    args += ["--data", "no-such-org/no-such-dataset"]
+    result = CliRunner().invoke(cli, [*args, "--out", str(tmp_path / "o"), "--devices", "cpu"])
+    assert result.exit_code == 2
+    line = error_line(result)
+    assert line.startswith(
+        "error: data 'no-such-org/no-such-dataset' is neither a local file/folder nor a "
+        "reachable hub dataset (name=None, split='train'): "
+    ), line
+    assert line.endswith(
+        "; pass a local .jsonl.gz/.json.gz/.jsonl/.json/.parquet file or folder of them with "
+        "--data, or check the hub name, data.name and data.split, the network and "
+        "HF_DATASETS_OFFLINE"
+    ), line
