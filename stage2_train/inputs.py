@@ -20,7 +20,9 @@ from common.store import (
     shard_name,
     shards_dir,
 )
+from common.store_check import check_shards, damage_error, damaged_shards
 from stage2_train.config import TrainConfig
+from stage2_train.data import loader_arrays
 from stage2_train.model import DrafterShape, drafter_shape
 from stage2_train.plan import split_store
 
@@ -93,9 +95,10 @@ def _read_head(path: Path) -> tuple[torch.Tensor, tuple[int, int]]:
     return embed_VD, (head_rows, head_dim)
 
 
-def _first_hidden_meta(info: StoreInfo) -> dict:
+def _first_hidden_meta(info: StoreInfo, names: list[str]) -> dict:
     """The first committed shard's hidden-array metadata, or a StoreError naming what is gone
-    (the file checks come later: this read must not die on an IndexError or a bare JSON error)."""
+    (the file checks come later: this read must not die on an IndexError or a bare JSON error).
+    In a complete store that error is `check_shards`' report of every damaged shard."""
     shards = committed_shards(info.path)
     if not shards:
         raise StoreError(
@@ -106,6 +109,8 @@ def _first_hidden_meta(info: StoreInfo) -> dict:
     try:
         return json.loads(meta.read_text())
     except (OSError, ValueError) as err:
+        if info.complete:
+            check_shards(info, names)  # names this shard and any other, each once
         raise StoreError(
             f"{meta} cannot be read ({err}): delete that shard's folder and rerun the same "
             f"`dflash extract` (`dflash inspect verify {info.path}` lists any other damage)"
@@ -132,15 +137,22 @@ def check_inputs(cfg: TrainConfig) -> tuple[StoreInfo, DrafterShape]:
     embed_rows, embed_dim = embed_VD.shape
     problems = []
     D = info.hidden_size
-    hidden_zarr = _first_hidden_meta(info)
+    names = loader_arrays(info.hidden_dtype, cfg.loss.distill_weight > 0)
+    hidden_zarr = _first_hidden_meta(info, names)
     stored_KD = tuple(hidden_zarr["shape"][2:])
-    bits = HIDDEN_DTYPES[info.hidden_dtype][0]
+    bits, K_D = HIDDEN_DTYPES[info.hidden_dtype][0], (len(info.tapped_layers), D)
+    if info.complete and (hidden_zarr["data_type"] != bits or stored_KD != K_D):
+        # a damaged or foreign shard: the report of every damaged shard, as run_train gives it;
+        # unless every shard disagrees with the root attributes (then they are at fault: below)
+        bad = damaged_shards(info, names, list(range(info.num_shards)))
+        if len(bad) < info.num_shards:
+            raise damage_error(info, bad, info.num_shards)
     if hidden_zarr["data_type"] != bits:
         problems.append(
             f"shard hidden arrays are {hidden_zarr['data_type']}, but the store's hidden_dtype "
             f"{info.hidden_dtype} is stored as {bits}; the store is inconsistent: re-extract it"
         )
-    if stored_KD != (len(info.tapped_layers), D):
+    if stored_KD != K_D:
         problems.append(
             f"shard hidden arrays hold {stored_KD} = (K, D) per token, but the store lists "
             f"{len(info.tapped_layers)} tapped layers of width {D}; the store is inconsistent: "

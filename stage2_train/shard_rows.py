@@ -6,12 +6,12 @@ through zarr. Bytes that cannot be trusted (a chunk that fails to decode or to c
 missing or of another size than recorded at commit: zarr would read it as zeros) raise
 `Damaged`, whose one line names the store, the shard, the array and the fix.
 
-An array's metadata (present, of the dtype and shape the root attributes give it) is checked for
-every shard before training by `check_shard_metadata` (JSON only: no array data is read), so a
-foreign or damaged shard stops the run at its start, not hours in at its first read; the same
-check in `ShardRows.open` stays as the backstop (a shard changed after the start).
+An array's metadata (present, of the dtype and shape the root attributes give it) and every
+shard's file sizes are checked for every shard before training by `check_shards`
+(common/store_check.py: JSON and stat only), so a foreign or damaged shard stops the run at its
+start, not hours in at its first read; the same checks in `ShardRows.open` and after each read
+stay as the backstop (a shard changed after the start).
 
-    check_shard_metadata(store_info, ["tokens", "hidden", ...])        # StoreError: every shard
     shard = ShardRows.open(store_info, 3, ["tokens", "hidden", ...])   # Damaged if unreadable
     rows = shard.read(row, {"tokens": out_S, ...})                    # Damaged if damaged
 """
@@ -19,31 +19,25 @@ check in `ShardRows.open` stays as the backstop (a shard changed after the start
 from __future__ import annotations
 
 import asyncio
-import functools
-import json
 import os
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import zarr
-from zarr.core.metadata.v3 import ArrayV3Metadata
 from zarr.core.sync import sync as zarr_sync
 
 from common.store import (
     REEXTRACT,
     SHARD_ATTR,
-    StoreError,
     StoreInfo,
     layout_mismatch,
     shard_layout,
     shard_name,
     shards_dir,
 )
-from common.store_files import GROUP_META, STAT_THREADS, file_problems, recorded_files
+from common.store_files import file_problems, recorded_files
 from stage2_train.row_reader import RowReader
 
 
@@ -126,98 +120,6 @@ class ShardRows:
         if changed and (problems := file_problems(self.folder, self.files)):
             raise damaged(self.root, self.index, *problems[0][:2])
         return {name: into[name] for name in self.readers}
-
-
-MAX_DETAILED = 20  # problems spelled out in check_shard_metadata's error; the rest by shard
-
-
-def expected_sequences(info: StoreInfo, index: int) -> int:
-    """Sequences shard `index` of a complete store holds (FORMAT.md: the last may hold fewer)."""
-    per_shard = int(info.attrs["sequences_per_shard"])
-    return min(per_shard, int(info.attrs["counts"]["sequences"]) - index * per_shard)
-
-
-@functools.lru_cache(maxsize=256)
-def _parsed(text: str) -> SimpleNamespace:
-    """The dtype and shape of an array's zarr.json text, parsed as zarr parses it when it opens
-    the array (codecs checked against the shape and dtype, so metadata zarr would refuse fails
-    here). Cached by text: a store's shards share their arrays' metadata byte for byte (but the
-    last shard's), and zarr's parse costs ~0.3 ms where reading the file costs ~20 us."""
-    meta = ArrayV3Metadata.from_dict(json.loads(text))
-    return SimpleNamespace(dtype=meta.dtype.to_native_dtype(), shape=tuple(meta.shape))
-
-
-def shard_metadata_problems(info: StoreInfo, index: int, names: list[str]) -> list[str]:
-    """What is wrong with the metadata of shard `index` of the complete store `info` for a
-    reader of arrays `names`, as "shard-NNNNNN[ array A]: what" lines; [] when nothing is."""
-    name = shard_name(index)
-    folder = shards_dir(info.path) / name
-    try:
-        doc = json.loads((folder / GROUP_META).read_text())
-        num_sequences = doc["attributes"][SHARD_ATTR]["num_sequences"]
-    except FileNotFoundError:
-        gone = "folder is missing" if not folder.is_dir() else f"{GROUP_META} is missing"
-        return [f"{name}: {gone}"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        return [f"{name}: {GROUP_META} unreadable ({type(err).__name__}: {err})"]
-    expected = expected_sequences(info, index)
-    if num_sequences != expected:
-        return [f"{name}: {num_sequences} sequences, expected {expected}"]
-    problems = []
-    for array, (dtype, shape) in shard_layout(info, expected, 0).items():
-        if array not in names:
-            continue
-        meta = folder / array / "zarr.json"
-        try:
-            found = _parsed(meta.read_text())
-        except FileNotFoundError:
-            problems.append(f"{name} array {array}: missing (no {array}/zarr.json)")
-            continue
-        except Exception as err:  # OSError, JSON, and zarr's many types for metadata it refuses
-            what = f"{array}/zarr.json unreadable ({type(err).__name__}: {err})"
-            problems.append(f"{name} array {array}: {what}")
-            continue
-        if what := layout_mismatch(found, dtype, shape):
-            problems.append(f"{name} array {array}: {what}")
-    return problems
-
-
-def check_shard_metadata(info: StoreInfo, names: list[str]) -> None:
-    """Every shard of the complete store `info` present, each holding the sequences the plan
-    gives it and arrays `names` of the dtype and shape its root attributes give them (their
-    zarr.json files only: no array data is read); else one StoreError naming every bad shard,
-    what was expected and found, and the fix."""
-    with ThreadPoolExecutor(STAT_THREADS) as pool:  # latency-bound reads on network file systems
-        found = pool.map(lambda i: shard_metadata_problems(info, i, names), range(info.num_shards))
-        bad = {index: lines for index, lines in enumerate(found) if lines}
-    if not bad:
-        return
-    problems = [(index, line) for index, lines in bad.items() for line in lines]
-    listed = [line for _, line in problems[:MAX_DETAILED]]
-    if rest := problems[MAX_DETAILED:]:
-        shards = _spans(sorted({index for index, _ in rest}))
-        listed.append(f"and {len(rest)} more problems, in {shards}")
-    raise StoreError(
-        f"store {info.path}: {len(bad)} of {info.num_shards} shards do not hold what its root "
-        "attributes promise (found before training, from their metadata):\n  - "
-        + "\n  - ".join(listed)
-        + f"\ndelete each shard folder named above under {shards_dir(info.path)} and rerun the "
-        "same `dflash extract` command, which rebuilds only the missing shards (`dflash inspect "
-        f"verify {info.path}` checks every value of every shard)"
-    )
-
-
-def _spans(indices: list[int]) -> str:
-    """Sorted shard indices as names, runs joined: "shard-000003, shard-000007 to shard-000009"."""
-    runs: list[list[int]] = []
-    for index in indices:
-        if runs and index == runs[-1][1] + 1:
-            runs[-1][1] = index
-        else:
-            runs.append([index, index])
-    return ", ".join(
-        shard_name(a) if a == b else f"{shard_name(a)} to {shard_name(b)}" for a, b in runs
-    )
 
 
 async def _read_rows(arrays: Iterable[zarr.Array], row: int) -> list[Any]:

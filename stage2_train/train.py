@@ -42,7 +42,7 @@ from common.errors import report_to_launcher
 from common.locks import exclusive_lock
 from common.logging import get_logger, init_logger
 from common.store import StoreError
-from common.store_files import check_store_files
+from common.store_check import check_shards
 from evaluation.chained import chained_tau_on_store, open_dev_store
 from evaluation.heldout import evaluate
 from evaluation.offline import OfflineEvalConfig
@@ -68,7 +68,6 @@ from stage2_train.plan import EpochPlan, HoldoutSampler, PlanSampler, split_stor
 from stage2_train.plots import draw_plots_safely
 from stage2_train.prefetch import DevicePrefetcher
 from stage2_train.resume import resume_run
-from stage2_train.shard_rows import check_shard_metadata
 from stage2_train.step import load_frozen_head
 from stage2_train.stop import RANK_FAILED, TIME_LIMIT_EXIT, StopRequests, stopped
 from stage2_train.time_fit import TimeFit, restore_fitted
@@ -107,11 +106,11 @@ def run_train(cfg: TrainConfig) -> None:
         cfg = limit_after_wait(cfg, time.monotonic() - waiting_since)
     info, _ = check_inputs(cfg)
     if info.complete:  # (--follow before completion: at each shard's and sequence's read)
-        check_store_files(info)  # a deleted or cut file reads as zeros: caught before step 1
-        # a foreign or damaged shard's arrays (its sizes agree with its own record): all of
-        # them now, not each at its first read hours in. Under torchrun every rank checks
-        # alike (JSON only: ~0.5 ms a shard), before any process group or model exists
-        check_shard_metadata(info, loader_arrays(info.hidden_dtype, cfg.loss.distill_weight > 0))
+        # a deleted or cut file (it reads as zeros) and a foreign or damaged shard's arrays
+        # (its sizes agree with its own record), in every shard, in one error: now, not each
+        # at its first read hours in. Under torchrun every rank checks alike (JSON and stat
+        # only: ~1 ms a shard), before any process group or model exists
+        check_shards(info, loader_arrays(info.hidden_dtype, cfg.loss.distill_weight > 0))
     check_trackers(cfg.run.report_to)  # a missing package fails here, not in a worker
     check_fp8_installed(cfg.run.fp8_linear)
     devices = parse_devices(cfg.run.devices)

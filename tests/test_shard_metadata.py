@@ -16,11 +16,12 @@ from store_factory import build_store as build_factory_store
 from test_store_integrity import LAYOUT_DAMAGE, rewrite_array, shard, train_cfg
 from zarr import open_array
 
+from common import store_check
 from common.store import StoreError, StoreInfo, open_store
-from common.store_files import check_store_files, record_shard_files
-from stage2_train import shard_rows, train
+from common.store_check import check_shards
+from common.store_files import record_shard_files
+from stage2_train import train
 from stage2_train.data import loader_arrays
-from stage2_train.shard_rows import check_shard_metadata
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +37,8 @@ def store(clean: Path, tmp_path: Path) -> Path:
 
 
 def check(store: Path, distill: bool = True) -> None:
-    info = open_store(store)
-    check_store_files(info)  # every damage below keeps the recorded sizes right
-    check_shard_metadata(info, loader_arrays(info.hidden_dtype, distill))
+    info = open_store(store)  # every damage below keeps the recorded sizes right
+    check_shards(info, loader_arrays(info.hidden_dtype, distill))
 
 
 def test_train_refuses_every_bad_shard_before_the_model_is_built(
@@ -113,9 +113,9 @@ def test_past_the_detailed_lines_every_bad_shard_is_still_named(
 ) -> None:
     info = open_store(store)
     other = StoreInfo(info.path, {**info.attrs, "topk": info.topk + 1})  # every shard disagrees
-    monkeypatch.setattr(shard_rows, "MAX_DETAILED", 3)
+    monkeypatch.setattr(store_check, "MAX_DETAILED", 3)
     with pytest.raises(StoreError) as caught:
-        check_shard_metadata(other, loader_arrays(info.hidden_dtype, True))
+        check_shards(other, loader_arrays(info.hidden_dtype, True))
     lines = str(caught.value).splitlines()
     assert "6 of 6 shards" in lines[0] and len(lines) == 6
     assert lines[1] == "  - shard-000000 array topk_ids: shape (4, 64, 4), expected (4, 64, 5)"

@@ -34,7 +34,8 @@ from common.store import (
     committed_shards,
     open_store,
 )
-from common.store_files import check_store_files, record_shard_files, recorded_files
+from common.store_check import check_shards
+from common.store_files import record_shard_files, recorded_files
 from stage1_extract.run import run_extract
 from stage1_extract.store_root import LOCK_FILE
 from stage2_train.config import TrainConfig
@@ -118,9 +119,10 @@ def test_train_refuses_a_damaged_store_before_step_1(store: Path, tmp_path: Path
     with pytest.raises(StoreError) as caught:
         run_train(train_cfg(store, tmp_path / "run"))
     message = str(caught.value)
-    assert "\n" not in message and "shard-000001" in message and what in message
+    lines = message.splitlines()  # the store, a line per problem (here one), the fix
+    assert len(lines) == 3 and lines[1].startswith("  - shard-000001") and what in lines[1]
     if array != "-":
-        assert f"array {array}: file {array}/c/" in message
+        assert f"array {array}: file {array}/c/" in lines[1]
     assert "rerun the same `dflash extract` command" in message
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # no step was taken
 
@@ -130,7 +132,7 @@ def test_a_chunk_that_fails_its_checksum_stops_training_with_one_line(
     store: Path, tmp_path: Path, workers: int
 ) -> None:
     flip_byte(data_file(store, 0, "hidden"))
-    check_store_files(open_store(store))  # same size: only decoding finds it
+    check_shards(open_store(store), [])  # same size: only decoding finds it
     cfg = train_cfg(store, tmp_path / "run", f"data.num_workers={workers}")
     with pytest.raises(StoreError) as caught:
         run_train(cfg)
@@ -202,7 +204,7 @@ def test_a_version_1_store_trains_unchecked_and_resumes_with_records(
         sdoc = json.loads(shard_meta.read_text())
         del sdoc["attributes"][SHARD_ATTR][FILES_KEY]
         shard_meta.write_text(json.dumps(sdoc))
-    check_store_files(open_store(store))  # skipped, with a log line
+    check_shards(open_store(store), [])  # skipped, with a log line
     shutil.rmtree(shard(store, 1))
     run_extract(make_config(tiny_qwen3, data, store, LAYERS))  # resumes: the same content key
     info = open_store(store, require_complete=True)
@@ -210,7 +212,7 @@ def test_a_version_1_store_trains_unchecked_and_resumes_with_records(
     assert recorded_files(shard(store, 1)) and recorded_files(shard(store, 0)) is None
     data_file(store, 1, "tokens").unlink()
     with pytest.raises(StoreError, match="shard-000001 array tokens"):
-        check_store_files(info)
+        check_shards(info, [])
 
 
 def rewrite_array(folder: Path, name: str, data: np.ndarray) -> None:
@@ -241,7 +243,7 @@ def test_train_reader_refuses_an_array_of_another_dtype_or_shape(tmp_path: Path,
     folder = shard(store, 1)
     rewrite_array(folder, name, change(zarr.open_array(folder / name, mode="r")[:]))
     info = open_store(store)
-    check_store_files(info)  # the sizes agree with the record
+    check_shards(info, [])  # the sizes agree with the record
     ds = argmax_sequences(info)
     assert ds[(4, 0, False)]["damaged"] is None  # shard 0
     item = ds[(5, 0, False)]

@@ -46,7 +46,7 @@ from common.store import (
     shard_name,
     shards_dir,
 )
-from common.store_files import check_store_files
+from common.store_check import check_shards
 
 HDF5_FORMAT = "dflash-offline-hdf5"
 LAYOUT_VERSION = 1
@@ -186,9 +186,10 @@ def store_to_hdf5(
             len(committed_shards(info.path)),
             info.num_shards,
         )
-    # zarr reads a missing chunk file as zeros: refuse a damaged shard rather than export zeros
-    check_store_files(info, selected)
     names = parse_arrays(arrays, info)
+    # zarr reads a missing chunk file as zeros: refuse a damaged or foreign shard (files and
+    # metadata of the arrays written, every such shard in one error) rather than export zeros
+    check_shards(info, [n for n in names if n != HEAD], selected)
     metas = [_shard_meta(info, i) for i in selected]
     seq_off = np.cumsum([0] + [m["num_sequences"] for m in metas]).astype(np.int64)
     doc_off = np.cumsum([0] + [m["num_documents"] for m in metas]).astype(np.int64)
