@@ -17,6 +17,9 @@ from stage1_extract.fingerprints import weights_fingerprint
 from stage1_extract.store_root import _canonical_path, content_key
 from stage1_generate.config import GenerateConfig
 
+# the content key that says a reply keeps the special tokens the target wrote in it
+REPLY_SPECIALS = "reply_special_tokens"
+
 
 def load_tokenizer(cfg: GenerateConfig) -> PreTrainedTokenizerBase:
     from stage1_extract.job import load_tokenizer as load_extract_tokenizer
@@ -69,7 +72,7 @@ def build_manifest(cfg: GenerateConfig, raw: datasets.Dataset, fmt: str) -> dict
         target["matmul_precision"] = cfg.target.matmul_precision
     # stop_at_eos named only when off, so the keys of datasets generated before it existed stay
     text = {k: v for k, v in config["text"].items() if not (k == "stop_at_eos" and v)}
-    content = {
+    content: dict[str, Any] = {
         "target": target,
         "backend": backend,
         "served_model": cfg.endpoint.model or cfg.target.model if backend == "openai" else None,
@@ -80,6 +83,11 @@ def build_manifest(cfg: GenerateConfig, raw: datasets.Dataset, fmt: str) -> dict
         "text": text if fmt == "text" else None,
         "rows_per_chunk": cfg.output.rows_per_chunk,
     }
+    if fmt != "text" or cfg.text.stop_at_eos:
+        # the rows whose replies versions before it wrote without the special tokens the
+        # target wrote inside them: its key refuses to resume such a folder (rows of either
+        # kind would mix); past the end of text they were kept already
+        content[REPLY_SPECIALS] = "kept"
     return {
         "format": FORMAT,
         "version": VERSION,

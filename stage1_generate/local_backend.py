@@ -3,7 +3,8 @@
 Prompts are sorted by length and cut into batches of at most `batch_size` prompts and
 `batch_tokens` (prompt + new) tokens, left-padded, so a batch wastes little padding and its
 KV cache stays bounded. Generation stops at the stop ids (the tokenizer's end of sequence and
-the chat template's end-of-turn token); the stop id itself is not part of the reply.
+the chat template's end-of-turn token); the stop id itself is not part of the reply, any other
+special token the target wrote is, as its text (e.g. Llama 3.1's `<|python_tag|>`).
 
 Legend: B batch rows, T prompt length (padded), N new tokens.
 """
@@ -152,7 +153,8 @@ class LocalBackend:
     ) -> list[Completion]:
         """Replies to `prompts` (token ids), in their order. `on_batch(prompts, new_tokens)`
         is called after each batch (progress). `stop` false: every reply runs to
-        `max_new_tokens`, past the stop ids, which its text then writes out."""
+        `max_new_tokens`, past the stop ids, which its text then writes out as any other
+        special token."""
         out: list[Completion | None] = [None] * len(prompts)
         lengths = [len(p) for p in prompts]
         min_row = 0
@@ -205,6 +207,8 @@ class LocalBackend:
         for row in new_BN:
             end = next((j for j, t in enumerate(row) if t in stops), None)
             reply = row if end is None else row[:end]
-            text = self.tokenizer.decode(reply, skip_special_tokens=stop)
+            # every special token the target wrote stays (the stop id is cut off above):
+            # extract's tokenizer reads its text back as that id
+            text = self.tokenizer.decode(reply, skip_special_tokens=False)
             completions.append(Completion(text, len(reply), end is not None, reply))
         return completions

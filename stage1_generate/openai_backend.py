@@ -7,7 +7,8 @@
 For targets too large for transformers' `generate`. Every prompt is one `/v1/completions`
 request whose `prompt` is the token ids our own chat-template rendering produced (the server
 applies no template of its own), with the stop ids as `stop_token_ids` (a vLLM/SGLang
-extension), so the rows equal the local backend's. `endpoint.concurrency` requests are in
+extension), and `skip_special_tokens` false (another special token the target writes stays in
+the reply's text), so the rows equal the local backend's. `endpoint.concurrency` requests are in
 flight at once: a thread pool over keep-alive connections of the standard library's
 `http.client` (the HTTP library that transformers' hub client brings differs between versions:
 requests, httpx, httpx2; and a local server should not go through `$http_proxy`, which
@@ -94,8 +95,7 @@ class OpenAIBackend:
     ) -> list[Completion]:
         """Replies to `prompts` (token ids), in their order; `on_batch(1, new_tokens)` is
         called (on this thread) as each request finishes. `stop` false: the server is asked
-        to ignore the end of sequence (vLLM's and SGLang's `ignore_eos`) and to write special
-        tokens into the text."""
+        to ignore the end of sequence (vLLM's and SGLang's `ignore_eos`)."""
         out: list[Completion | None] = [None] * len(prompts)
         pool = ThreadPoolExecutor(max(1, min(self.endpoint.concurrency, len(prompts))))
         try:
@@ -131,7 +131,11 @@ class OpenAIBackend:
             "min_p": 0.0,
             "stop_token_ids": self.stop_ids if stop else [],
             "ignore_eos": not stop,
-            "skip_special_tokens": stop,
+            # the special tokens the target wrote stay in the text, as the local backend's
+            # (vLLM and SGLang leave them out by default, and the stop token out either way),
+            # with no space put between two of them (vLLM's slow-tokenizer decoding would)
+            "skip_special_tokens": False,
+            "spaces_between_special_tokens": False,
             "return_token_ids": True,  # vLLM: the reply's ids, so text rows decode without a seam
         }
         if not self.sampling.greedy:

@@ -26,6 +26,8 @@ from typing import Any
 from common.durable import fsync_path
 from common.generated import META_DIR, manifest_path, read_manifest
 from common.locks import exclusive_lock
+from stage1_extract.store_root import content_key
+from stage1_generate.inputs import REPLY_SPECIALS
 
 LOCK_FILE = ".dflash-generate.lock"  # hidden: extract's data loader skips it
 
@@ -49,6 +51,15 @@ def _differences(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> 
         elif a != b:
             out.append(f"{prefix}{key}: {a!r} -> {b!r}")
     return out
+
+
+def _older_version_of(old: dict[str, Any], manifest: dict[str, Any]) -> bool:
+    """`old` has the settings of `manifest`, written by a version whose replies left out the
+    special tokens the target wrote (its content has no `REPLY_SPECIALS`)."""
+    content = manifest["content"]
+    if REPLY_SPECIALS not in content or REPLY_SPECIALS in old["content"]:
+        return False
+    return old["key"] == content_key({k: v for k, v in content.items() if k != REPLY_SPECIALS})
 
 
 def _others(out: Path) -> list[Path]:
@@ -94,6 +105,15 @@ def prepare_output(out: Path, manifest: dict[str, Any], overwrite: bool) -> None
         leftover.unlink()
     old = read_manifest(out) if out.exists() else None
     if old is not None:
+        if old["key"] != manifest["key"] and _older_version_of(old, manifest):
+            if old.get("complete"):
+                return  # nothing left to generate, so nothing to mix: kept as it is
+            raise ValueError(
+                f"--out {out} was begun by an older dflash-offline, which left the special tokens "
+                "a target writes inside a reply (e.g. <|python_tag|>, a tool-call marker) out "
+                "of its rows; this version keeps them, and the chunks of both would mix: "
+                "generate into a new --out, or pass --overwrite to regenerate this one"
+            )
         if old["key"] != manifest["key"]:
             changed = _differences(old["content"], manifest["content"])
             raise ValueError(

@@ -301,9 +301,7 @@ def generate_text(
         if not completion.text.strip():
             continue  # the target ended the document at once: nothing of its own to learn
         # the prefix (e.g. Llama's BOS) stays out of the row: extract adds it again
-        row = _split_row(
-            tokenizer, prompt[len(prefix) :], completion, cfg.text.loss_on_prompt, not stop
-        )
+        row = _split_row(tokenizer, prompt[len(prefix) :], completion, cfg.text.loss_on_prompt)
         row.update(source_index=index, window_start=start, new_tokens=completion.num_tokens)
         result.rows.append(row)
     return result
@@ -330,30 +328,24 @@ def _split_row(
     prompt: list[int],
     completion: Completion,
     as_text: bool,
-    reply_specials: bool = False,
 ) -> dict[str, Any]:
     """{text} or {prompt, completion} of one window. The whole window is decoded at once when
-    the reply's ids are known, so no character is cut at the seam. The prompt keeps its special
-    tokens as their text (a document's own `<|endoftext|>` or chat markers): extract's tokenizer
-    reads them back as the ids the target continued. The reply's special tokens are written
-    only with `reply_specials` (an end of text the target wrote past), else left out."""
-    skip = not reply_specials
-    prompt_text = tokenizer.decode(prompt, skip_special_tokens=skip)
-    if completion.token_ids is not None:
-        text = tokenizer.decode(prompt + completion.token_ids, skip_special_tokens=skip)
+    the reply's ids are known, so no character is cut at the seam. Prompt and reply keep their
+    special tokens as text (a document's own `<|endoftext|>` or chat markers, one the target
+    wrote: the reply holds no stop id, the backends cut it before one): extract's tokenizer
+    reads them back as the ids the target saw and wrote."""
+    prompt_text = tokenizer.decode(prompt, skip_special_tokens=False)
+    if completion.token_ids is None:
+        reply_text = completion.text
+    else:
+        text = tokenizer.decode(prompt + completion.token_ids, skip_special_tokens=False)
         # the seam split a character (its bytes over several tokens): the prompt ends before
         # that character's first token, so prompt + completion is the text itself
         cut = len(prompt)
         while cut > 0 and not text.startswith(prompt_text):
             cut -= 1
-            prompt_text = tokenizer.decode(prompt[:cut], skip_special_tokens=skip)
+            prompt_text = tokenizer.decode(prompt[:cut], skip_special_tokens=False)
         reply_text = text[len(prompt_text) :]
-    else:
-        cut, reply_text = len(prompt), completion.text
-    if skip:
-        # the reply was split off the text without special tokens; the prompt's own go back
-        # in (a prompt that has none is written as before: resumed runs mix both)
-        prompt_text = tokenizer.decode(prompt[:cut], skip_special_tokens=False)
     if as_text:
         return {"text": prompt_text + reply_text}
     return {"prompt": prompt_text, "completion": reply_text}

@@ -4,10 +4,11 @@ Serves `GET /v1/models` and `POST /v1/completions` (token-id prompts, `stop_toke
 local model through the local backend itself, greedily and one prompt at a time, so its replies
 are the local backend's with `run.batch_size=1`. It answers as vLLM does: the stop token counts
 in `usage.completion_tokens` and ends `token_ids` (returned when `return_ids`, else omitted as
-SGLang does). `fail(n)` true makes the n-th completion request (from 1) answer HTTP 500;
-a prompt plus `max_tokens` longer than `max_model_len` gets vLLM's HTTP 400; `advertise_len`
-puts `max_model_len` in the model card, as vLLM does; `ignore_eos` is honoured unless
-`ignores_eos=False`. `requests` holds every completion request.
+SGLang does); the text keeps the special tokens of the reply (not the stop token) only when the
+request sets `skip_special_tokens` false, as vLLM's. `fail(n)` true makes the n-th completion
+request (from 1) answer HTTP 500; a prompt plus `max_tokens` longer than `max_model_len` gets
+vLLM's HTTP 400; `advertise_len` puts `max_model_len` in the model card, as vLLM does;
+`ignore_eos` is honoured unless `ignores_eos=False`. `requests` holds every completion request.
 
     with OpenAIServer(model_dir, served_name="tiny") as server:
         ... --endpoint server.url ...
@@ -81,16 +82,17 @@ class OpenAIServer:
                 )
                 return 400, {"object": "error", "message": message, "code": 400}
             stops = request["stop_token_ids"]
-            # vLLM's ignore_eos (the server's own EOS: here the tokenizer's) and the text of
-            # special tokens when skip_special_tokens is false; `ignores_eos` false: a server
-            # that does not honour it
+            # vLLM's ignore_eos (the server's own EOS: here the tokenizer's); `ignores_eos`
+            # false: a server that does not honour it
             stop = not (request.get("ignore_eos") and self.ignores_eos)
             own = stops or [self.tokenizer.eos_token_id]
             backend = LocalBackend(self.model, self.tokenizer, SamplingConfig(), own, 1, 1 << 20)
             reply = backend.generate([request["prompt"]], request["max_tokens"], stop=stop)[0]
-            if not stop and request.get("skip_special_tokens", True):
-                text = self.tokenizer.decode(reply.token_ids or [], skip_special_tokens=True)
-                reply = dataclasses.replace(reply, text=text)
+            # the text as vLLM writes it: the stop token never, other special tokens only when
+            # skip_special_tokens is false (vLLM's default: true)
+            skip = request.get("skip_special_tokens", True)
+            text = self.tokenizer.decode(reply.token_ids or [], skip_special_tokens=skip)
+            reply = dataclasses.replace(reply, text=text)
             stops = own
         choice: dict[str, Any] = {
             "index": 0,

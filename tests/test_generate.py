@@ -145,7 +145,8 @@ def test_chat_turns_rewritten_user_turns_verbatim(chat_out: Path, tiny_qwen3: Pa
             )
             ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
             expected = greedy_reply(tiny_qwen3, ids, 6)
-            assert message["content"] == tokenizer.decode(expected, skip_special_tokens=True)
+            # a special token it wrote (not the stop token) stays, as its text
+            assert message["content"] == tokenizer.decode(expected, skip_special_tokens=False)
     assert sum(r["generated_turns"] for r in rows) == 7
 
 
@@ -203,8 +204,8 @@ def test_text_windows(tiny_qwen3: Path, tmp_path: Path) -> None:
         prompt = ids[row["window_start"] : row["window_start"] + 12]
         reply = greedy_reply(tiny_qwen3, prompt, 5)
         assert row["new_tokens"] == len(reply)
-        assert row["prompt"] == tokenizer.decode(prompt, skip_special_tokens=True)
-        whole = tokenizer.decode(prompt + reply, skip_special_tokens=True)
+        assert row["prompt"] == tokenizer.decode(prompt, skip_special_tokens=False)
+        whole = tokenizer.decode(prompt + reply, skip_special_tokens=False)
         assert row["prompt"] + row["completion"] == whole
     assert manifest["counts"]["prompts"] == len(expected)
     assert manifest["counts"]["new_tokens"] == sum(r["new_tokens"] for r in rows)
@@ -253,10 +254,10 @@ def test_text_rows_written_past_the_end_of_text(tiny_eos_target: Path, tmp_path:
         assert row["text"] == tokenizer.decode(prompt + reply, skip_special_tokens=False)
     assert past["counts"]["truncated"] == len(windows)
     # the default: each reply ends before its first end of text (a reply that is one alone
-    # leaves no row)
+    # leaves no row); another special token it wrote stays
     cut = [(i, s, p, r[: r.index(eos)] if eos in r else r) for i, s, p, r in windows]
     expected = [
-        (i, s, tokenizer.decode(p + r, skip_special_tokens=True)) for i, s, p, r in cut if r
+        (i, s, tokenizer.decode(p + r, skip_special_tokens=False)) for i, s, p, r in cut if r
     ]
     got = [
         (r["source_index"], r["window_start"], r["text"]) for r in read_rows(tmp_path / "stopped")
@@ -374,7 +375,7 @@ def test_chat_template_kwargs_reach_generate_and_extract(tiny_qwen3: Path, tmp_p
     )
     assert prompt.endswith("[quiet] ")
     expected = greedy_reply(model_dir, tokenizer(prompt, add_special_tokens=False)["input_ids"], 6)
-    assert row["messages"][1]["content"] == tokenizer.decode(expected, skip_special_tokens=True)
+    assert row["messages"][1]["content"] == tokenizer.decode(expected, skip_special_tokens=False)
 
     debug = Path(__file__).parents[1] / "configs" / "debug.yaml"
     for flag, marked in (([kwargs], True), ([], False)):
@@ -454,9 +455,11 @@ def test_text_rows_keep_the_documents_special_tokens(
     for row, prompt in zip(rows, windows, strict=True):
         assert tokenizer(row["prompt"], add_special_tokens=False)["input_ids"] == prompt
         reply = greedy_reply(tiny_qwen3, prompt, 5, stop)
-        # the reply as before: special tokens it wrote as text only past the end of text
-        whole = tokenizer.decode(prompt + reply, skip_special_tokens=stop)
-        assert row["completion"] == whole[len(tokenizer.decode(prompt, skip_special_tokens=stop)) :]
+        # the reply with the special tokens it wrote as text (not the stop token)
+        whole = tokenizer.decode(prompt + reply, skip_special_tokens=False)
+        assert (
+            row["completion"] == whole[len(tokenizer.decode(prompt, skip_special_tokens=False)) :]
+        )
     texts = [r["text"] for r in read_rows(tmp_path / "text")]
     assert texts == [r["prompt"] + r["completion"] for r in rows]
     # extract's tokens of a prompt row: the ids the target saw
@@ -497,8 +500,8 @@ def test_completion_rows_keep_the_prompts_special_tokens(
         ids = tokenizer(prompt)["input_ids"]
         assert tokenizer(row["prompt"])["input_ids"] == ids
         reply = greedy_reply(model_dir, ids, 6)
-        whole = tokenizer.decode(ids + reply, skip_special_tokens=True)
-        assert row["completion"] == whole[len(tokenizer.decode(ids, skip_special_tokens=True)) :]
+        whole = tokenizer.decode(ids + reply, skip_special_tokens=False)
+        assert row["completion"] == whole[len(tokenizer.decode(ids, skip_special_tokens=False)) :]
 
 
 def test_json_output_has_no_nan(tmp_path: Path) -> None:
@@ -531,7 +534,7 @@ def test_text_windows_follow_the_tokenizers_bos(tiny_qwen3: Path, tmp_path: Path
         reply = greedy_reply(model_dir, prompt, 5)
         assert (
             row["completion"]
-            == tokenizer.decode(prompt + reply, skip_special_tokens=True)[len(row["prompt"]) :]
+            == tokenizer.decode(prompt[1:] + reply, skip_special_tokens=False)[len(row["prompt"]) :]
         )
         assert tokenizer(row["prompt"])["input_ids"][0] == bos  # what extract will see
 

@@ -143,7 +143,7 @@ def test_text_with_special_tokens_equals_local(
     rows = _rows(tmp_path / "remote")
     assert rows == _rows(tmp_path / "local") and remote["counts"] == local["counts"]
     assert any("<|endoftext|>" in r["prompt"] for r in rows)
-    assert all(r["skip_special_tokens"] for r in server.requests)
+    assert not any(r["skip_special_tokens"] for r in server.requests)
 
 
 def test_a_server_that_stops_at_the_end_of_text_anyway_is_named(
