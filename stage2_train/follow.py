@@ -46,12 +46,12 @@ import torch.distributed as dist
 from common.logging import get_logger
 from common.store import (
     HEAD_FILE,
-    ROOT_ATTR,
     SHARD_ATTR,
     StoreError,
     StoreInfo,
     committed_shards,
     open_store,
+    read_root_attrs,
     shard_name,
     shards_dir,
 )
@@ -225,8 +225,8 @@ class FollowPlan:
         if not shard_ready(self.store, index):
             return False
         try:
-            root = json.loads((self.store / "zarr.json").read_text())["attributes"][ROOT_ATTR]
-        except (OSError, ValueError, KeyError):  # --overwrite between its deletion and new root
+            root = read_root_attrs(self.store)
+        except StoreError:  # --overwrite between its deletion and the new root
             return False
         if root.get("content_key") != self.content_key:
             raise StoreError(
