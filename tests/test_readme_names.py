@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import re
 import shlex
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -238,20 +239,23 @@ def config_file_problem(path: str, command: str) -> str | None:
     return None
 
 
+def flags_shown(tokens: list[str], report: Report) -> Iterator[tuple[str, str]]:
+    """(flag, the token after it or "") for each flag in `tokens`, each counted as seen."""
+    for i, token in enumerate(tokens):
+        if match := FLAG.match(token):
+            report.flags.add(match.group(1))
+            yield match.group(1), tokens[i + 1] if i + 1 < len(tokens) else ""
+
+
 def check_flags(tokens: list[str], command: str, where: str, report: Report) -> None:
     """The flags in `tokens` are `command`'s; a choice's values (`--dtype a|b`) are its choices;
     the key after --set is of its config and --config's file loads."""
     options = OPTIONS[command]
-    for i, token in enumerate(tokens):
-        match = FLAG.match(token)
-        if not match:
-            continue
-        flag = match.group(1)
-        report.flags.add(flag)
+    for flag, after in flags_shown(tokens, report):
         if flag not in options:
             report.add(where, f"`{flag}` is no option of `dflash {command}`")
             continue
-        value = tokens[i + 1].strip("[]") if i + 1 < len(tokens) else ""
+        value = after.strip("[]")
         choice = options[flag].type
         if isinstance(choice, click.Choice) and not PLACEHOLDER.match(value):
             for v in value.split("|"):
@@ -348,17 +352,11 @@ def check_alone(tokens: list[str], commands: list[str], where: str, report: Repo
     if tokens[0] in OTHER_PROGRAMS_FLAGS or tokens[0] == "--set":
         return
     candidates = [c for c in commands if c in main.commands] or list(main.commands)
-    for i, token in enumerate(tokens):
-        match = FLAG.match(token)
-        if not match:
-            continue
-        flag = match.group(1)
-        report.flags.add(flag)
+    for flag, value in flags_shown(tokens, report):
         takers = [c for c in candidates if flag in OPTIONS[c]]
         if not takers:
             report.add(where, f"`{flag}` is no option of `dflash {'|'.join(candidates)}`")
             continue
-        value = tokens[i + 1] if i + 1 < len(tokens) else ""
         choices = [OPTIONS[c][flag].type for c in takers]
         fits = any(
             set(value.split("|")) <= set(getattr(choice, "choices", ())) for choice in choices
