@@ -386,12 +386,14 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         )
 
     log.info(
-        "training %s: %s%d sequences (%d held out), %d steps/epoch, %d steps, world %d, %s "
+        "training %s: %s%d sequences (%d held out)%s, %d steps/epoch, %d steps, world %d, %s "
         "(set up in %.1f s)",
         shape,
         "up to " if cfg.data.follow else "",
         plan.num_train,
         cfg.data.holdout_sequences,
+        # said where the run starts: its figures are an fp8 store's, from a bf16 one
+        ", features rounded to fp8 (data.hidden_as_fp8)" if cfg.data.hidden_as_fp8 else "",
         plan.steps_per_epoch,
         total_steps,
         ctx.world_size,

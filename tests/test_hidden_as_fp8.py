@@ -54,9 +54,14 @@ def train(store: Path, out: Path, *sets: str) -> list[dict]:
     return [{k: r[k] for k in COMPARED if k in r} for r in rows]
 
 
-def test_a_bf16_store_rounded_trains_as_the_fp8_store(stores: dict[str, Path], tmp_path: Path):
+def test_a_bf16_store_rounded_trains_as_the_fp8_store(
+    stores: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
     fp8 = train(stores["float8_e4m3fn"], tmp_path / "fp8")
+    assert "rounded to fp8" not in caplog.text
     rounded = train(stores["bfloat16"], tmp_path / "rounded", "data.hidden_as_fp8=true")
+    # the run's log says its figures are an fp8 store's (a device log is all a reader has)
+    assert "features rounded to fp8 (data.hidden_as_fp8)" in caplog.text
     plain = train(stores["bfloat16"], tmp_path / "plain")
     assert len(fp8) == 4 and sum("eval_tau" in r for r in fp8) == 2
     assert rounded == fp8
