@@ -14,6 +14,12 @@ from stage1_generate.config import GenerateConfig
 from stage2_train.config import TrainConfig
 
 
+def _model_name(model: str | None) -> str:
+    """The target as the user gave it, for the errors that name it: the flag when typed (it
+    overrides the config), else the config key from --config or --set."""
+    return "--model" if model is not None else "target.model"
+
+
 @click.command()
 @config_options
 @click.option("--model", help="target model: local folder or hub id (target.model)")
@@ -61,7 +67,7 @@ def generate(
     cfg = build_config(GenerateConfig, config_path, "generate", [*overrides, *extra])
     from stage1_generate.run import run_generate
 
-    run_generate(cfg)
+    run_generate(cfg, _model_name(model))
 
 
 @click.command()
@@ -95,7 +101,7 @@ def extract(
     cfg = build_config(ExtractConfig, config_path, "extract", [*overrides, *extra])
     from stage1_extract.run import run_extract
 
-    run_extract(cfg)
+    run_extract(cfg, _model_name(model))
 
 
 @click.command()

@@ -86,7 +86,9 @@ def _version(package: str) -> str:
         return "unknown"
 
 
-def load_tokenizer(cfg: ExtractConfig) -> PreTrainedTokenizerBase:
+def load_tokenizer(cfg: ExtractConfig, model_name: str = "target.model") -> PreTrainedTokenizerBase:
+    """The target's tokenizer (target.tokenizer, else the model's); `model_name` is how the user
+    gave the model (--model or target.model), for `load_target_config`'s error."""
     name = cfg.target.tokenizer or cfg.target.model
     revision = None if cfg.target.tokenizer else cfg.target.revision
     try:
@@ -98,7 +100,7 @@ def load_tokenizer(cfg: ExtractConfig) -> PreTrainedTokenizerBase:
             # the model's own tokenizer: a missing folder, a folder of something else or an
             # unreachable hub id is a wrong --model (named so), not a tokenizer to add
             # (generate loads the tokenizer before the target's config)
-            load_target_config(cfg.target)
+            load_target_config(cfg.target, model_name)
         raise ValueError(
             f"cannot load the tokenizer from {name} ({err}); pass a folder or hub id holding "
             "one with --set target.tokenizer=..."
@@ -139,9 +141,10 @@ def check_seq_len(cfg: ExtractConfig, config: PretrainedConfig) -> None:
     )
 
 
-def plan_job(cfg: ExtractConfig) -> ExtractJob:
+def plan_job(cfg: ExtractConfig, model_name: str = "target.model") -> ExtractJob:
     """Check the target, tokenize, plan the packing and build the root attributes; the same
-    result in every process (raises ValueError on bad input before anything is written)."""
+    result in every process (raises ValueError on bad input before anything is written).
+    `model_name`: how the user gave the target (--model or target.model), for its errors."""
     out = Path(cfg.store.out).expanduser()
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; pass a folder for the store (new or existing)")
@@ -153,7 +156,7 @@ def plan_job(cfg: ExtractConfig) -> ExtractJob:
             f"data {cfg.data.path} is an unfinished `dflash generate` folder (its manifest "
             "says complete: false); rerun the same `dflash generate` to finish it, then extract"
         )
-    config = load_target_config(cfg.target)
+    config = load_target_config(cfg.target, model_name)
     text = text_config(config)
     tapped = resolve_tapped_layers(cfg.target, text.num_hidden_layers)
     if cfg.verifier.topk > text.vocab_size:
@@ -162,7 +165,7 @@ def plan_job(cfg: ExtractConfig) -> ExtractJob:
             f"of {text.vocab_size}; lower verifier.topk (32 is the default)"
         )
     check_seq_len(cfg, config)
-    tokenizer = load_tokenizer(cfg)
+    tokenizer = load_tokenizer(cfg, model_name)
     prepared = prepare_documents(cfg.data, tokenizer)
     # one read of the tokenized documents (a copy when rows were filtered) for the lengths
     # and the fingerprint

@@ -192,20 +192,25 @@ BARRIER_TIMEOUT = timedelta(hours=48)
 
 
 def _worker(
-    cfg: ExtractConfig, devices: list[str], error_dir: str | None, launcher_lock: str | None
+    cfg: ExtractConfig,
+    devices: list[str],
+    error_dir: str | None,
+    launcher_lock: str | None,
+    model_name: str = "target.model",
 ) -> None:
     """One process. `launcher_lock`: what the launcher wrote into the store's lock file, where
-    it took the lock, prepared the store and will finalize it; None: rank 0 does all three."""
+    it took the lock, prepared the store and will finalize it; None: rank 0 does all three.
+    `model_name`: how the user gave the target (--model or target.model), for its errors."""
     init_logger()
     ctx = init_worker(devices, timeout=BARRIER_TIMEOUT)
     lock = ExitStack()  # rank 0 holds the store's writer lock for the whole run
     try:
         if launcher_lock is not None:
-            job, holder = plan_job(cfg), launcher_lock
+            job, holder = plan_job(cfg, model_name), launcher_lock
         elif ctx.is_main:  # rank 0 first: it fills the datasets cache the others then reuse
             # (its failure stops every rank at once, not at the process-group timeout)
             with failure_shared():
-                job = _plan_and_say(cfg)
+                job = _plan_and_say(cfg, model_name)
                 _warn_padding(job)
                 _warn_logit_transform(job)
                 check_host_memory(job, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -219,7 +224,7 @@ def _worker(
             # barrier: rank 0 killed just after it, a rerun could take the lock before this rank
             # (busy, or on another host) read the file, and the watch would guard the rerun
             holder = gather_from_all_ranks(None)[0]
-            job = plan_job(cfg)
+            job = plan_job(cfg, model_name)
         with nullcontext() if launcher_lock is not None else failure_shared():
             _extract_shards(job, ctx, devices, LockWatch.of(job.store, holder))
         if launcher_lock is None:
@@ -235,11 +240,11 @@ def _worker(
         finish_worker()
 
 
-def _plan_and_say(cfg: ExtractConfig) -> ExtractJob:
+def _plan_and_say(cfg: ExtractConfig, model_name: str) -> ExtractJob:
     """`plan_job`, and a line with what it read and how long it took: on generated data the
     tokenizing is most of the minute a run spends before its first forward."""
     start = time.perf_counter()
-    job = plan_job(cfg)
+    job = plan_job(cfg, model_name)
     get_logger().info(
         "prepared %d rows: %d documents, %d tokens, packed as %d pieces into %d sequences of "
         "%d, %d shards (%.1f s: read, tokenized, packed)",
@@ -299,17 +304,19 @@ def _finalize(job: ExtractJob) -> None:
     )
 
 
-def run_extract(cfg: ExtractConfig) -> None:
-    """Extract (or resume extracting) the store `cfg.store.out`; ValueError on bad input."""
+def run_extract(cfg: ExtractConfig, model_name: str = "target.model") -> None:
+    """Extract (or resume extracting) the store `cfg.store.out`; ValueError on bad input.
+    `model_name`: how the user gave the target, named in its errors: `--model` when the flag
+    set it, else the config key."""
     devices = parse_devices(cfg.run.devices)
     if cfg.target.device_map and devices[0] == "cpu":
         raise ValueError("target.device_map=true needs GPUs in run.devices, e.g. 0,1")
     procs = 1 if cfg.target.device_map else len(devices)
     if procs == 1 or under_torchrun():
-        _worker(cfg, devices, None, launcher_lock=None)
+        _worker(cfg, devices, None, None, model_name)
         return
     # several local processes: validate and prepare here, so user errors stay ValueErrors
-    job = _plan_and_say(cfg)
+    job = _plan_and_say(cfg, model_name)
     _warn_padding(job)
     _warn_logit_transform(job)
     check_host_memory(job, procs)
@@ -319,7 +326,7 @@ def run_extract(cfg: ExtractConfig) -> None:
         prepare_store(job.store, job.attrs, cfg.store.overwrite)
         with tempfile.TemporaryDirectory(prefix="dflash-extract-") as error_dir:
             try:
-                launch(_worker, devices, cfg, devices, error_dir, holder)
+                launch(_worker, devices, cfg, devices, error_dir, holder, model_name)
             except Exception as err:
                 messages = sorted(Path(error_dir).glob("rank-*.txt"))
                 if messages:

@@ -40,7 +40,8 @@ def _looks_local(name: str) -> bool:
 
 def load_target_config(cfg: TargetConfig, name: str = "target.model") -> PretrainedConfig:
     """The target's transformers config; ValueError naming the model and the fix when absent.
-    `name` is the input as the user gave it: the config key, or a command's flag (--target)."""
+    `name` is the input as the user gave it: the config key, or a command's flag (--model,
+    --target)."""
     path = Path(cfg.model)
     if path.exists() and not (path / "config.json").is_file():
         raise ValueError(
@@ -57,8 +58,9 @@ def load_target_config(cfg: TargetConfig, name: str = "target.model") -> Pretrai
             cfg.model, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
         )
     except (OSError, ValueError) as err:
-        # target.revision is a config key: offered only where the target came from the config
-        revision = ", target.revision" if name == "target.model" else ""
+        # target.revision is a config key: offered where the target came from the config or a
+        # revision was set (evaluate and convert have neither)
+        revision = ", target.revision" if name == "target.model" or cfg.revision else ""
         raise ValueError(
             f"{name} {cfg.model}: cannot load its config ({err}); pass an existing model "
             f"folder or a reachable hub id (check the name{revision}, network/HF_HUB_OFFLINE)"

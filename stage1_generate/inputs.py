@@ -21,10 +21,14 @@ from stage1_generate.config import GenerateConfig
 REPLY_SPECIALS = "reply_special_tokens"
 
 
-def load_tokenizer(cfg: GenerateConfig) -> PreTrainedTokenizerBase:
+def load_tokenizer(
+    cfg: GenerateConfig, model_name: str = "target.model"
+) -> PreTrainedTokenizerBase:
+    """Extract's tokenizer loader; `model_name`: how the user gave the target (--model or
+    target.model), named when it is no model."""
     from stage1_extract.job import load_tokenizer as load_extract_tokenizer
 
-    return load_extract_tokenizer(_as_extract_config(cfg))
+    return load_extract_tokenizer(_as_extract_config(cfg), model_name)
 
 
 def _as_extract_config(cfg: GenerateConfig) -> Any:
@@ -111,6 +115,6 @@ class Inputs(NamedTuple):
     column: str
 
 
-def read_inputs(cfg: GenerateConfig) -> Inputs:
-    tokenizer = load_tokenizer(cfg)
+def read_inputs(cfg: GenerateConfig, model_name: str = "target.model") -> Inputs:
+    tokenizer = load_tokenizer(cfg, model_name)
     return Inputs(tokenizer, *check_inputs(cfg, tokenizer))

@@ -168,26 +168,28 @@ def _worker(
     error_dir: str,
     prepared: bool,
     inputs: Inputs | None = None,
+    model_name: str = "target.model",
 ) -> None:
     """One process. `prepared`: the launcher prepared the folder and will finalize it; else
     (under torchrun) rank 0 does both, each section ending in failure_shared (every rank
     raises, naming the rank that failed: on another node, a rank waiting in a bare barrier
     after it would only end at the 48-hour timeout). `inputs`: already read by the caller
-    when this runs in its process."""
+    when this runs in its process. `model_name`: how the user gave the target (--model or
+    target.model), for its errors."""
     init_logger()
     ctx = init_worker(devices, timeout=BARRIER_TIMEOUT)
     try:
         if prepared:
-            _generate_chunks(cfg, ctx, devices, inputs or read_inputs(cfg))
+            _generate_chunks(cfg, ctx, devices, inputs or read_inputs(cfg, model_name))
             return
         with ExitStack() as lock:
             with failure_shared():
-                inputs = read_inputs(cfg)
+                inputs = read_inputs(cfg, model_name)
                 if ctx.is_main:  # rank 0 holds the lock for the run
                     out = Path(cfg.output.out).expanduser()
                     check_output_folder(out, cfg.output.overwrite)
                     lock.enter_context(output_lock(out))
-                    _prepare(cfg, inputs)
+                    _prepare(cfg, inputs, model_name)
             with failure_shared():  # a rank that finished waits here for the slowest
                 _generate_chunks(cfg, ctx, devices, inputs)
             with failure_shared():  # the others return the finalized manifest
@@ -216,7 +218,7 @@ def summarize(out: Path, num_chunks: int) -> dict[str, Any]:
     return {**dict(totals), "skipped": dict(skipped)}
 
 
-def _check_positions(cfg: GenerateConfig, inputs: Inputs) -> None:
+def _check_positions(cfg: GenerateConfig, inputs: Inputs, model_name: str) -> None:
     """Refuse, from the target's config alone (before its weights load), settings that no row
     could fit in its positions. The openai backend's limit is the server's max_model_len,
     known once it answers (then checked in `stage1_generate/rows.py`)."""
@@ -224,14 +226,14 @@ def _check_positions(cfg: GenerateConfig, inputs: Inputs) -> None:
         return
     from stage1_extract.target import load_target_config, max_positions
 
-    found = max_positions(load_target_config(cfg.target.as_target_config()))
+    found = max_positions(load_target_config(cfg.target.as_target_config(), model_name))
     if found is not None:
         prefix = len(special_prefix(inputs.tokenizer)) if inputs.fmt == "text" else 0
         check_settings(cfg, inputs.fmt, found.limit, f"the target's {found.source}", prefix)
 
 
-def _prepare(cfg: GenerateConfig, inputs: Inputs) -> None:
-    _check_positions(cfg, inputs)
+def _prepare(cfg: GenerateConfig, inputs: Inputs, model_name: str) -> None:
+    _check_positions(cfg, inputs, model_name)
     manifest = build_manifest(cfg, inputs.raw, inputs.fmt)
     prepare_output(Path(cfg.output.out).expanduser(), manifest, cfg.output.overwrite)
 
@@ -257,25 +259,26 @@ def _finalize(cfg: GenerateConfig) -> dict[str, Any]:
     return final
 
 
-def run_generate(cfg: GenerateConfig) -> dict[str, Any] | None:
+def run_generate(cfg: GenerateConfig, model_name: str = "target.model") -> dict[str, Any] | None:
     """Generate (or resume generating) `cfg.output.out`; return its final manifest (None on
-    the ranks other than 0 under torchrun)."""
+    the ranks other than 0 under torchrun). `model_name`: how the user gave the target, named
+    in its errors: `--model` when the flag set it, else the config key."""
     devices = ["cpu"] if cfg.run.backend == "openai" else parse_devices(cfg.run.devices)
     with tempfile.TemporaryDirectory(prefix="dflash-generate-") as error_dir:
         if under_torchrun():
-            _worker(cfg, devices, error_dir, prepared=False)
+            _worker(cfg, devices, error_dir, False, None, model_name)
             return read_manifest(Path(cfg.output.out).expanduser())
         out = Path(cfg.output.out).expanduser()
         check_output_folder(out, cfg.output.overwrite)
         with output_lock(out):
             # checked and prepared here, so user errors stay ValueErrors of this process
-            inputs = read_inputs(cfg)
-            _prepare(cfg, inputs)
+            inputs = read_inputs(cfg, model_name)
+            _prepare(cfg, inputs, model_name)
             try:
                 if len(devices) == 1:  # in this process: the inputs are read once
-                    _worker(cfg, devices, error_dir, True, inputs)
+                    _worker(cfg, devices, error_dir, True, inputs, model_name)
                 else:
-                    launch(_worker, devices, cfg, devices, error_dir, True)
+                    launch(_worker, devices, cfg, devices, error_dir, True, None, model_name)
             except Exception as err:
                 messages = sorted(Path(error_dir).glob("rank-*.txt"))
                 if messages and not isinstance(err, ValueError):

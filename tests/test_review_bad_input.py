@@ -11,6 +11,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import h5py
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -54,22 +56,85 @@ def _evaluate(target: Path, data: Path, *args: str) -> Any:
 
 
 @pytest.mark.parametrize("kind", ["missing", "dataset folder"])
-def test_generate_names_a_model_that_is_not_one(tmp_path: Path, kind: str) -> None:
+@pytest.mark.parametrize("given", ["--model", "target.model"])
+def test_generate_names_a_model_that_is_not_one(tmp_path: Path, kind: str, given: str) -> None:
     # generate loads the tokenizer first: its failure blamed the tokenizer and offered
-    # --set target.tokenizer, not the wrong --model
+    # --set target.tokenizer, not the wrong --model; then it named `target.model` (extract's
+    # config key) where the user typed --model
     model = tmp_path / "nope"
     if kind == "dataset folder":
         model.mkdir()
         (model / "part-000000.jsonl").write_text('{"text": "hi"}\n')
     data = tmp_path / "rows.jsonl"
     data.write_text('{"text": "hello"}\n')
-    args = ["generate", "--model", str(model), "--data", str(data), "--out", str(tmp_path / "g")]
+    target = ["--model", str(model)] if given == "--model" else ["--set", f"target.model={model}"]
+    args = ["generate", *target, "--data", str(data), "--out", str(tmp_path / "g")]
     result = CliRunner().invoke(cli, [*args, "--devices", "cpu"])
     assert result.exit_code == 2
     line = error_line(result)
-    assert line.startswith(f"error: target.model {model}: "), line
+    assert line.startswith(f"error: {given} {model}: "), line
     assert ("no such folder" if kind == "missing" else "folder has no config.json") in line
     assert "tokenizer" not in line
+
+
+def test_generate_names_the_model_as_given_past_the_tokenizer(
+    tiny_qwen3: Path, tmp_path: Path
+) -> None:
+    # the tokenizer from target.tokenizer loads: the model is first read for its positions
+    model = tmp_path / "tokenizer-only"
+    model.mkdir()
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    args = ["generate", "--data", str(data), "--out", str(tmp_path / "g"), "--devices", "cpu"]
+    args += ["--set", f"target.tokenizer={tiny_qwen3}"]
+    config = tmp_path / "c.yaml"
+    config.write_text(f"generate:\n  target:\n    model: {model}\n")
+    for target, given in ((["--model", str(model)], "--model"), (["--config", str(config)], "")):
+        result = CliRunner().invoke(cli, [*args, *target])
+        assert result.exit_code == 2
+        assert error_line(result).startswith(
+            f"error: {given or 'target.model'} {model}: folder has no config.json"
+        ), result.output
+
+
+def test_extract_and_convert_name_the_target_as_given(tmp_path: Path) -> None:
+    model = tmp_path / "nope"
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    args = ["extract", "--data", str(data), "--out", str(tmp_path / "s"), "--devices", "cpu"]
+    for target, given in (
+        (["--model", str(model)], "--model"),
+        (["--set", f"target.model={model}"], "target.model"),
+    ):
+        result = CliRunner().invoke(cli, [*args, *target])
+        assert result.exit_code == 2
+        assert error_line(result).startswith(f"error: {given} {model}: no such folder"), result
+    h5 = tmp_path / "in.h5"
+    with h5py.File(h5, "w") as f:  # the least input convert reads before the target
+        f["tokens"], f["doc_lengths"] = np.arange(4), [4]
+        f["hidden"] = np.zeros((4, 1, 8), np.float32)
+        f["hidden"].attrs["tapped_layers"] = [0]
+    result = CliRunner().invoke(
+        cli, ["convert", str(h5), str(tmp_path / "s2"), "--target", str(model)]
+    )
+    assert result.exit_code == 2
+    assert error_line(result).startswith(f"error: --target {model}: no such folder"), result.output
+
+
+def test_a_hub_target_with_a_revision_offers_target_revision(tmp_path: Path) -> None:
+    # offline (conftest): the revision set with --set may be the fault, whatever gave the name
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    args = ["generate", "--model", "no-such-org/no-such-model", "--data", str(data)]
+    args += ["--out", str(tmp_path / "g"), "--devices", "cpu"]
+    for extra, hint in (
+        ([], "check the name, network"),
+        (["--set", "target.revision=v2"], "check the name, target.revision, network"),
+    ):
+        result = CliRunner().invoke(cli, [*args, *extra])
+        assert result.exit_code == 2
+        assert error_line(result).startswith("error: --model no-such-org/no-such-model: cannot")
+        assert hint in " ".join(result.output.split()), result.output
 
 
 def test_train_on_a_generate_output_says_to_extract_it_first(tmp_path: Path) -> None:

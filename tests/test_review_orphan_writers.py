@@ -212,11 +212,11 @@ def _launched_worker(store: Path, model: str, data: str, rank: int, processes: i
     cfg = build_config(ExtractConfig, DEBUG_CONFIG, "extract", sets)
     real_plan_job = run.plan_job
 
-    def held_plan_job(cfg: ExtractConfig) -> object:
+    def held_plan_job(cfg: ExtractConfig, *args: str) -> object:
         (control / "reached").write_text(str(os.getpid()))
         while not (control / "go").exists():
             time.sleep(0.01)
-        return real_plan_job(cfg)
+        return real_plan_job(cfg, *args)
 
     run.plan_job = held_plan_job
     # the rank a launch gives it, without the process group: a launched worker meets no other

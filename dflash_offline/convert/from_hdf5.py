@@ -78,7 +78,7 @@ def _target(inp: Hdf5Input, target: str | None) -> dict[str, Any]:
     if target:
         cfg = ExtractConfig().target
         cfg.model = target
-        config = load_target_config(cfg)
+        config = load_target_config(cfg, "--target")
         full, text = config_dict(config), text_config(config)
         model_type, layers = config.model_type, text.num_hidden_layers
     elif (full := target_config(inp)) is not None:
