@@ -22,13 +22,11 @@ Q = A*B query tokens, K tapped layers, D hidden size.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from common.generated import META_DIR as GENERATE_META_DIR
-from common.store import StoreError, StoreInfo, open_store
+from common.store import StoreInfo
 from evaluation.heldout import block_acceptance
 from stage2_train.anchors import block_labels, next_token_source
 from stage2_train.data import Batch, StoreSequences
@@ -305,33 +303,3 @@ def chained_tau_on_store(
     model.train(was_training)
     lookup = summarize_chains(lookup_chains).items() if prompt_lookup else ()
     return {**summarize_chains(chains), **{f"prompt_lookup_{k}": v for k, v in lookup}}
-
-
-def open_dev_store(path: str, train_info: StoreInfo) -> StoreInfo:
-    """The store `data.dev_store` names, checked against the training store: the same target
-    layers, sizes and vocabulary, else a ValueError naming both and the fix."""
-    try:
-        info = open_store(path, require_complete=True)
-    except StoreError as err:
-        folder = Path(path)
-        if (folder / "zarr.json").is_file() or (folder / GENERATE_META_DIR).is_dir():
-            raise StoreError(f"data.dev_store: {err}") from None  # its own fix already
-        what = "is not a dflash store (no zarr.json)" if folder.exists() else "does not exist"
-        raise StoreError(
-            f"data.dev_store {path} {what}: pass a store of your dev prompts, written by "
-            "`dflash generate --data DEV.jsonl --out GEN` then `dflash extract --data GEN "
-            "--out STORE` with the training target (README's evaluate-offline recipe), or "
-            "leave data.dev_store unset"
-        ) from None
-    keys = ("tapped_layers", "hidden_size", "vocab_size")
-    differ = [
-        f"{k} {info.attrs.get(k)} vs {train_info.attrs.get(k)}"
-        for k in keys
-        if info.attrs.get(k) != train_info.attrs.get(k)
-    ]
-    if differ:
-        raise ValueError(
-            f"data.dev_store {path} does not match the training store ({'; '.join(differ)}): "
-            "extract it with the same target and target.tapped_layers"
-        )
-    return info

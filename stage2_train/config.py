@@ -187,7 +187,8 @@ class TrainDataConfig:
         None,
         "a store of the target's own continuation of your online prompts (`dflash generate` "
         "with {prompt, completion} rows, then `dflash extract`): every evaluation logs "
-        "dev_chained_tau on it, the online tau computed from the store (README)",
+        "dev_chained_tau on it, the online tau computed from the store (README); checked at "
+        "the start: a store of the training store's target, tokenizer and tapped layers",
     )
     follow_poll_s: float = doc(
         2.0, "--follow: seconds between looks for the next shard (a directory listing each)"

@@ -1,15 +1,18 @@
-"""Checks of `dflash train`'s inputs, before any worker starts: the store and the drafter
-config (a run folder's checkpoints: resume.py). One ValueError lists every problem found.
+"""Checks of `dflash train`'s inputs, before any worker starts: the store, the drafter
+config and the dev store (a run folder's checkpoints: resume.py). One ValueError lists every
+problem found.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 
+from common.generated import META_DIR as GENERATE_META_DIR
 from common.store import (
     HEAD_FILE,
     HIDDEN_DTYPES,
@@ -187,3 +190,59 @@ def check_inputs(cfg: TrainConfig) -> tuple[StoreInfo, DrafterShape]:
     except ValueError as err:
         raise ValueError(f"drafter config does not fit store {info.path}: {err}") from err
     return info, shape
+
+
+def open_dev_store(path: str, train_info: StoreInfo) -> StoreInfo:
+    """The store `data.dev_store` names, checked against the training store: the same target
+    (layers, sizes, vocabulary and weights) and tokenizer, and every shard whole (what chained
+    tau reads); else an error naming data.dev_store and the fix. run_train calls it with the
+    other input checks: at its first use (after the model is built) it came minutes late."""
+    try:
+        info = open_store(path, require_complete=True)
+    except StoreError as err:
+        folder = Path(path)
+        if (folder / "zarr.json").is_file() or (folder / GENERATE_META_DIR).is_dir():
+            raise StoreError(f"data.dev_store: {err}") from None  # its own fix already
+        what = "is not a dflash store (no zarr.json)" if folder.exists() else "does not exist"
+        raise StoreError(
+            f"data.dev_store {path} {what}: pass a store of your dev prompts, written by "
+            "`dflash generate --data DEV.jsonl --out GEN` then `dflash extract --data GEN "
+            "--out STORE` with the training target (README's evaluate-offline recipe), or "
+            "leave data.dev_store unset"
+        ) from None
+    keys = ("tapped_layers", "hidden_size", "vocab_size")
+    differ = [
+        f"{k} {info.attrs.get(k)} vs {train_info.attrs.get(k)}"
+        for k in keys
+        if info.attrs.get(k) != train_info.attrs.get(k)
+    ]
+    dev, train = _target_weights(info.attrs), _target_weights(train_info.attrs)
+    if dev and train and dev[0] == train[0] and dev[1] != train[1]:
+        # another model of the same shapes (a base beside its instruct twin): the dev figure
+        # would score this drafter on another target's argmax
+        names = [a["target"]["name_or_path"] for a in (info.attrs, train_info.attrs)]
+        differ.append(f"target {names[0]} vs {names[1]} ({dev[0]} differ)")
+    tokenizers = [a["tokenizer"].get("vocab_size") for a in (info.attrs, train_info.attrs)]
+    if tokenizers[0] != tokenizers[1]:
+        differ.append(f"tokenizer of {tokenizers[0]} vs {tokenizers[1]} tokens")
+    if differ:
+        raise ValueError(
+            f"data.dev_store {path} does not match the training store ({'; '.join(differ)}): "
+            "extract it with the same target, tokenizer and target.tapped_layers"
+        )
+    try:
+        check_shards(info, loader_arrays(info.hidden_dtype, False))  # chained tau's arrays
+    except StoreError as err:
+        raise StoreError(f"data.dev_store: {err}") from None
+    return info
+
+
+def _target_weights(attrs: dict[str, Any]) -> tuple[str, str] | None:
+    """What a store's target weights are known by: ("weights", a local folder's digest) or
+    ("hub ids", the hub id: extract records no digest for one); None for a store from before
+    fingerprints. Only two of one kind compare (a folder may hold a hub id's download)."""
+    prints = attrs.get("fingerprints")
+    if not isinstance(prints, dict):
+        return None
+    digest = prints.get("target_weights_sha256")
+    return ("weights", digest) if digest else ("hub ids", attrs["target"]["name_or_path"].lower())

@@ -43,7 +43,7 @@ from common.locks import exclusive_lock
 from common.logging import get_logger, init_logger
 from common.store import StoreError
 from common.store_check import check_shards
-from evaluation.chained import chained_tau_on_store, open_dev_store
+from evaluation.chained import chained_tau_on_store
 from evaluation.heldout import evaluate
 from evaluation.offline import OfflineEvalConfig
 from stage2_train.anchors import training_slot_weights
@@ -61,7 +61,7 @@ from stage2_train.follow import (
 )
 from stage2_train.fp8 import check_fp8_installed, convert_to_fp8, plain_twin
 from stage2_train.gc_schedule import ScheduledGC
-from stage2_train.inputs import check_inputs
+from stage2_train.inputs import check_inputs, open_dev_store
 from stage2_train.metrics import MetricsWriter, format_line, memory_gb
 from stage2_train.model import DFlashDrafter
 from stage2_train.plan import EpochPlan, HoldoutSampler, PlanSampler, split_store
@@ -111,6 +111,8 @@ def run_train(cfg: TrainConfig) -> None:
         # at its first read hours in. Under torchrun every rank checks alike (JSON and stat
         # only: ~1 ms a shard), before any process group or model exists
         check_shards(info, loader_arrays(info.hidden_dtype, cfg.loss.distill_weight > 0))
+    if cfg.data.dev_store:  # now too, not once the model is built
+        open_dev_store(cfg.data.dev_store, info)
     check_trackers(cfg.run.report_to)  # a missing package fails here, not in a worker
     check_fp8_installed(cfg.run.fp8_linear)
     devices = parse_devices(cfg.run.devices)
