@@ -58,7 +58,9 @@ def main() -> None:
     Stage 1: `generate` lets the target write its training text, `extract` runs the target
     once over it and stores what the drafter needs; stage 2: `train` trains the drafter from
     that store alone. `inspect` looks inside a store, `export` writes a drafter folder,
-    `evaluate` measures its acceptance against prompt lookup.
+    `evaluate` measures its acceptance against prompt lookup (`evaluate-offline`: estimated
+    from a store), `plot` redraws a run's plots, `convert` turns a store into HDF5 and back.
+    `dflash COMMAND --help` describes each.
     """
 
 

@@ -25,21 +25,52 @@ def _json_object(value: str) -> dict[str, Any]:
     return parsed
 
 
-@click.command()
-@click.option("--target", required=True, help="target model folder or hub id")
+@click.command(short_help="Online acceptance (tau) of a drafter vs prompt lookup.")
+@click.option(
+    "--target",
+    required=True,
+    help="target model: local folder or hub id (the one the drafter was trained for)",
+)
 @click.option(
     "--data",
     required=True,
     help="JSON/JSONL(.gz) or Parquet file, or a folder of them (a `dflash generate` output): "
     "`text` documents (first tokens) or `messages` conversations (up to the last assistant turn)",
 )
-@click.option("--drafter", default=None, help="exported drafter folder (RUN/export)")
-@click.option("--num-prompts", default=12, show_default=True, type=int)
-@click.option("--prompt-tokens", default=256, show_default=True, type=int)
-@click.option("--new-tokens", default=128, show_default=True, type=int)
+@click.option(
+    "--drafter",
+    default=None,
+    help="exported drafter folder (RUN/export) [default: none: prompt lookup alone]",
+)
+@click.option(
+    "--num-prompts",
+    default=12,
+    show_default=True,
+    type=int,
+    metavar="N",
+    help="the first N rows of --data",
+)
+@click.option(
+    "--prompt-tokens",
+    default=256,
+    show_default=True,
+    type=int,
+    help="tokens of each prompt: a text document's first, a conversation's last",
+)
+@click.option(
+    "--new-tokens",
+    default=128,
+    show_default=True,
+    type=int,
+    help="greedy tokens per prompt, at most",
+)
 @device_option
 @click.option(
-    "--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"])
+    "--dtype",
+    default="float32",
+    show_default=True,
+    type=click.Choice(["float32", "bfloat16"]),
+    help="dtype of the target and the drafter",
 )
 @click.option(
     "--stop-at-eos/--no-stop-at-eos",
@@ -55,13 +86,15 @@ def _json_object(value: str) -> dict[str, Any]:
     default="{}",
     callback=lambda _ctx, _param, value: _json_object(value),
     help="JSON object passed to the chat template, e.g. '{\"enable_thinking\": false}' for "
-    "Qwen3: as `dflash generate` wrote the training replies (data.chat_template_kwargs)",
+    "Qwen3: as `dflash generate` wrote the training replies (its data.chat_template_kwargs) "
+    "[default: {}]",
 )
 @click.option("--json-out", default=None, help="also write the figures to this JSON file")
 @click.option(
     "--plot",
     default=None,
-    help="PNG of acceptance by draft position [default: beside --json-out, X.json -> X.png]",
+    help="PNG of acceptance by draft position [default: beside --json-out, X.json -> X.png; "
+    "none without it]",
 )
 @cli_errors
 def evaluate(json_out: str | None, plot: str | None, **kwargs: Any) -> None:
@@ -77,12 +110,22 @@ def evaluate(json_out: str | None, plot: str | None, **kwargs: Any) -> None:
     echo_json(results, json_out)
 
 
-@click.command("evaluate-offline")
+@click.command(
+    "evaluate-offline", short_help="Offline acceptance estimate of a drafter on a store."
+)
 @click.option("--drafter", required=True, help="exported drafter folder (RUN/export)")
 @click.option("--store", required=True, help="a store of the same target and tapped layers")
 @device_option
-@click.option("--num-anchors", default=512, show_default=True, type=int, help="per sequence")
-@click.option("--max-sequences", default=None, type=int, help="only the first N sequences")
+@click.option(
+    "--num-anchors", default=512, show_default=True, type=int, help="random anchors per sequence"
+)
+@click.option(
+    "--max-sequences",
+    default=None,
+    type=int,
+    metavar="N",
+    help="only the first N sequences [default: all]",
+)
 @click.option(
     "--dtype",
     default="float32",

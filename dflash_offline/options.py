@@ -11,23 +11,29 @@ import click
 from common.config import describe
 
 
-def config_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    fn = click.option(
-        "--set",
-        "overrides",
-        multiple=True,
-        metavar="KEY=VALUE",
-        help="override any config field, e.g. --set packing.seq_len=4096 (repeatable; "
-        "values are YAML). --help-config lists every field.",
-    )(fn)
-    fn = click.option(
-        "--config",
-        "config_path",
-        type=click.Path(dir_okay=False),
-        default=None,
-        help="YAML config file (see configs/); its section for this command is used",
-    )(fn)
-    return fn
+def config_options(example: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """`--config FILE` and `--set KEY=VALUE`; `example` is a KEY=VALUE of the command's own
+    config (each command has its own sections: another's key is an error there)."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        fn = click.option(
+            "--set",
+            "overrides",
+            multiple=True,
+            metavar="KEY=VALUE",
+            help=f"override any config field, e.g. --set {example} (repeatable; values are "
+            "YAML). --help-config lists every field.",
+        )(fn)
+        return click.option(
+            "--config",
+            "config_path",
+            type=click.Path(dir_okay=False),
+            default=None,
+            help="YAML config file (see configs/); its section for this command is used; "
+            "without one, the defaults --help-config lists",
+        )(fn)
+
+    return decorate
 
 
 def help_config_option(config_class: type) -> Callable[..., Any]:

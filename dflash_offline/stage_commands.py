@@ -20,8 +20,8 @@ def _model_name(model: str | None) -> str:
     return "--model" if model is not None else "target.model"
 
 
-@click.command()
-@config_options
+@click.command(short_help="Let the target write its own training text (stage 1).")
+@config_options("sampling.max_new_tokens=2048")
 @click.option("--model", help="target model: local folder or hub id (target.model)")
 @click.option("--data", help="dataset file/folder or hub name, as for extract (data.path)")
 @click.option("--out", help="folder of generated rows to write (output.out)")
@@ -31,7 +31,9 @@ def _model_name(model: str | None) -> str:
     help="OpenAI-compatible server URL, e.g. http://localhost:8000/v1: generate through it "
     "instead of loading the target (endpoint.url; sets run.backend=openai)",
 )
-@click.option("--overwrite", is_flag=True, help="delete an existing output folder first")
+@click.option(
+    "--overwrite", is_flag=True, help="delete an existing folder at --out first (output.overwrite)"
+)
 @help_config_option(GenerateConfig)
 @cli_errors
 def generate(
@@ -70,13 +72,17 @@ def generate(
     run_generate(cfg, _model_name(model))
 
 
-@click.command()
-@config_options
+@click.command(short_help="Write a store of the target's features (stage 1).")
+@config_options("packing.seq_len=4096")
 @click.option("--model", help="target model: local folder or hub id (target.model)")
-@click.option("--data", help="dataset file/folder or hub name (data.path)")
+@click.option(
+    "--data", help="dataset file/folder or hub name, e.g. a `dflash generate` output (data.path)"
+)
 @click.option("--out", help="store folder to write (store.out)")
 @click.option("--devices", help="GPU ids like 0,1, or cpu (run.devices; default 0,1)")
-@click.option("--overwrite", is_flag=True, help="delete an existing store at --out first")
+@click.option(
+    "--overwrite", is_flag=True, help="delete an existing store at --out first (store.overwrite)"
+)
 @help_config_option(ExtractConfig)
 @cli_errors
 def extract(
@@ -104,8 +110,8 @@ def extract(
     run_extract(cfg, _model_name(model))
 
 
-@click.command()
-@config_options
+@click.command(short_help="Train the drafter from a store (stage 2).")
+@config_options("optim.lr=3e-4")
 @click.option("--store", help="store folder written by `dflash extract` (data.store)")
 @click.option("--out", help="run folder for checkpoints, metrics and the export (run.out)")
 @click.option("--devices", help="GPU ids like 2,3, or cpu (run.devices; default 2,3)")

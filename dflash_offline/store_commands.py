@@ -16,9 +16,16 @@ INSPECT_USAGE = (
 )
 
 
-@click.command(name="inspect")
+@click.command(name="inspect", short_help="Summarise a store, decode samples, or verify it.")
 @click.argument("args", nargs=-1, required=True, metavar="[verify] STORE")
-@click.option("--sample", type=int, default=0, help="decode N sequences with loss spans marked")
+@click.option(
+    "--sample",
+    type=int,
+    default=0,
+    show_default=True,
+    metavar="N",
+    help="decode N sequences with loss spans marked",
+)
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 @cli_errors
 def inspect_cmd(args: tuple[str, ...], sample: int, as_json: bool) -> None:
@@ -49,10 +56,10 @@ def _inspect_misuse(args: tuple[str, ...]) -> str:
     return f"expected one store, got {' '.join(args)!r}; usage: {INSPECT_USAGE}"
 
 
-@click.command()
+@click.command(short_help="Export a training checkpoint as a drafter folder.")
 @click.argument("run", type=click.Path(file_okay=False))
-@click.option("--step", type=int, default=None, help="checkpoint step (default: the newest)")
-@click.option("--out", default=None, help="export folder (default: RUN/export)")
+@click.option("--step", type=int, default=None, help="checkpoint step [default: the newest]")
+@click.option("--out", default=None, help="export folder [default: RUN/export]")
 @click.option(
     "--dtype",
     default="bfloat16",
@@ -68,7 +75,7 @@ def export(run: str, step: int | None, out: str | None, dtype: str) -> None:
     click.echo(f"exported to {export_checkpoint(run, step, out, dtype)}")
 
 
-@click.command()
+@click.command(short_help="Redraw the PNG plots of a training run.")
 @click.argument("run", type=click.Path(file_okay=False))
 @cli_errors
 def plot(run: str) -> None:
@@ -81,11 +88,13 @@ def plot(run: str) -> None:
         click.echo(f"wrote {path}")
 
 
-@click.command()
+@click.command(short_help="Convert a store to one HDF5 file, or HDF5 to a store.")
 @click.argument("source")
 @click.argument("dest")
 @click.option("--shards", help="export: shards to write, e.g. 0-3,7 [default: all committed]")
-@click.option("--arrays", help="export: arrays to write, e.g. tokens,hidden,target_head [all]")
+@click.option(
+    "--arrays", help="export: arrays to write, e.g. tokens,hidden,target_head [default: all]"
+)
 @click.option(
     "--compression",
     type=click.Choice(["gzip", "lzf", "none"]),
@@ -98,15 +107,25 @@ def plot(run: str) -> None:
     "`encoding` attribute, or decoded to floats [default: bits]",
 )
 @click.option("--target", help="import: target model folder (config, tokenizer, LM head)")
-@click.option("--seq-len", type=int, help="import: tokens per packed sequence [3072]")
-@click.option("--sequences-per-shard", type=int, help="import: sequences per shard [64]")
-@click.option("--packing", type=click.Choice(["best_fit", "next_fit"]), help="import [best_fit]")
-@click.option("--overlong", type=click.Choice(["split", "truncate"]), help="import [split]")
-@click.option("--topk", type=int, help="import: k when top-k is computed from the head [32]")
+@click.option("--seq-len", type=int, help="import: tokens per packed sequence [default: 3072]")
+@click.option("--sequences-per-shard", type=int, help="import: sequences per shard [default: 64]")
+@click.option(
+    "--packing",
+    type=click.Choice(["best_fit", "next_fit"]),
+    help="import: how documents fill sequences, as extract's packing.strategy [default: best_fit]",
+)
+@click.option(
+    "--overlong",
+    type=click.Choice(["split", "truncate"]),
+    help="import: documents longer than --seq-len, as extract's packing.overlong [default: split]",
+)
+@click.option(
+    "--topk", type=int, help="import: k when top-k is computed from the head [default: 32]"
+)
 @click.option(
     "--hidden-dtype",
     type=click.Choice(["bfloat16", "float8_e4m3fn"]),
-    help="import: the store's hidden_dtype [bfloat16]",
+    help="import: the store's hidden_dtype [default: bfloat16]",
 )
 @click.option(
     "--overwrite",
