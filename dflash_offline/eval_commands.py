@@ -114,7 +114,12 @@ def evaluate(json_out: str | None, plot: str | None, **kwargs: Any) -> None:
     "evaluate-offline", short_help="Offline acceptance estimate of a drafter on a store."
 )
 @click.option("--drafter", required=True, help="exported drafter folder (RUN/export)")
-@click.option("--store", required=True, help="a store of the same target and tapped layers")
+@click.option(
+    "--store",
+    required=True,
+    help="a store of the same target, holding the layers the drafter reads (all its tapped "
+    "layers, or more)",
+)
 @device_option
 @click.option(
     "--num-anchors", default=512, show_default=True, type=int, help="random anchors per sequence"

@@ -260,11 +260,13 @@ def chained_tau_on_store(
     device: torch.device,
     prompt_lookup: bool = False,
     fixed_shapes: bool | None = None,
+    layers: list[int] | None = None,
 ) -> dict[str, Any]:
     """`summarize_chains` over the responses of a store's first `max_sequences` sequences
     (all by default), `batch_sequences` at a time; with `prompt_lookup`, prompt lookup's
     figures on the same responses too (`prompt_lookup_chained_tau`, ...). `fixed_shapes`
-    (default: with the flex backend) pads every batch to a few attention shapes."""
+    (default: with the flex backend) pads every batch to a few attention shapes. `layers`: the
+    tapped layers the drafter reads, when it reads fewer than the store holds."""
     count = int(info.attrs["counts"]["sequences"])
     count = count if max_sequences is None else min(count, max_sequences)
     rows = StoreSequences(
@@ -275,6 +277,7 @@ def chained_tau_on_store(
         label_target="argmax",
         distill=False,
         seed=0,
+        layers=layers,
     )
     was_training = model.training
     model.eval()

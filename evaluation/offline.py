@@ -43,10 +43,11 @@ class OfflineEvalConfig:
 
 
 def check_fits(drafter_config: dict[str, Any], attrs: dict[str, Any], store: str) -> None:
-    """The drafter must read the store's tapped layers and the target's vocabulary."""
+    """The drafter must read layers the store holds (all of them, or some: a drafter trained
+    with `data.tapped_layers`) and the target's vocabulary."""
     problems = []
     layers = drafter_config["dflash_config"]["target_layer_ids"]
-    if layers != attrs["tapped_layers"]:
+    if not set(layers) <= set(attrs["tapped_layers"]):
         problems.append(
             f"the drafter reads layers {layers}, the store holds {attrs['tapped_layers']}"
         )
@@ -88,6 +89,7 @@ def run_offline_eval(cfg: OfflineEvalConfig) -> dict[str, Any]:
         label_target="argmax",
         distill=False,
         seed=0,
+        layers=drafter_config["dflash_config"]["target_layer_ids"],
     )
     batches = (collate([sequences[(index, EVAL_EPOCH, False)]]) for index in range(count))
     metrics = evaluate(
@@ -113,6 +115,7 @@ def run_offline_eval(cfg: OfflineEvalConfig) -> dict[str, Any]:
         chunk_tokens=cfg.chunk_tokens,
         device=device,
         prompt_lookup=True,
+        layers=drafter_config["dflash_config"]["target_layer_ids"],
     )
     return {
         "store": cfg.store,

@@ -171,6 +171,13 @@ class TrainDataConfig:
         "on the same text and held-out sequences (the dev store keeps its own dtype); nothing "
         "changes on an fp8 store",
     )
+    tapped_layers: list[int] | None = doc(
+        None,
+        "train on these of the store's tapped layers (target layer ids, each one the store "
+        "holds; null: all of them). The drafter, its export and its evaluations read only "
+        "these: what fewer layers cost in acceptance, measured from one store on the same text "
+        "and held-out sequences (the dev store must hold them too)",
+    )
     on_damaged: Literal["error", "skip"] = doc(
         "error",
         "a sequence whose stored bytes do not decode or whose file is missing or cut: stop "

@@ -21,6 +21,10 @@ int32 (the loss widens them on the device).
 The attention mask goes the other way: collate builds its tile tables here, in the workers
 (a few ms of CPU), so the training stream launches nothing to prepare it (masks.MaskTables).
 
+`layers` reads some of the store's tapped layers only (`data.tapped_layers`: what fewer layers
+cost, measured from one store): their rows are decoded as stored, then the chosen layers copied
+into the batch's buffers, which hold only those (one copy of each row's features in the worker).
+
 Anchors of sequence g in epoch e come from a generator seeded by (seed, e, g), so a resumed run
 samples exactly what the uninterrupted one would have. Padding items (plan.py) are real
 sequences read normally whose loss weights are zeroed.
@@ -77,6 +81,22 @@ def anchor_generator(seed: int, epoch: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed(int(state[0]) << 31 | int(state[1]) >> 1)
 
 
+def layer_index(info: StoreInfo, layers: list[int] | None) -> list[int] | None:
+    """Where `layers` (target layer ids) sit among the store's tapped layers; None when they
+    are all of them in the store's order (nothing to select). ValueError naming what the store
+    holds when one is not there."""
+    stored = info.tapped_layers
+    if layers is None or list(layers) == stored:
+        return None
+    missing = [layer for layer in layers if layer not in stored]
+    if missing or not layers or len(set(layers)) != len(layers):
+        raise ValueError(
+            f"data.tapped_layers {list(layers)}: the store {info.path} holds layers {stored}; "
+            "choose distinct ones among them, or null for all"
+        )
+    return [stored.index(layer) for layer in layers]
+
+
 class StoreSequences(torch.utils.data.Dataset):
     """Reads one sequence per key; opens a shard the first time one of its rows is read."""
 
@@ -90,8 +110,11 @@ class StoreSequences(torch.utils.data.Dataset):
         label_target: str,
         distill: bool,
         seed: int,
+        layers: list[int] | None = None,
     ) -> None:
         self.info, self.root = info, Path(info.path)
+        # indices into the store's K of the layers read, None for all of them in store order
+        self.layer_index = layer_index(info, layers)
         self.per_shard = int(info.attrs["sequences_per_shard"])
         self.num_anchors, self.per_document = num_anchors, per_document
         self.block_size, self.label_target = block_size, label_target
@@ -104,6 +127,12 @@ class StoreSequences(torch.utils.data.Dataset):
             name: (specs[name][0], (info.seq_len, *map(info.dim, specs[name][1])))
             for name in self.names
         }
+        # what an item holds of the features: the chosen layers' rows
+        self.out_rows = dict(self.blank_rows)
+        if self.layer_index is not None:
+            for name in ("hidden", "hidden_scale")[: 1 + self.scaled]:
+                dtype, (S, _, *rest) = self.blank_rows[name]
+                self.out_rows[name] = (dtype, (S, len(self.layer_index), *rest))
         self._shards: dict[int, ShardRows] = {}
 
     def __getstate__(self) -> dict[str, Any]:
@@ -129,6 +158,13 @@ class StoreSequences(torch.utils.data.Dataset):
         }
         return self._shard(shard_index).read(row, rows | into)
 
+    def _chosen_layers(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """`arrays` with only the chosen layers of the features (all of them: as they are)."""
+        if self.layer_index is None:
+            return arrays
+        features = {"hidden", "hidden_scale"}
+        return {n: a[:, self.layer_index] if n in features else a for n, a in arrays.items()}
+
     def _blank(self, into: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         rows = {name: np.zeros(shape, dtype) for name, (dtype, shape) in self.blank_rows.items()}
         for name, out in into.items():
@@ -140,7 +176,7 @@ class StoreSequences(torch.utils.data.Dataset):
     def read_row(self, index: int) -> dict[str, torch.Tensor]:
         """Sequence `index` as tensors (hidden as bf16, or fp8 bits beside hidden_scale);
         Damaged when its bytes cannot be trusted."""
-        arrays = self._read(index)
+        arrays = self._chosen_layers(self._read(index))
         hidden = arrays.pop("hidden")
         row = {name: torch.from_numpy(a) for name, a in arrays.items()}
         row["hidden"] = torch.from_numpy(hidden) if self.scaled else bits_to_bf16(hidden)
@@ -153,7 +189,7 @@ class StoreSequences(torch.utils.data.Dataset):
         (unless padding anchors must move), and the worker's queue ships them as they are."""
         shapes = {}
         for name in ("hidden", "hidden_scale")[: 1 + self.scaled]:
-            dtype, shape = self.blank_rows[name]
+            dtype, shape = self.out_rows[name]
             shapes[name] = (BUFFER_DTYPES[dtype], shape)
         if self.distill:
             blocks = (self.num_anchors, self.block_size, self.blank_rows["topk_ids"][1][1])
@@ -175,10 +211,16 @@ class StoreSequences(torch.utils.data.Dataset):
         index, epoch, is_pad = key
         damaged = None
         views = {n: into[n].numpy().view(self.blank_rows[n][0]) for n in into if n in self.names}
+        # a subset of the layers is decoded whole into row buffers, then copied into `into`
+        direct = views if self.layer_index is None else {}
         try:
-            arrays = self._read(index, views)
+            arrays = self._read(index, direct)
         except Damaged as err:
-            arrays, damaged, is_pad = self._blank(views), str(err), True
+            arrays, damaged, is_pad = self._blank(direct), str(err), True
+        if direct is not views:
+            chosen = self._chosen_layers(arrays)
+            for name, view in views.items():
+                view[...] = chosen[name]
         del arrays["hidden"]
         hidden_SKD = into["hidden"] if self.scaled else into["hidden"].view(torch.bfloat16)
         arrays = {name: torch.from_numpy(a) for name, a in arrays.items()}

@@ -25,7 +25,7 @@ from common.store import (
 )
 from common.store_check import check_shards, damage_error, damaged_shards
 from stage2_train.config import TrainConfig
-from stage2_train.data import loader_arrays
+from stage2_train.data import layer_index, loader_arrays
 from stage2_train.model import DrafterShape, drafter_shape
 from stage2_train.plan import split_store
 
@@ -176,6 +176,10 @@ def check_inputs(cfg: TrainConfig) -> tuple[StoreInfo, DrafterShape]:
     except ValueError as err:
         problems.append(str(err))
         mask_id = -1
+    try:
+        layer_index(info, cfg.data.tapped_layers)
+    except ValueError as err:
+        problems.append(str(err))
     if cfg.anchors.num_anchors * cfg.drafter.block_size > 64 * info.seq_len:
         problems.append("anchors.num_anchors * block_size is over 64x the sequence length")
     if problems:
@@ -185,11 +189,17 @@ def check_inputs(cfg: TrainConfig) -> tuple[StoreInfo, DrafterShape]:
     config = info.attrs["target"]["config"]
     try:
         shape = drafter_shape(
-            cfg.drafter, config, len(info.tapped_layers), info.vocab_size, mask_id
+            cfg.drafter, config, len(trained_layers(cfg, info)), info.vocab_size, mask_id
         )
     except ValueError as err:
         raise ValueError(f"drafter config does not fit store {info.path}: {err}") from err
     return info, shape
+
+
+def trained_layers(cfg: TrainConfig, info: StoreInfo) -> list[int]:
+    """The target layers the drafter reads: `data.tapped_layers`, or all the store holds."""
+    layers = cfg.data.tapped_layers
+    return info.tapped_layers if layers is None else list(layers)
 
 
 def open_dev_store(path: str, train_info: StoreInfo) -> StoreInfo:

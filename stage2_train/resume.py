@@ -31,6 +31,7 @@ FIXED_ON_RESUME = (
     "drafter",
     "data.seed",
     "data.holdout_sequences",
+    "data.tapped_layers",  # the drafter's input width (its fc layer) and what it reads
     "optim.batch_sequences",
     "optim.grad_accum",
     "run.dtype",

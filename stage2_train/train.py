@@ -61,7 +61,7 @@ from stage2_train.follow import (
 )
 from stage2_train.fp8 import check_fp8_installed, convert_to_fp8, plain_twin
 from stage2_train.gc_schedule import ScheduledGC
-from stage2_train.inputs import check_inputs, open_dev_store
+from stage2_train.inputs import check_inputs, open_dev_store, trained_layers
 from stage2_train.metrics import MetricsWriter, format_line, memory_gb
 from stage2_train.model import DFlashDrafter
 from stage2_train.plan import EpochPlan, HoldoutSampler, PlanSampler, split_store
@@ -173,6 +173,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
     """The training loop of one rank."""
     setting_up = time.perf_counter()
     info, shape = check_inputs(cfg)
+    layers = trained_layers(cfg, info)  # data.tapped_layers, or every layer the store holds
     out = Path(cfg.run.out)
     param_dtype, compute_dtype = run_dtypes(cfg.run.dtype)
     device = ctx.device
@@ -211,6 +212,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
             label_target=target,
             distill=distill,
             seed=cfg.data.seed,
+            layers=layers,
         )
 
     distill = cfg.loss.distill_weight > 0
@@ -305,6 +307,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
             backend=backend,
             chunk_tokens=OfflineEvalConfig.chunk_tokens,
             device=device,
+            layers=layers,
         )
         del as_served, head_fp32
         return {"dev_chained_tau": chained["chained_tau"]}
@@ -331,7 +334,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         "store": str(info.path),
         "store_content_key": info.attrs["content_key"],
         "shape": dataclasses.asdict(shape),
-        "target": {"tapped_layers": info.tapped_layers, "config": info.attrs["target"]["config"]},
+        "target": {"tapped_layers": layers, "config": info.attrs["target"]["config"]},
         # named for `dflash export`, which looks a null mask_token up again (the store may be gone)
         "tokenizer": {"name_or_path": info.attrs["tokenizer"].get("name_or_path")},
         # its string goes into the export's dflash_config (rank 0 writes meta and export)
@@ -345,7 +348,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         return export_drafter(
             served,
             shape,
-            info.tapped_layers,
+            layers,
             info.attrs["target"]["config"],
             folder,
             mask_token=extra_meta["mask_token"],
