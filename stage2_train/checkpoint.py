@@ -55,10 +55,12 @@ PRUNED_PREFIX = ".tmp-pruned-"
 LEFTOVER_RE = re.compile(r"^\.tmp-(old-|pruned-)?(step-\d{6,})$")
 # optim.fit_time_limit (stage2_train/time_fit.py): the schedule's end fitted to a time limit,
 # flat in meta.json's train_state beside TrainState's fields (the run holds it in its
-# ScheduleEnd alone): the end, the first step of the fitted curve, and (cosine only; None for
-# wsd) the cosine's progress the step before; all None when no end is fitted. A resume
-# continues that curve as planned.
-FIT_KEYS = ("fit_end", "fit_decay_from", "fit_progress")
+# ScheduleEnd alone): the end, the first step of the fitted curve, the decay's progress the
+# step before (cosine, and wsd fitted mid-decay; None for wsd fitted before its decay), and
+# the optim.schedule it was fitted under; all None when no end is fitted. A resume continues
+# that curve as planned. Checkpoints from before wsd could be re-mapped have no fit_schedule:
+# then a progress meant cosine, and none wsd.
+FIT_KEYS = ("fit_end", "fit_decay_from", "fit_progress", "fit_schedule")
 
 
 def step_dir(out: str | Path, step: int) -> Path:
@@ -116,7 +118,9 @@ class TrainState:
 
     def to_dict(self, fitted: FittedEnd | None = None) -> dict[str, int | float | None]:
         """meta.json's train_state: these fields, then `fitted` as FIT_KEYS."""
-        values = (None,) * 3 if fitted is None else (fitted.end, fitted.decay_from, fitted.progress)
+        values = (None,) * 4
+        if fitted is not None:
+            values = (fitted.end, fitted.decay_from, fitted.progress, fitted.schedule)
         return {**self.__dict__, **dict(zip(FIT_KEYS, values, strict=True))}
 
 
@@ -125,7 +129,11 @@ def fitted_end(train_state: dict[str, Any]) -> FittedEnd | None:
     none was fitted, or the checkpoint predates fitting."""
     if train_state.get("fit_end") is None:
         return None
-    return FittedEnd(*(train_state.get(key) for key in FIT_KEYS))
+    progress = train_state.get("fit_progress")
+    schedule = train_state.get("fit_schedule") or ("wsd" if progress is None else "cosine")
+    return FittedEnd(
+        train_state["fit_end"], train_state["fit_decay_from"], progress, schedule=schedule
+    )
 
 
 def state_bytes(obj: Any) -> int:

@@ -120,7 +120,8 @@ class OptimConfig:
         "with run.time_limit_s: when the measured step rate says the limit comes before "
         "the last step, end the schedule at the last step that fits and stop there, annealed, "
         "instead of at the limit mid-schedule. wsd: its decay moved there, decided once, when "
-        "it begins; cosine: the rest of the cosine re-mapped onto the steps left from the "
+        "it begins (already decaying: the rest of it re-mapped onto the steps left from the "
+        "current lr); cosine: the rest of the cosine re-mapped onto the steps left from the "
         "current lr, at the first projection that falls short, again after a slowdown, and "
         "later again (up to the configured end) early on when the steps turn out faster. "
         "Kept by checkpoints (stage2_train/time_fit.py)",

@@ -6,7 +6,8 @@ Beyond Fixed Training Durations"). Why wsd: on pystd the dev acceptance rose mos
 low-lr tail (BENCHMARKS.md, eleventh session); wsd gives that tail a set share of the steps.
 Under `run.time_limit_s` the end may be moved earlier, to the last step the limit leaves
 room for (`ScheduleEnd`, stage2_train/time_fit.py), so a stopped run ends annealed: wsd's decay
-once, cosine's remaining decay re-mapped onto the steps left.
+once (planned to the new end, or, already decaying, the rest of it re-mapped onto the steps
+left), cosine's remaining decay re-mapped onto the steps left.
 
 Numerics: parameters live in the parameter dtype of `run.dtype`, and AdamW's moment buffers
 take the parameters' dtype. `mixed` (the default) keeps fp32 master weights and fp32 AdamW
@@ -21,7 +22,7 @@ tests use it, for exact resume comparisons).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -59,14 +60,18 @@ def build_optimizer(
 @dataclass(frozen=True)
 class FittedEnd:
     """A schedule shortened to a time limit (1-based steps, as metrics.jsonl counts them): the
-    floor at step `end`, a new curve from step `decay_from` on. wsd (`progress` None): the peak
-    lr until step `decay_from` - 1, then its decay. cosine: from step `decay_from` - 1, where
-    the cosine's progress was `progress`, the progress runs linearly to 1 at `end`; the steps
-    before keep the configured curve."""
+    floor at step `end`, a new curve from step `decay_from` on, under optim.schedule
+    `schedule` (the decay `progress` is a share of). With a `progress` (cosine always, wsd
+    when fitted already decaying): from step `decay_from` - 1, where the decay's progress was
+    `progress`, the progress runs linearly to 1 at `end`; the steps before keep the configured
+    curve. wsd without one (fitted before its decay began): the peak lr until step
+    `decay_from` - 1, then its decay."""
 
     end: int
     decay_from: int
     progress: float | None = None
+    # keyword-only and required: a progress alone does not say which decay it is a share of
+    schedule: str = field(kw_only=True)
 
 
 @dataclass
@@ -103,32 +108,55 @@ def lr_factor(
     if step < warmup:
         return (step + 1) / warmup
     if schedule == "wsd":
-        if fitted is None:
-            end = total_steps
-            stable_end = end - wsd_decay_steps(end, warmup, decay_ratio)
-        else:
-            end, stable_end = fitted.end, fitted.decay_from - 1
-        if step < stable_end:
-            return 1.0
-        # reaches the floor at the last step (a decay of no steps: at the floor; checkpoints of
-        # an earlier release could record one)
-        span = end - stable_end
-        progress = min((step - stable_end + 1) / span, 1.0) if span > 0 else 1.0
+        progress = wsd_progress(step, total_steps, warmup, decay_ratio, fitted)
+        if progress == 0.0:
+            return 1.0  # the stable phase: the peak, exactly
         return min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - math.sqrt(progress))
     progress = cosine_progress(step, total_steps, warmup, fitted)
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def remapped_progress(step: int, fitted: FittedEnd) -> float | None:
+    """The decay's progress at optimizer step `step` (0-based) on the curve `fitted` (one with
+    a progress) re-maps, or None before its anchor, step `decay_from` - 1 (1-based), where the
+    configured curve holds."""
+    anchor = fitted.decay_from - 1
+    if step + 1 < anchor:
+        return None
+    # linear in the step from the progress at the anchor: the lr is continuous there and falls
+    # at a constant pace in progress, as the configured decay does, to the floor
+    span = fitted.end - anchor
+    share = (step + 1 - anchor) / span if span > 0 else 1.0  # no steps left: the floor
+    return min(fitted.progress + share * (1.0 - fitted.progress), 1.0)
+
+
+def wsd_progress(
+    step: int, total_steps: int, warmup: int, decay_ratio: float, fitted: FittedEnd | None
+) -> float:
+    """Share of the wsd decay done after optimizer step `step` (0-based, past the `warmup`
+    steps): 0 in the stable phase, 1 at the last step, configured or fitted."""
+    if fitted is not None and fitted.progress is not None:
+        if (remapped := remapped_progress(step, fitted)) is not None:
+            return remapped
+        fitted = None  # before the anchor: the configured decay
+    if fitted is None:
+        end = total_steps
+        stable_end = end - wsd_decay_steps(end, warmup, decay_ratio)
+    else:  # frozen before the decay began (and any wsd fit of an earlier release)
+        end, stable_end = fitted.end, fitted.decay_from - 1
+    if step < stable_end:
+        return 0.0
+    # reaches the floor at the last step (a decay of no steps: at the floor; checkpoints of an
+    # earlier release could record one)
+    span = end - stable_end
+    return min((step - stable_end + 1) / span, 1.0) if span > 0 else 1.0
+
+
 def cosine_progress(step: int, total_steps: int, warmup: int, fitted: FittedEnd | None) -> float:
     """Share of the cosine decay done at optimizer step `step` (0-based, past the `warmup`
     steps): 1 at step `total_steps` (one past the last), or, fitted, at the last step."""
-    anchor = None if fitted is None else fitted.decay_from - 1  # 1-based
-    if anchor is not None and step + 1 >= anchor:
-        # linear in the step from the progress at the anchor: the lr is continuous there and
-        # falls at a constant pace in progress, as the configured cosine does, to the floor
-        span = fitted.end - anchor
-        share = (step + 1 - anchor) / span if span > 0 else 1.0  # no steps left: the floor
-        return min(fitted.progress + share * (1.0 - fitted.progress), 1.0)
+    if fitted is not None and (remapped := remapped_progress(step, fitted)) is not None:
+        return remapped
     span = max(total_steps - warmup, 1)
     return min((step - warmup) / span, 1.0)
 

@@ -20,7 +20,13 @@ at E, annealed; a resumed run continues the same curve, with or without a limit.
 
 - wsd: the decay is planned over `optim.decay_ratio` of the post-warmup steps to E, and E is
   frozen when that decay is due to start; it never moves after that (a decay re-planned would
-  jump). Had the limit come before E after all, it stops the run as before, mid-decay.
+  jump). Had the limit come before E after all, it stops the run as before, mid-decay. A
+  projection that first falls short once the configured decay has begun (the run slowed down
+  late) re-maps the rest of that decay as cosine's below: from the step just run, k, at
+  progress p of the 1 - sqrt decay, the progress at step s is p + (s - k) / (E - k) * (1 - p),
+  and E is frozen the same way. Keeping the decay's start and only moving its end, as before,
+  shrank at once the span the progress is a share of: the lr fell at step k + 1 by ~8 steps'
+  worth (a 3x slowdown from step 700 of 1,000, fitted at step 850 to end at 972).
 - cosine decays from the warmup on, so it is fitted at the first projection that falls short
   (the first comes after `MIN_STEPS` measured steps, and not before the warmup's last step:
   the warmup runs as configured whatever is decided, and its steps measure the rate better
@@ -75,6 +81,7 @@ from stage2_train.schedule import (
     refresh_lr,
     warmup_steps,
     wsd_decay_steps,
+    wsd_progress,
 )
 
 WARM_STEPS = 10  # steps of each job left unmeasured: the first ones compile (~10 s on a GPU)
@@ -135,16 +142,17 @@ def freeze_due(step: int, projected: int, total_steps: int, cfg: OptimConfig) ->
 
 
 def frozen_end(step: int, projected: int, total_steps: int, cfg: OptimConfig) -> FittedEnd:
-    """The shortened schedule, frozen after step `step`: decay from the next step (or from the
-    planned step, when the projection came late), ending at `projected`. Already decaying
-    toward total_steps, the decay keeps its start and only ends sooner; the lr never rises."""
-    configured = decay_from(total_steps, total_steps, cfg)
-    first = max(
-        decay_from(projected, total_steps, cfg),
-        min(step + 1, configured),
-        warmup_steps(total_steps, cfg.warmup_ratio) + 1,
-    )
-    return FittedEnd(end=max(projected, first, step + 1), decay_from=first)
+    """The shortened schedule, frozen after step `step`: decay from the next step (not before
+    the warmup's end), ending at `projected`. Already decaying toward total_steps (step `step`
+    was on the configured decay), the rest of the decay is re-mapped from that step's progress
+    onto the steps to `projected`: continuous at `step`, never rising, the floor at the end."""
+    warmup = warmup_steps(total_steps, cfg.warmup_ratio)
+    if step >= decay_from(total_steps, total_steps, cfg):
+        progress = wsd_progress(step - 1, total_steps, warmup, cfg.decay_ratio, None)
+        end = max(projected, step + 1)
+        return FittedEnd(end=end, decay_from=step + 1, progress=progress, schedule="wsd")
+    first = max(decay_from(projected, total_steps, cfg), step + 1, warmup + 1)
+    return FittedEnd(end=max(projected, first), decay_from=first, schedule="wsd")
 
 
 def refitted_cosine(
@@ -191,15 +199,16 @@ def refitted_cosine(
     if not due:
         return None
     progress = cosine_progress(anchor - 1, total_steps, warmup, current)
-    return FittedEnd(end=fitted_end, decay_from=anchor + 1, progress=progress)
+    return FittedEnd(end=fitted_end, decay_from=anchor + 1, progress=progress, schedule="cosine")
 
 
 def describe(fitted: FittedEnd) -> str:
     """Where the fitted curve starts, for the log."""
     if fitted.progress is None:
         return f"decay from step {fitted.decay_from}"
+    decay = "cosine" if fitted.schedule == "cosine" else "wsd decay"
     return (
-        f"cosine re-mapped from step {fitted.decay_from} on (progress {fitted.progress:.4f} "
+        f"{decay} re-mapped from step {fitted.decay_from} on (progress {fitted.progress:.4f} "
         f"at step {fitted.decay_from - 1})"
     )
 
@@ -334,10 +343,10 @@ def restore_fitted(
     """Put a resumed run's fitted end back in force (`fitted`, its checkpoint's) and return
     the run's last step: the fitted end, or total_steps when sooner (a config change).
     Dropped, with a log line, when the resumed config no longer fits its schedule to a limit
-    (a cosine fit carries a progress, a wsd one none)."""
+    (another optim.schedule: the fitted curve is a share of the other decay)."""
     if fitted is None:
         return total_steps
-    fitted_for = "wsd" if fitted.progress is None else "cosine"
+    fitted_for = fitted.schedule
     if cfg.schedule != fitted_for or not cfg.fit_time_limit:
         log.info(
             "resume: the schedule's end at step %d, fitted to a time limit under %s, is "

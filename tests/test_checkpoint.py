@@ -133,11 +133,13 @@ def test_leftovers_are_removed_and_a_step_moved_aside_is_put_back(tmp_path: Path
 
 def test_train_state_holds_the_fitted_end_flat_as_before(tmp_path: Path) -> None:
     """meta.json's train_state: TrainState's fields, then the schedule's end fitted to a time
-    limit as the flat keys (in the order) TrainState wrote when it mirrored them; a checkpoint
-    so written loads back to both, and one from before fitting existed to none."""
+    limit as the flat keys (in the order) TrainState wrote when it mirrored them, and the
+    schedule it was fitted under last; a checkpoint so written loads back to both, one from
+    before fitting existed to none, and one from before fit_schedule to its old meaning (a
+    progress: cosine; none: wsd)."""
     model, opt, sched = _training_objects(0)
     objects = dict(model=model, optimizer=opt, scheduler=sched, config={}, rank=0, keep=2)
-    fitted = FittedEnd(end=44, decay_from=31, progress=(30 - 1 - 3) / 57)
+    fitted = FittedEnd(end=44, decay_from=31, progress=(30 - 1 - 3) / 57, schedule="cosine")
     save_checkpoint(tmp_path, TrainState(40, 1, 7, tokens_seen=9), fitted=fitted, **objects)
     save_checkpoint(tmp_path, TrainState(41, 1, 8), **objects)
     older, newer = list_checkpoints(tmp_path)
@@ -145,17 +147,28 @@ def test_train_state_holds_the_fitted_end_flat_as_before(tmp_path: Path) -> None
     assert list(written.items()) == [
         ("step", 40), ("epoch", 1), ("step_in_epoch", 7), ("tokens_seen", 9), ("stream", False),
         ("streamed_sequences", 0), ("fit_end", 44), ("fit_decay_from", 31),
-        ("fit_progress", (30 - 1 - 3) / 57),
+        ("fit_progress", (30 - 1 - 3) / 57), ("fit_schedule", "cosine"),
     ]  # fmt: skip
-    fields = ("fit_end", "fit_decay_from", "fit_progress")
-    assert [read_meta(newer)["train_state"][key] for key in fields] == [None] * 3
+    fields = ("fit_end", "fit_decay_from", "fit_progress", "fit_schedule")
+    assert [read_meta(newer)["train_state"][key] for key in fields] == [None] * 4
     load = dict(model=model, optimizer=opt, scheduler=sched, rank=0, device=torch.device("cpu"))
     state, meta = load_checkpoint(older, **load)
     assert state == TrainState(40, 1, 7, tokens_seen=9)
     assert fitted_end(meta["train_state"]) == fitted
     assert fitted_end(read_meta(newer)["train_state"]) is None
-    wsd = {**written, "fit_decay_from": 36, "fit_progress": None}
-    assert fitted_end(wsd) == FittedEnd(end=44, decay_from=36)
+    wsd = {**written, "fit_decay_from": 36, "fit_progress": None, "fit_schedule": "wsd"}
+    assert fitted_end(wsd) == FittedEnd(end=44, decay_from=36, schedule="wsd")
+    remapped = {**wsd, "fit_progress": 0.25}  # a wsd decay re-mapped mid-way: still wsd
+    assert fitted_end(remapped) == FittedEnd(44, 36, 0.25, schedule="wsd")
+    # written before fit_schedule: only cosine fits carried a progress
+    old_wsd = {k: v for k, v in wsd.items() if k != "fit_schedule"}
+    assert fitted_end(old_wsd) == FittedEnd(end=44, decay_from=36, schedule="wsd")
+    meta = read_meta(older)
+    meta["train_state"] = {k: v for k, v in written.items() if k != "fit_schedule"}
+    (older / "meta.json").write_text(json.dumps(meta))
+    state, meta = load_checkpoint(older, **load)
+    assert state == TrainState(40, 1, 7, tokens_seen=9)
+    assert fitted_end(meta["train_state"]) == fitted
     meta = read_meta(older)
     meta["train_state"] = {key: v for key, v in written.items() if key not in fields}
     (older / "meta.json").write_text(json.dumps(meta))  # before fitting existed

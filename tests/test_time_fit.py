@@ -139,28 +139,67 @@ def test_the_end_is_frozen_when_the_shortened_decay_is_due(clock: FakeClock) -> 
     assert not fit.active and fit.observe(step + 1) is None  # never moved again
 
 
-def test_a_limit_that_suddenly_looks_short_only_ends_the_decay_sooner(clock: FakeClock) -> None:
-    """Already decaying toward the configured end when the rate drops: the decay keeps its
-    start and ends at the projection, the lr only ever going down."""
-    cfg = WSD
-    model = torch.nn.Linear(2, 2)
-    optimizer = build_optimizer(list(model.parameters()), cfg, torch.device("cpu"))
-    end = ScheduleEnd()
-    scheduler = build_scheduler(optimizer, cfg, 100, end)
-    cpu = torch.device("cpu")
-    fit = TimeFit(cfg, 1000.0, 100, scheduler, end, first_step=0, device=cpu, world_size=1)
-    lrs = []
-    for step in range(1, 91):  # configured decay: steps 81..100
-        lrs.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        scheduler.step()
-        clock.now += 1.0 if step < 85 else 200.0  # by step 88, ~10 more fit
-        fitted = fit.observe(step)
-        if fitted is not None:
-            break
-    assert fitted is not None and fitted.decay_from == 81 and step < fitted.end < 100
-    lrs.append(optimizer.param_groups[0]["lr"])
-    assert all(a >= b for a, b in zip(lrs[80:], lrs[81:], strict=False))
+def slower_late(step: int) -> float:
+    """Seconds per step: 1, then 3 from step 701 of 1,000 (wsd's decay: steps 809-1,000)."""
+    return 1.0 if step <= 700 else 3.0
+
+
+def wsd_slope(step: int, progress: float, end: int, cfg: OptimConfig) -> float:
+    """The lr's fall per step at step `step` of a wsd decay at `progress` there, re-mapped to
+    end at step `end`: d/ds of lr (1 - sqrt(p + (s - k) / (E - k) * (1 - p))) at s = k. The
+    1 - sqrt decay falls ever slower, so no later step falls by more."""
+    per_step = (1.0 - progress) / (end - step)
+    return cfg.lr * (1.0 - cfg.min_lr_ratio) * per_step / (2.0 * math.sqrt(progress))
+
+
+def test_a_late_shortening_remaps_the_rest_of_the_wsd_decay(clock: FakeClock) -> None:
+    """3x slower from step 700 of 1,000: the projection falls short only at step 850, inside
+    the configured decay (steps 809-1,000). The rest of the 1 - sqrt decay is re-mapped from
+    step 850's progress onto the steps to the new end: the lr goes on from where it was, no
+    step falls by more than the re-mapped decay's slope (keeping the decay's start and moving
+    its end fell ~8 steps' worth at step 851), the floor at the end, and it never moves
+    again. A sudden 200x slowdown mid-decay re-maps the same way."""
+    lrs, fit, frozen = fitted_run(clock, WSD, 1000, 1400.0, slower_late)
+    [(step, fitted)] = frozen.items()
+    p = (step - 808) / 192  # the configured decay's progress at `step`
+    drops = [a - b for a, b in zip(lrs[step - 1 :], lrs[step:], strict=False)]
+    slope = wsd_slope(step, p, fitted.end, WSD)
+    assert 0 < max(drops) <= slope, (step, drops[:3], slope)
+    assert_no_jump(lrs, step)
+    assert_annealed(lrs, WSD, 1000)  # never rising, the floor exactly at the fitted end
+    assert len(lrs) == fitted.end and not fit.active and fit.observe(step + 1) is None
+    assert step == 850 and fitted == FittedEnd(972, 851, p, schedule="wsd")
+    reference = [0.1 * old_lr_factor(s, 1000, *shape(WSD)) for s in range(1000)]
+    assert lrs[:step] == reference[:step]
+    assert factor(step, WSD, 1000, fitted) == reference[step - 1] / 0.1  # continuous at it
+
+    clock.now = 0.0
+    # configured decay: steps 81-100
+    lrs, _, frozen = fitted_run(clock, WSD, 100, 1000.0, lambda s: 1.0 if s < 85 else 200.0)
+    [(step, fitted)] = frozen.items()
+    assert 81 <= step < fitted.end < 100
+    assert lrs[:step] == [0.1 * old_lr_factor(s, 100, *shape(WSD)) for s in range(step)]
+    drops = [a - b for a, b in zip(lrs[step - 1 :], lrs[step:], strict=False)]
+    assert 0 < max(drops) <= wsd_slope(step, (step - 80) / 20, fitted.end, WSD)
+    assert_annealed(lrs, WSD, 100)
+
+
+def test_several_ranks_remap_a_late_wsd_decay_one_step_late(clock: FakeClock) -> None:
+    """The agreed end, read a step late, re-maps from the step it is read at: the progress
+    there, the same end, the lr continuous."""
+    _, _, alone = fitted_run(clock, WSD, 1000, 1400.0, slower_late)
+    [(step, fitted)] = alone.items()
+    clock.now = 0.0
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        lrs, _, agreed = fitted_run(clock, WSD, 1000, 1400.0, slower_late, world=2)
+    finally:
+        dist.destroy_process_group()
+    p = (step + 1 - 808) / 192
+    assert agreed == {step + 1: FittedEnd(fitted.end, step + 2, p, schedule="wsd")}
+    assert factor(step + 1, WSD, 1000, agreed[step + 1]) == factor(step + 1, WSD, 1000, None)
+    assert_no_jump(lrs, step + 1)
+    assert_annealed(lrs, WSD, 1000) and len(lrs) == fitted.end
 
 
 def test_without_a_limit_the_schedule_is_the_same_as_before(
@@ -209,7 +248,7 @@ def test_a_step_that_carries_the_clock_past_the_limit_fits_nothing(
     assert not fit.finish_at_limit(40)  # interrupted: a rerun trains on
     progress = None if schedule == "wsd" else 0.03  # cosine's fitted ends carry it
     for end_step in (41, 40):
-        fitted = FittedEnd(end=end_step, decay_from=41, progress=progress)
+        fitted = FittedEnd(end=end_step, decay_from=41, progress=progress, schedule=schedule)
         assert lr_factor(40, 1000, cfg.warmup_ratio, 0.0, schedule, 0.2, fitted) == 0.0
 
 
@@ -245,7 +284,7 @@ def test_several_ranks_apply_the_agreed_end_one_step_late(clock: FakeClock) -> N
         lrs, _, agreed = fitted_run(clock, WSD, 1000, limit=600.0, s_per_step=1.0, world=2)
     finally:
         dist.destroy_process_group()
-    assert agreed == {step + 1: FittedEnd(end=fitted.end, decay_from=step + 2)}
+    assert agreed == {step + 1: FittedEnd(end=fitted.end, decay_from=step + 2, schedule="wsd")}
     assert lrs[:step] == alone[:step] and lrs[step] == 0.1 and len(lrs) == fitted.end
 
 
@@ -272,7 +311,7 @@ def test_cosine_is_remapped_onto_the_steps_the_limit_leaves(clock: FakeClock) ->
     # 20 measured), when 570 s are left: 558 more steps fit
     lrs, fit, fitted = fitted_run(clock, COSINE, 1000, limit=600.0, s_per_step=1.0)
     p30 = (30 - 1 - 10) / 990  # the configured progress at step 30
-    assert fitted == {30: FittedEnd(end=588, decay_from=31, progress=p30)}  # a steady rate
+    assert fitted == {30: FittedEnd(588, 31, p30, schedule="cosine")}  # a steady rate
     assert len(lrs) == 588 and fit.active  # stops at the end; would shorten again if slower
     reference = [0.1 * old_lr_factor(s, 1000, *shape(COSINE)) for s in range(1000)]
     assert lrs[:30] == reference[:30]
@@ -291,7 +330,7 @@ def test_cosine_is_first_fitted_at_the_warmups_last_step(clock: FakeClock) -> No
     runs as configured either way); the re-mapped cosine starts at the peak."""
     cfg = dataclasses.replace(COSINE, warmup_ratio=0.05)  # 50 steps; projections from step 30
     lrs, _, fitted = fitted_run(clock, cfg, 1000, limit=600.0, s_per_step=1.0)
-    assert fitted == {50: FittedEnd(end=589, decay_from=52, progress=0.0)}
+    assert fitted == {50: FittedEnd(589, 52, 0.0, schedule="cosine")}
     reference = [0.1 * old_lr_factor(s, 1000, *shape(cfg)) for s in range(1000)]
     assert lrs[:51] == reference[:51] and lrs[49] == lrs[50] == 0.1  # warmup, then the peak
     assert_annealed(lrs, cfg, 1000) and len(lrs) == 589
@@ -469,7 +508,7 @@ def test_a_resumed_cosine_fit_only_shortens_under_a_new_limit(clock: FakeClock) 
     """A job resumed at step 300 of a cosine fitted to end at 588 (the trainer passes the
     fitted end as the run's end): a new limit that leaves room changes nothing, a short one
     re-maps from the progress there."""
-    first = FittedEnd(end=588, decay_from=31, progress=(30 - 1 - 10) / 990)
+    first = FittedEnd(end=588, decay_from=31, progress=(30 - 1 - 10) / 990, schedule="cosine")
     for limit, s_per_step in ((1000.0, 1.0), (100.0, 1.0)):
         model = torch.nn.Linear(2, 2)
         optimizer = build_optimizer(list(model.parameters()), COSINE, torch.device("cpu"))
@@ -501,6 +540,24 @@ def test_a_resumed_cosine_fit_only_shortens_under_a_new_limit(clock: FakeClock) 
         assert lrs[-1] == 0.1 * 0.1 and len(lrs) == 398 - 300
 
 
+def test_a_fit_is_restored_under_its_own_schedule_only() -> None:
+    """A resumed fit holds under the optim.schedule it was fitted under, whether it carries a
+    progress or not (a wsd decay re-mapped mid-way does), and is dropped under the other."""
+    for fitted in (
+        FittedEnd(57, 52, 0.25, schedule="wsd"),
+        FittedEnd(57, 52, schedule="wsd"),
+        FittedEnd(57, 52, 0.25, schedule="cosine"),
+    ):
+        for cfg in (WSD, COSINE):
+            model = torch.nn.Linear(2, 2)
+            optimizer = build_optimizer(list(model.parameters()), cfg, torch.device("cpu"))
+            end = ScheduleEnd()
+            scheduler = build_scheduler(optimizer, cfg, 60, end)
+            last = time_fit.restore_fitted(fitted, end, scheduler, cfg, 60)
+            kept = cfg.schedule == fitted.schedule
+            assert (last, end.fitted) == ((57, fitted) if kept else (60, None)), (fitted, cfg)
+
+
 def test_several_ranks_remap_cosine_one_step_late(clock: FakeClock) -> None:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -508,7 +565,7 @@ def test_several_ranks_remap_cosine_one_step_late(clock: FakeClock) -> None:
     finally:
         dist.destroy_process_group()
     p31 = (31 - 1 - 10) / 990
-    assert agreed == {31: FittedEnd(end=588, decay_from=32, progress=p31)}
+    assert agreed == {31: FittedEnd(588, 32, p31, schedule="cosine")}
     reference = [0.1 * old_lr_factor(s, 1000, *shape(COSINE)) for s in range(1000)]
     assert lrs[:31] == reference[:31] and len(lrs) == 588
     assert_annealed(lrs, COSINE, 1000)
@@ -557,6 +614,51 @@ def test_train_stops_annealed_at_the_fitted_end_and_resumes_the_same_decay(
     monkeypatch.undo()
     resumed = train(store, out, "run.time_limit_s=null")
     assert [r["step"] for r in resumed] == list(range(1, 45))
+    assert [(r["lr"], r["loss"]) for r in resumed] == [(r["lr"], r["loss"]) for r in full]
+
+
+def slowing_clock(slow_from: int) -> Callable[[], float]:
+    """time_fit's clock in the trainer, read as the limit starts counting and then once a step
+    from step 10 on (WARM_STEPS): 100 s a read, 200 s from read `slow_from` on."""
+    reads, clock = iter(range(1, 10_000)), FakeClock()
+
+    def read() -> float:
+        clock.now += 100.0 if next(reads) < slow_from else 200.0
+        return clock.now
+
+    return read
+
+
+def test_train_remaps_a_late_wsd_decay_and_resumes_the_same_curve(
+    store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """wsd, its decay configured over steps 49-60; twice as slow from step 31, the projection
+    falls short only after step 51, mid-decay: the rest of the decay (progress 3/12 there) is
+    re-mapped onto steps 52-57, no step falling by more than its slope. Resumed from step 54's
+    checkpoint without a limit: the same curve, the same numbers."""
+    monkeypatch.setattr(time_fit, "monotonic", slowing_clock(31 - 8))
+    out = tmp_path / "run"
+    sets = ["run.time_limit_s=7700", "run.checkpoint_every=18"]
+    full = train(store, out, *sets)
+    assert [r["step"] for r in full] == list(range(1, 58))
+    [event] = [r for r in full if "schedule_end" in r]
+    assert (event["step"], event["schedule_end"], event["decay_from"]) == (51, 57, 52)
+    lrs = [r["lr"] for r in full]
+    assert lrs[:51] == [3e-3 * old_lr_factor(s, 60, 0.04, 0.0, "wsd") for s in range(51)]
+    drops = [a - b for a, b in zip(lrs[50:], lrs[51:], strict=False)]
+    slope = wsd_slope(51, 3 / 12, 57, OptimConfig(lr=3e-3, min_lr_ratio=0.0))
+    assert 0 < max(drops) <= slope and min(drops) > 0 and lrs[-1] == 0.0
+    meta = json.loads((out / "step-000054" / "meta.json").read_text())["train_state"]
+    fit_keys = ("fit_end", "fit_decay_from", "fit_progress", "fit_schedule")
+    assert tuple(meta[key] for key in fit_keys) == (57, 52, 3 / 12, "wsd")
+
+    for name in ("step-000057", "export"):
+        for path in sorted((out / name).rglob("*"), reverse=True):
+            path.rmdir() if path.is_dir() else path.unlink()
+        (out / name).rmdir()
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in full[:54]))
+    monkeypatch.undo()
+    resumed = train(store, out, "run.time_limit_s=null", "run.checkpoint_every=18")
     assert [(r["lr"], r["loss"]) for r in resumed] == [(r["lr"], r["loss"]) for r in full]
 
 
