@@ -15,6 +15,9 @@ META_DIR = ".dflash-generate"
 MANIFEST = "manifest.json"
 FORMAT = "dflash-generate"
 VERSION = 1
+# the manifest content key, present (the ids) where completion rows were written after their
+# prompt without the suffix the tokenizer appends (an EOS), as extract stores them
+PROMPT_SUFFIX_LEFT_OUT = "prompt_suffix_left_out"
 
 
 def manifest_path(folder: Path) -> Path:

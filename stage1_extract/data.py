@@ -3,8 +3,12 @@
 Accepted inputs: a local .json/.jsonl/.jsonl.gz/.parquet file or a folder of them, or a hub
 dataset name (needs network). Accepted rows: `messages` [{role, content}], ShareGPT
 `conversations` [{from, value}] (both rendered by the tokenizer's own chat template, loss on
-assistant turns; see `stage1_extract/chat.py`), or plain `text` (the tokenizer's default ids,
-loss on every token). Tokenization is a batched `datasets` map of a module-level function, so
+assistant turns; see `stage1_extract/chat.py`), plain `text` (loss on every token) or `prompt` +
+`completion` (loss on the completion). A text or prompt gets what the tokenizer puts before a
+text by default (Llama's BOS: the target was trained to see it), never what it appends (an EOS,
+for a tokenizer set to add one): that says the document ended there, which a text row does not
+say and a prompt contradicts; an end the data holds is written in it (`<|endoftext|>` as text,
+read back as its id). Tokenization is a batched `datasets` map of a module-level function, so
 its result is cached by fingerprint and a rerun of the same data and tokenizer is free.
 
     from stage1_extract.data import prepare_documents
@@ -53,6 +57,9 @@ class PreparedData:
     num_rows: int  # rows read from the raw dataset (after max_samples)
     # reason -> rows skipped (on_invalid="skip"), and EMPTY_TURNS -> turns kept without loss
     skipped: dict[str, int] = field(default_factory=dict)
+    # ids the tokenizer appends to a text by default that text and completion rows leave out
+    # (an EOS; empty for most tokenizers and for chat rows)
+    suffix_left_out: list[int] = field(default_factory=list)
 
 
 def load_raw_dataset(cfg: DataConfig) -> datasets.Dataset:
@@ -136,18 +143,21 @@ def _tokenize_batch(
     where: str,
     completion_column: str | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    suffix: list[int] | None = None,
 ) -> dict[str, list[Any]] | pa.Table:
-    """One `datasets.map` batch; module-level with plain arguments so its fingerprint is stable."""
+    """One `datasets.map` batch; module-level with plain arguments so its fingerprint is stable.
+    `suffix`: the tokenizer's default suffix, left out of text rows and prompts."""
     rows = batch[column]
+    suffix = suffix or []
     if fmt == "text":
-        return _text_batch(rows, indices, tokenizer, column, skip_invalid, where)
+        return _text_batch(rows, indices, tokenizer, column, skip_invalid, where, suffix)
     results: list[Any] = [None] * len(rows)
     chats: dict[int, list[dict[str, Any]]] = {}
     if fmt == "completion":
         assert completion_column is not None
         for k, (prompt, completion) in enumerate(zip(rows, batch[completion_column], strict=True)):
             results[k] = _prompt_completion(
-                tokenizer, prompt, completion, column, completion_column
+                tokenizer, prompt, completion, column, completion_column, suffix
             )
     else:
         for k, raw in enumerate(rows):
@@ -205,16 +215,17 @@ def _text_batch(
     column: str,
     skip_invalid: bool,
     where: str,
+    suffix: list[int],
 ) -> pa.Table:
-    """`_tokenize_batch` of text rows (the tokenizer's default ids, loss on every token), as an
-    Arrow table: a generate folder holds tens of millions of tokens, and per-token Python lists
-    (ids copied, masks of ones, both converted again by `datasets`) cost 10% of the map's time
-    on pystd-28m."""
+    """`_tokenize_batch` of text rows (the tokenizer's default ids but `suffix`, loss on every
+    token), as an Arrow table: a generate folder holds tens of millions of tokens, and
+    per-token Python lists (ids copied, masks of ones, both converted again by `datasets`) cost
+    10% of the map's time on pystd-28m."""
     usable = [isinstance(text, str) and bool(text.strip()) for text in rows]
     keep = [k for k, ok in enumerate(usable) if ok]
     ids: list[list[int]] = [[] for _ in rows]
     for k, row_ids in zip(keep, _text_ids(tokenizer, [rows[k] for k in keep]), strict=True):
-        ids[k] = row_ids
+        ids[k] = without_suffix(row_ids, suffix)
     reasons = []
     for k, ok in enumerate(usable):
         if ok and ids[k]:
@@ -280,18 +291,40 @@ def _text_ids(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list
     return [encoding.ids for encoding in backend.encode_batch_fast(texts)]
 
 
+def special_affixes(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer puts before and after a text by default (a BOS before for Llama;
+    an EOS after for a tokenizer set to add one, e.g. add_eos_token=true; none for Qwen)."""
+    plain = tokenizer("x", add_special_tokens=False)["input_ids"]
+    default = tokenizer("x")["input_ids"]
+    for i in range(len(default) - len(plain) + 1):
+        if default[i : i + len(plain)] == plain:
+            return list(default[:i]), list(default[i + len(plain) :])
+    return [], []
+
+
+def without_suffix(ids: list[int], suffix: list[int]) -> list[int]:
+    """`ids` (a text tokenized with the tokenizer's defaults) without the `suffix` it appended."""
+    return ids[: -len(suffix)] if suffix and ids[-len(suffix) :] == suffix else ids
+
+
 def _prompt_completion(
-    tokenizer: PreTrainedTokenizerBase, prompt: Any, completion: Any, p_col: str, c_col: str
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: Any,
+    completion: Any,
+    p_col: str,
+    c_col: str,
+    suffix: list[int],
 ) -> tuple[list[int], list[int]] | InvalidRow:
-    """Prompt ids (the tokenizer's defaults, as for text) then completion ids; loss on the
-    completion only: the drafter learns what the target wrote, in the context it wrote it in."""
+    """Prompt ids (the tokenizer's defaults but `suffix`, as for text) then completion ids;
+    loss on the completion only: the drafter learns what the target wrote, in the context it
+    wrote it in (`dflash generate` feeds the target the same prompt ids)."""
     if not isinstance(prompt, str):
         return InvalidRow("bad_prompt", f"{p_col!r} is not a string")
     if not (isinstance(completion, str) and completion.strip()):
         return InvalidRow("empty_completion", f"{c_col!r} is empty or not a string")
     # an empty prompt still gets the tokenizer's prefix (Llama's BOS), as the same text as a
     # text row would: the target runs on what it would see
-    prompt_ids = tokenizer(prompt)["input_ids"]
+    prompt_ids = without_suffix(list(tokenizer(prompt)["input_ids"]), suffix)
     completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
     return list(prompt_ids) + list(completion_ids), [0] * len(prompt_ids) + [1] * len(
         completion_ids
@@ -308,6 +341,8 @@ def prepare_documents(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Pr
     fmt, column = detect_format(cfg, raw.features)
     name = tokenizer.name_or_path or type(tokenizer).__name__
     chat = fmt in DEFAULT_FIELDS
+    # (chat rows: the template writes every special token itself, nothing is appended)
+    suffix = [] if chat else special_affixes(tokenizer)[1]
     if chat and not tokenizer.chat_template:
         raise ValueError(
             f"tokenizer {name} has no chat_template, but data {cfg.path} holds conversations "
@@ -333,6 +368,9 @@ def prepare_documents(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Pr
             **({"completion_column": cfg.completion_field} if fmt == "completion" else {}),
             # only when given: the cache fingerprint of runs without them stays as it was
             **({"template_kwargs": cfg.chat_template_kwargs} if cfg.chat_template_kwargs else {}),
+            # likewise: only a tokenizer that appends a suffix gets other rows than before
+            # (the map's cache is keyed by these arguments, never by this module's code)
+            **({"suffix": suffix} if suffix else {}),
         },
         remove_columns=raw.column_names,
         features=FEATURES,
@@ -349,4 +387,6 @@ def prepare_documents(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Pr
     if empty_turns:
         skipped[EMPTY_TURNS] = empty_turns
     docs = docs.remove_columns(["skip_reason", "empty_turns"])
-    return PreparedData(dataset=docs, format=fmt, num_rows=len(raw), skipped=skipped)
+    return PreparedData(
+        dataset=docs, format=fmt, num_rows=len(raw), skipped=skipped, suffix_left_out=suffix
+    )

@@ -25,7 +25,7 @@ import zarr
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from common.config import to_dict
-from common.generated import provenance, read_manifest
+from common.generated import PROMPT_SUFFIX_LEFT_OUT, provenance, read_manifest
 from common.store import FORMAT_NAME, FORMAT_VERSION
 from stage1_extract.config import ExtractConfig
 from stage1_extract.data import PreparedData, prepare_documents
@@ -141,6 +141,25 @@ def check_seq_len(cfg: ExtractConfig, config: PretrainedConfig) -> None:
     )
 
 
+def check_prompt_suffix(manifest: dict[str, Any], prepared: PreparedData, path: str) -> None:
+    """Refuse completion rows that an older `dflash generate` wrote after the prompt and the
+    tokenizer's suffix (an EOS): extract now leaves the suffix out, so the stored context would
+    not be the one the target wrote them in."""
+    content = manifest.get("content", {})
+    if (
+        prepared.suffix_left_out
+        and content.get("format") == "completion"
+        and PROMPT_SUFFIX_LEFT_OUT not in content
+    ):
+        raise ValueError(
+            f"data {path} holds completion rows written by an older `dflash generate`, which "
+            f"fed the target each prompt followed by the ids {prepared.suffix_left_out} the "
+            "tokenizer appends (an end of sequence); extract now leaves them out of the prompt, "
+            "so these completions no longer follow their context: rerun that `dflash generate` "
+            "with --overwrite (or into a new --out), then extract"
+        )
+
+
 def plan_job(cfg: ExtractConfig, model_name: str = "target.model") -> ExtractJob:
     """Check the target, tokenize, plan the packing and build the root attributes; the same
     result in every process (raises ValueError on bad input before anything is written).
@@ -226,7 +245,12 @@ def plan_job(cfg: ExtractConfig, model_name: str = "target.model") -> ExtractJob
         },
         "extract_config": to_dict(cfg),
     }
+    if prepared.suffix_left_out:
+        # named only here: other stores keep their content key, and a store begun with that
+        # suffix in its documents (before it was left out) is not resumed with new shards
+        attrs["tokenizer"]["suffix_left_out"] = prepared.suffix_left_out
     if manifest is not None:  # the data were written by `dflash generate`: keep where from
+        check_prompt_suffix(manifest, prepared, cfg.data.path)
         attrs["generation"] = provenance(manifest)
     digest = hashlib.sha256(lengths.tobytes()).hexdigest()
     attrs["content_key"] = content_key(key_parts(attrs, digest, prepared.skipped))

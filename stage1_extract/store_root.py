@@ -53,9 +53,18 @@ _EXPLAINED = [
     ("target config", lambda a: a["target"]["config"]),
     (
         "tokenizer",
-        lambda a: dict(
-            a["tokenizer"], name_or_path=_canonical_path(a["tokenizer"]["name_or_path"])
-        ),
+        lambda a: {
+            k: _canonical_path(v) if k == "name_or_path" else v
+            for k, v in a["tokenizer"].items()
+            if k != "suffix_left_out"
+        },
+    ),
+    # a store begun before extract left a tokenizer's appended EOS out of text rows has it in
+    # its documents: the same settings and data, other tokens
+    (
+        "the tokenizer's appended end of sequence (this version leaves it out of text rows "
+        "and prompts)",
+        lambda a: a["tokenizer"].get("suffix_left_out"),
     ),
     ("tapped_layers", lambda a: a["tapped_layers"]),
     ("topk", lambda a: a["topk"]),

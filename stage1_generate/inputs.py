@@ -11,7 +11,7 @@ import datasets
 from transformers import PreTrainedTokenizerBase
 
 from common.config import runs_tf32, to_dict
-from common.generated import FORMAT, VERSION
+from common.generated import FORMAT, PROMPT_SUFFIX_LEFT_OUT, VERSION
 from stage1_extract.data import detect_format, load_raw_dataset
 from stage1_extract.fingerprints import weights_fingerprint
 from stage1_extract.store_root import _canonical_path, content_key
@@ -56,8 +56,11 @@ def check_inputs(
     return raw, fmt, column
 
 
-def build_manifest(cfg: GenerateConfig, raw: datasets.Dataset, fmt: str) -> dict[str, Any]:
-    """Provenance and the settings that decide the rows (hashed into `key`)."""
+def build_manifest(
+    cfg: GenerateConfig, raw: datasets.Dataset, fmt: str, suffix: list[int]
+) -> dict[str, Any]:
+    """Provenance and the settings that decide the rows (hashed into `key`); `suffix`: the ids
+    the tokenizer appends to a text by default (`special_affixes`)."""
     config = to_dict(cfg)
     # a chunk finished under on_invalid=error holds the same rows it would under skip
     data = {k: v for k, v in config["data"].items() if k not in ("num_proc", "on_invalid")}
@@ -92,6 +95,10 @@ def build_manifest(cfg: GenerateConfig, raw: datasets.Dataset, fmt: str) -> dict
         # target wrote inside them: its key refuses to resume such a folder (rows of either
         # kind would mix); past the end of text they were kept already
         content[REPLY_SPECIALS] = "kept"
+    if fmt == "completion" and suffix:
+        # versions before it fed the target each prompt followed by that suffix (an EOS): its
+        # key refuses to resume such a folder, and extract refuses a finished one
+        content[PROMPT_SUFFIX_LEFT_OUT] = suffix
     return {
         "format": FORMAT,
         "version": VERSION,

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 from transformers import PreTrainedTokenizerBase
 
 from stage1_extract.chat import SENTINEL, InvalidRow, normalize_conversation
+from stage1_extract.data import special_affixes, without_suffix
 from stage1_generate.config import GenerateConfig
 from stage1_generate.local_backend import Completion
 
@@ -307,17 +308,6 @@ def generate_text(
     return result
 
 
-def special_affixes(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
-    """The ids the tokenizer puts before and after a text by default (a BOS before for Llama;
-    an EOS after for a tokenizer set to add one; none for Qwen)."""
-    plain = tokenizer("x", add_special_tokens=False)["input_ids"]
-    default = tokenizer("x")["input_ids"]
-    for i in range(len(default) - len(plain) + 1):
-        if default[i : i + len(plain)] == plain:
-            return list(default[:i]), list(default[i + len(plain) :])
-    return [], []
-
-
 def special_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """The ids the tokenizer puts before a text by default (a BOS for Llama; none for Qwen)."""
     return special_affixes(tokenizer)[0]
@@ -371,7 +361,9 @@ def generate_completion(
             if not (isinstance(prompt, str) and prompt):
                 field_name = cfg.data.prompt_field
                 raise InvalidRow("bad_prompt", f"{field_name!r} is empty or not a string")
-            ids = list(tokenizer(prompt)["input_ids"])
+            # the target continues the prompt as extract will store it: after the tokenizer's
+            # prefix (a BOS), not after an EOS it appends, which would end the document there
+            ids = without_suffix(list(tokenizer(prompt)["input_ids"]), suffix)
             _check_fits(backend, ids, cfg.sampling.max_new_tokens)
         except InvalidRow as err:
             _invalid(cfg, indices[k], err, result)
@@ -383,12 +375,10 @@ def generate_completion(
     for k, prompt, completion in zip(keep, prompts, completions, strict=True):
         if not completion.text.strip():
             continue  # counted in empty_replies; a row without loss tokens trains nothing
-        # what the tokenizer added to the prompt (a BOS, an EOS after it) stays out, as the
-        # prefix of text rows: extract tokenizes the prompt with the same defaults and adds
-        # it again (written as text, a special token would be there twice)
+        # the tokenizer's prefix (a BOS) stays out, as for text rows: extract tokenizes the
+        # prompt with the same defaults and adds it again (written as text, it would be there
+        # twice)
         body = prompt[len(prefix) :] if prompt[: len(prefix)] == prefix else prompt
-        if suffix and body[-len(suffix) :] == suffix:
-            body = body[: -len(suffix)]
         row = _split_row(tokenizer, body, completion, as_text=False)
         row.update(source_index=indices[k], new_tokens=completion.num_tokens)
         result.rows.append(row)

@@ -42,6 +42,7 @@ from common.distributed import (
 )
 from common.generated import read_manifest
 from common.logging import get_logger, init_logger
+from stage1_extract.data import special_affixes
 from stage1_generate.config import GenerateConfig
 from stage1_generate.inputs import Inputs, build_manifest, read_inputs
 from stage1_generate.output import (
@@ -234,7 +235,8 @@ def _check_positions(cfg: GenerateConfig, inputs: Inputs, model_name: str) -> No
 
 def _prepare(cfg: GenerateConfig, inputs: Inputs, model_name: str) -> None:
     _check_positions(cfg, inputs, model_name)
-    manifest = build_manifest(cfg, inputs.raw, inputs.fmt)
+    suffix = special_affixes(inputs.tokenizer)[1]
+    manifest = build_manifest(cfg, inputs.raw, inputs.fmt, suffix)
     prepare_output(Path(cfg.output.out).expanduser(), manifest, cfg.output.overwrite)
 
 

@@ -477,8 +477,8 @@ def test_completion_rows_keep_the_prompts_special_tokens(
     tiny_qwen3: Path, tmp_path: Path, template: str
 ) -> None:
     """Completion rows: the written prompt re-tokenizes to the ids the target continued, its
-    special tokens included, and what the tokenizer adds by default (a BOS before, an EOS after
-    the prompt) is not written as text: extract adds it again."""
+    special tokens included; the tokenizer's BOS is not written as text (extract adds it again)
+    and the EOS it appends is neither fed nor written (the completion continues the prompt)."""
     from tokenizers import processors
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
@@ -496,9 +496,10 @@ def test_completion_rows_keep_the_prompts_special_tokens(
     run_generate(config(model_dir, data, tmp_path / "out"))
     rows = read_rows(tmp_path / "out")
     assert [r["source_index"] for r in rows] == [0, 1]
+    appended = template.endswith("<|endoftext|>")
     for row, prompt in zip(rows, prompts, strict=True):
-        ids = tokenizer(prompt)["input_ids"]
-        assert tokenizer(row["prompt"])["input_ids"] == ids
+        ids = tokenizer(prompt)["input_ids"][: -1 if appended else None]
+        assert tokenizer(row["prompt"])["input_ids"][: -1 if appended else None] == ids
         reply = greedy_reply(model_dir, ids, 6)
         whole = tokenizer.decode(ids + reply, skip_special_tokens=False)
         assert row["completion"] == whole[len(tokenizer.decode(ids, skip_special_tokens=False)) :]
@@ -649,8 +650,8 @@ def test_tf32_matmuls_keyed_recorded_and_shown(tiny_qwen3: Path, tmp_path: Path)
     default = config(tiny_qwen3, data, tmp_path / "out")
     tf32 = config(tiny_qwen3, data, tmp_path / "out", "target.matmul_precision=high")
     inputs = read_inputs(default)
-    off = build_manifest(default, inputs.raw, inputs.fmt)
-    on = build_manifest(tf32, inputs.raw, inputs.fmt)
+    off = build_manifest(default, inputs.raw, inputs.fmt, [])
+    on = build_manifest(tf32, inputs.raw, inputs.fmt, [])
     assert "matmul_precision" not in off["content"]["target"]
     assert on["content"]["target"]["matmul_precision"] == "high"
     assert on["key"] != off["key"]
@@ -659,8 +660,8 @@ def test_tf32_matmuls_keyed_recorded_and_shown(tiny_qwen3: Path, tmp_path: Path)
     bf16_default = config(tiny_qwen3, data, tmp_path / "out")
     bf16_default.target.dtype = "bfloat16"
     assert (
-        build_manifest(bf16, inputs.raw, inputs.fmt)["key"]
-        == build_manifest(bf16_default, inputs.raw, inputs.fmt)["key"]
+        build_manifest(bf16, inputs.raw, inputs.fmt, [])["key"]
+        == build_manifest(bf16_default, inputs.raw, inputs.fmt, [])["key"]
     )
 
     def sampling_row(manifest: dict) -> str:
