@@ -141,8 +141,8 @@ def test_extract_accepts_a_config_without_max_positions(
     target = _with_config(tiny_qwen3, tmp_path / "target", max_position_embeddings=48)
     load = stage1_extract.job.load_target_config
 
-    def without_limit(cfg: Any) -> PretrainedConfig:
-        config = load(cfg)
+    def without_limit(cfg: Any, *named: str) -> PretrainedConfig:
+        config = load(cfg, *named)  # named: how the user gave the model (--model or the key)
         del config.max_position_embeddings
         return config
 
