@@ -119,8 +119,15 @@ def load_prompts(cfg: EvaluateConfig, tokenizer) -> list[list[int]]:
             "'messages' [{role, content}]"
         )
     else:
-        texts = rows[cfg.text_field]
-        prompts = [tokenizer(text or "")["input_ids"][: cfg.prompt_tokens] for text in texts]
+        from stage1_extract.data import special_affixes, without_suffix
+
+        # the tokenizer's BOS stays, an EOS it appends goes (add_eos_token): it would tell the
+        # target a short document had ended, where extract stores the text without it
+        suffix = special_affixes(tokenizer)[1]
+        prompts = [
+            without_suffix(tokenizer(text or "")["input_ids"], suffix)[: cfg.prompt_tokens]
+            for text in rows[cfg.text_field]
+        ]
     # an empty prompt has nothing to prefill: the target would fail deep inside its forward,
     # after minutes of prompt lookup on the rows before it
     empty = [i for i, prompt in enumerate(prompts) if not prompt]

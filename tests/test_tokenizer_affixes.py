@@ -258,3 +258,18 @@ def test_generated_completions_follow_the_prompt_without_the_eos(
     manifest_path(out).write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match=r"older `dflash generate`.*--overwrite"):
         plan_job(extract_config(eos_target, out, tmp_path / "store"))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_evaluate_prompts_keep_the_bos_and_leave_out_an_appended_eos(kind: str, tmp_path: Path):
+    from evaluation.online import EvaluateConfig, load_prompts
+
+    tok = make_tokenizer(kind)
+    texts = ["def add(a, b):", "import os\nprint(os.getcwd())"]
+    path = write_jsonl(tmp_path / "dev.jsonl", [{"text": t} for t in texts])
+    prompts = load_prompts(EvaluateConfig(target="unused", data=str(path)), tok)
+    bos = [tok.convert_tokens_to_ids(BOS)] if has_bos(kind) else []
+    # a short text whole: what the target sees of it is the document so far, never its end
+    assert prompts == [bos + plain(tok, t) for t in texts]
+    cut = load_prompts(EvaluateConfig(target="unused", data=str(path), prompt_tokens=3), tok)
+    assert cut == [(bos + plain(tok, t))[:3] for t in texts]
