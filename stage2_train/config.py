@@ -196,7 +196,8 @@ class TrainDataConfig:
         "a store of the target's own continuation of your online prompts (`dflash generate` "
         "with {prompt, completion} rows, then `dflash extract`): every evaluation logs "
         "dev_chained_tau on it, the online tau computed from the store (README); checked at "
-        "the start: a store of the training store's target, tokenizer and tapped layers",
+        "the start: a store of the training store's target and tokenizer, holding the tapped "
+        "layers the drafter reads",
     )
     follow_poll_s: float = doc(
         2.0, "--follow: seconds between looks for the next shard (a directory listing each)"

@@ -202,11 +202,13 @@ def trained_layers(cfg: TrainConfig, info: StoreInfo) -> list[int]:
     return info.tapped_layers if layers is None else list(layers)
 
 
-def open_dev_store(path: str, train_info: StoreInfo) -> StoreInfo:
+def open_dev_store(path: str, train_info: StoreInfo, layers: list[int]) -> StoreInfo:
     """The store `data.dev_store` names, checked against the training store: the same target
-    (layers, sizes, vocabulary and weights) and tokenizer, and every shard whole (what chained
-    tau reads); else an error naming data.dev_store and the fix. run_train calls it with the
-    other input checks: at its first use (after the model is built) it came minutes late."""
+    (sizes, vocabulary and weights) and tokenizer, the `layers` the drafter reads
+    (`trained_layers`: all the training store's, or `data.tapped_layers`; a dev store may hold
+    more, as `dflash evaluate-offline`'s store may), and every shard whole (what chained tau
+    reads); else an error naming data.dev_store and the fix. run_train calls it with the other
+    input checks: at its first use (after the model is built) it came minutes late."""
     try:
         info = open_store(path, require_complete=True)
     except StoreError as err:
@@ -220,10 +222,14 @@ def open_dev_store(path: str, train_info: StoreInfo) -> StoreInfo:
             "--out STORE` with the training target (README's evaluate-offline recipe), or "
             "leave data.dev_store unset"
         ) from None
-    keys = ("tapped_layers", "hidden_size", "vocab_size")
-    differ = [
+    differ = []
+    if not set(layers) <= set(info.tapped_layers):
+        subset = layers != train_info.tapped_layers
+        read = " read (data.tapped_layers)" if subset else ""
+        differ.append(f"tapped_layers {info.tapped_layers} vs {layers}{read}")
+    differ += [
         f"{k} {info.attrs.get(k)} vs {train_info.attrs.get(k)}"
-        for k in keys
+        for k in ("hidden_size", "vocab_size")
         if info.attrs.get(k) != train_info.attrs.get(k)
     ]
     dev, train = _target_weights(info.attrs), _target_weights(train_info.attrs)

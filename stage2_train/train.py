@@ -112,7 +112,7 @@ def run_train(cfg: TrainConfig) -> None:
         # only: ~1 ms a shard), before any process group or model exists
         check_shards(info, loader_arrays(info.hidden_dtype, cfg.loss.distill_weight > 0))
     if cfg.data.dev_store:  # now too, not once the model is built
-        open_dev_store(cfg.data.dev_store, info)
+        open_dev_store(cfg.data.dev_store, info, trained_layers(cfg, info))
     check_trackers(cfg.run.report_to)  # a missing package fails here, not in a worker
     check_fp8_installed(cfg.run.fp8_linear)
     devices = parse_devices(cfg.run.devices)
@@ -286,7 +286,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
             resumed_step=state.step,
         )
 
-    dev_info = open_dev_store(cfg.data.dev_store, info) if cfg.data.dev_store else None
+    dev_info = open_dev_store(cfg.data.dev_store, info, layers) if cfg.data.dev_store else None
 
     def run_dev_eval() -> dict[str, Any]:
         """Chained tau on data.dev_store (rank 0: the figure needs no other rank), computed the

@@ -148,7 +148,7 @@ def test_a_dev_store_of_the_same_target_by_other_names_is_taken(
         ("unrecorded", lambda a: None),
     ):
         dev = _with_root(store, tmp_path / name, edit)
-        assert open_dev_store(str(dev), train_info).path == dev
+        assert open_dev_store(str(dev), train_info, train_info.tapped_layers).path == dev
 
 
 def test_inspect_of_a_shard_says_to_pass_its_store(

@@ -18,7 +18,8 @@ from common.store import open_store
 from evaluation.offline import OfflineEvalConfig, run_offline_eval
 from stage2_train.config import TrainConfig
 from stage2_train.data import StoreSequences, collate
-from stage2_train.inputs import check_inputs
+from stage2_train.export import export_checkpoint
+from stage2_train.inputs import check_inputs, open_dev_store
 from stage2_train.train import run_train
 
 DEBUG = Path(__file__).parents[1] / "configs" / "debug.yaml"
@@ -29,6 +30,11 @@ STORED = [0, 2, 5]
 def store(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     spec = FactorySpec(num_sequences=8, tapped_layers=STORED, hidden_dtype=request.param)
     return build_store(tmp_path_factory.mktemp("subset") / request.param, spec)
+
+
+def dev_store(folder: Path, layers: list[int]) -> Path:
+    """A dev store of the same target, of other text, holding `layers`."""
+    return build_store(folder, FactorySpec(num_sequences=3, tapped_layers=layers, seed=1))
 
 
 def sequences(store: Path, layers: list[int] | None, distill: bool = True) -> StoreSequences:
@@ -93,12 +99,18 @@ def test_a_drafter_of_two_layers_trains_exports_and_evaluates(store: Path, tmp_p
         "run.eval_every=3",
         "data.holdout_sequences=2",
         "data.tapped_layers=[0,5]",
+        # a dev store of other layers besides the two read: chained tau reads those two
+        f"data.dev_store={dev_store(tmp_path / 'dev', [0, 1, 5])}",
     ]
     run_train(build_config(TrainConfig, DEBUG, "train", sets))
     config = json.loads((out / "export" / "config.json").read_text())
     assert config["dflash_config"]["target_layer_ids"] == [0, 5]
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
-    assert "eval_tau" in last
+    assert "eval_tau" in last and last["dev_chained_tau"] >= 1.0
+    # `dflash export RUN` reads the layers from the checkpoint's meta (the store may be gone)
+    again = export_checkpoint(out, out=tmp_path / "again")
+    config = json.loads((again / "config.json").read_text())
+    assert config["dflash_config"]["target_layer_ids"] == [0, 5]
     # the export reads its two layers out of the three-layer store, as `dflash evaluate --store`
     offline = run_offline_eval(OfflineEvalConfig(str(out / "export"), str(store)))
     assert offline["chained_responses"] > 0
@@ -112,3 +124,18 @@ def test_a_resume_cannot_change_the_layers(store: Path, tmp_path: Path) -> None:
     again = [*sets, "optim.max_steps=6", "run.allow_config_change=true"]
     with pytest.raises(ValueError, match=r"data.tapped_layers: \[0, 5\] -> None"):
         run_train(build_config(TrainConfig, DEBUG, "train", again))
+
+
+def test_a_dev_store_needs_the_layers_read_not_the_training_stores(
+    store: Path, tmp_path: Path
+) -> None:
+    """data.dev_store holds the layers the drafter reads (more is fine, as for `dflash
+    evaluate-offline`); one that lacks one is refused, naming what it holds and what is read."""
+    info, dev = open_store(store), dev_store(tmp_path / "dev", [0, 5])
+    assert open_dev_store(str(dev), info, [0, 5]).path == dev
+    assert open_dev_store(str(store), info, [5]).path == store  # all of the training store's
+    with pytest.raises(ValueError, match=r"tapped_layers \[0, 5\] vs \[0, 2, 5\]\): extract"):
+        open_dev_store(str(dev), info, STORED)
+    named = r"tapped_layers \[0, 5\] vs \[2, 5\] read \(data.tapped_layers\)"
+    with pytest.raises(ValueError, match=named):
+        open_dev_store(str(dev), info, [2, 5])
