@@ -28,7 +28,7 @@ from common.config import to_dict
 from common.generated import PROMPT_SUFFIX_LEFT_OUT, provenance, read_manifest
 from common.store import FORMAT_NAME, FORMAT_VERSION
 from stage1_extract.config import ExtractConfig
-from stage1_extract.data import PreparedData, prepare_documents
+from stage1_extract.data import PreparedData, prepare_documents, special_affixes
 from stage1_extract.fingerprints import documents_sha256, weights_fingerprint
 from stage1_extract.host_buffers import ShardBuffers
 from stage1_extract.packing import PackingPlan, num_shards, plan_packing, shard_pieces
@@ -141,19 +141,16 @@ def check_seq_len(cfg: ExtractConfig, config: PretrainedConfig) -> None:
     )
 
 
-def check_prompt_suffix(manifest: dict[str, Any], prepared: PreparedData, path: str) -> None:
+def check_prompt_suffix(manifest: dict[str, Any], suffix: list[int], path: str) -> None:
     """Refuse completion rows that an older `dflash generate` wrote after the prompt and the
-    tokenizer's suffix (an EOS): extract now leaves the suffix out, so the stored context would
-    not be the one the target wrote them in."""
+    tokenizer's `suffix` (an EOS, `special_affixes`): extract now leaves the suffix out, so the
+    stored context would not be the one the target wrote them in. Checked before the rows are
+    tokenized (minutes on a large folder)."""
     content = manifest.get("content", {})
-    if (
-        prepared.suffix_left_out
-        and content.get("format") == "completion"
-        and PROMPT_SUFFIX_LEFT_OUT not in content
-    ):
+    if suffix and content.get("format") == "completion" and PROMPT_SUFFIX_LEFT_OUT not in content:
         raise ValueError(
             f"data {path} holds completion rows written by an older `dflash generate`, which "
-            f"fed the target each prompt followed by the ids {prepared.suffix_left_out} the "
+            f"fed the target each prompt followed by the ids {suffix} the "
             "tokenizer appends (an end of sequence); extract now leaves them out of the prompt, "
             "so these completions no longer follow their context: rerun that `dflash generate` "
             "with --overwrite (or into a new --out), then extract"
@@ -185,6 +182,8 @@ def plan_job(cfg: ExtractConfig, model_name: str = "target.model") -> ExtractJob
         )
     check_seq_len(cfg, config)
     tokenizer = load_tokenizer(cfg, model_name)
+    if manifest is not None:  # the data were written by `dflash generate`
+        check_prompt_suffix(manifest, special_affixes(tokenizer)[1], cfg.data.path)
     prepared = prepare_documents(cfg.data, tokenizer)
     # one read of the tokenized documents (a copy when rows were filtered) for the lengths
     # and the fingerprint
@@ -250,7 +249,6 @@ def plan_job(cfg: ExtractConfig, model_name: str = "target.model") -> ExtractJob
         # suffix in its documents (before it was left out) is not resumed with new shards
         attrs["tokenizer"]["suffix_left_out"] = prepared.suffix_left_out
     if manifest is not None:  # the data were written by `dflash generate`: keep where from
-        check_prompt_suffix(manifest, prepared, cfg.data.path)
         attrs["generation"] = provenance(manifest)
     digest = hashlib.sha256(lengths.tobytes()).hexdigest()
     attrs["content_key"] = content_key(key_parts(attrs, digest, prepared.skipped))

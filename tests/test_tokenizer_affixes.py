@@ -22,6 +22,7 @@ from common.generated import PROMPT_SUFFIX_LEFT_OUT, manifest_path
 from common.store import StoreError
 from common.tiny import CHATML_TEMPLATE, build_tokenizer, example_texts
 from stage1_extract import data
+from stage1_extract import job as extract_job
 from stage1_extract.config import DataConfig, ExtractConfig
 from stage1_extract.data import prepare_documents
 from stage1_extract.job import plan_job
@@ -239,11 +240,12 @@ def test_a_store_of_a_tokenizer_without_suffix_records_none(tiny_qwen3: Path, tm
 
 
 def test_generated_completions_follow_the_prompt_without_the_eos(
-    eos_target: Path, tmp_path: Path
+    eos_target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Completion rows: the target writes after the prompt as extract stores it (no EOS), the
     manifest says so, and a finished folder of an older version (which fed the EOS) is refused
-    by extract instead of storing its completions after a context they were not written in."""
+    by extract instead of storing its completions after a context they were not written in,
+    before its rows are tokenized (minutes on a large folder)."""
     tok = AutoTokenizer.from_pretrained(eos_target)
     path = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "import os\nimport", "completion": "x"}])
     out = tmp_path / "out"
@@ -256,6 +258,11 @@ def test_generated_completions_follow_the_prompt_without_the_eos(
     assert doc["loss_mask"] == [0] * len(prompt) + [1] * len(reply)
     del manifest["content"][PROMPT_SUFFIX_LEFT_OUT]
     manifest_path(out).write_text(json.dumps(manifest))
+
+    def tokenized(*args: object) -> None:
+        raise AssertionError("the rows were tokenized before the folder was refused")
+
+    monkeypatch.setattr(extract_job, "prepare_documents", tokenized)
     with pytest.raises(ValueError, match=r"older `dflash generate`.*--overwrite"):
         plan_job(extract_config(eos_target, out, tmp_path / "store"))
 
