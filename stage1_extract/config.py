@@ -27,7 +27,8 @@ class TargetConfig:
     )
     tapped_layers: list[int] | None = doc(
         None,
-        "decoder layers whose outputs are stored (layer i = output of decoder layer i); "
+        "decoder layers whose outputs are stored (layer i = output of decoder layer i), in "
+        "ascending order (servers concatenate them in forward order); "
         "default (null): num_tapped ids spread evenly (rounded) over 1..N-3 of the target's N "
         "layers, or over 0..N-2 when 1..N-3 holds fewer than num_tapped (small targets); one "
         "tapped layer: the middle of that range; the last layer, N-1, never by default; an "
@@ -46,6 +47,13 @@ class TargetConfig:
             self.tapped_layers
         ):
             out.append(f"tapped_layers has duplicates: {self.tapped_layers}")
+        elif self.tapped_layers is not None and self.tapped_layers != sorted(self.tapped_layers):
+            # servers (vLLM, SGLang) collect the layers in forward order and concatenate them
+            # so: a drafter trained on another order would get its features permuted there
+            out.append(
+                f"tapped_layers {self.tapped_layers} is not in ascending order: list them as "
+                f"{sorted(self.tapped_layers)} (servers concatenate them in forward order)"
+            )
         if self.tapped_layers is not None and not self.tapped_layers:
             out.append(
                 "tapped_layers is empty: list at least one layer id, or null for the default"

@@ -174,10 +174,10 @@ class TrainDataConfig:
     )
     tapped_layers: list[int] | None = doc(
         None,
-        "train on these of the store's tapped layers (target layer ids, each one the store "
-        "holds; null: all of them). The drafter, its export and its evaluations read only "
-        "these: what fewer layers cost in acceptance, measured from one store on the same text "
-        "and held-out sequences (the dev store must hold them too)",
+        "train on these of the store's tapped layers (target layer ids in ascending order, "
+        "each one the store holds; null: all of them). The drafter, its export and its "
+        "evaluations read only these: what fewer layers cost in acceptance, measured from one "
+        "store on the same text and held-out sequences (the dev store must hold them too)",
     )
     on_damaged: Literal["error", "skip"] = doc(
         "error",
@@ -222,6 +222,13 @@ class TrainDataConfig:
             )
         if self.follow_poll_s <= 0 or self.follow_timeout_s <= 0:
             out.append("follow_poll_s and follow_timeout_s must be > 0")
+        layers = self.tapped_layers
+        if layers is not None and list(layers) != sorted(set(layers)):
+            # the export's target_layer_ids: servers concatenate the layers in forward order
+            out.append(
+                f"tapped_layers {list(layers)} must be distinct and ascending: list them as "
+                f"{sorted(set(layers))} (servers concatenate the drafter's layers in forward order)"
+            )
         return out
 
 

@@ -197,9 +197,11 @@ def check_inputs(cfg: TrainConfig) -> tuple[StoreInfo, DrafterShape]:
 
 
 def trained_layers(cfg: TrainConfig, info: StoreInfo) -> list[int]:
-    """The target layers the drafter reads: `data.tapped_layers`, or all the store holds."""
+    """The target layers the drafter reads: `data.tapped_layers`, or all the store holds, in
+    ascending order either way: servers concatenate them in forward order (a store whose
+    target.tapped_layers were listed otherwise, which extract now refuses, is read reordered)."""
     layers = cfg.data.tapped_layers
-    return info.tapped_layers if layers is None else list(layers)
+    return sorted(info.tapped_layers) if layers is None else list(layers)
 
 
 def open_dev_store(path: str, train_info: StoreInfo, layers: list[int]) -> StoreInfo:

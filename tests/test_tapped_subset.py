@@ -79,14 +79,9 @@ def test_all_layers_in_store_order_select_nothing(store: Path) -> None:
 def test_a_layer_the_store_lacks_is_refused(store: Path, layers: list[int]) -> None:
     with pytest.raises(ValueError, match=r"data.tapped_layers .* holds layers \[0, 2, 5\]"):
         sequences(store, layers)
-    cfg = build_config(
-        TrainConfig,
-        DEBUG,
-        "train",
-        [f"data.store={store}", "run.out=/nonexistent", f"data.tapped_layers={layers}"],
-    )
-    with pytest.raises(ValueError, match="data.tapped_layers"):
-        check_inputs(cfg)
+    sets = [f"data.store={store}", "run.out=/nonexistent", f"data.tapped_layers={layers}"]
+    with pytest.raises(ValueError, match="tapped_layers"):  # the config's check or the store's
+        check_inputs(build_config(TrainConfig, DEBUG, "train", sets))
 
 
 def test_a_drafter_of_two_layers_trains_exports_and_evaluates(store: Path, tmp_path: Path):
@@ -139,3 +134,27 @@ def test_a_dev_store_needs_the_layers_read_not_the_training_stores(
     named = r"tapped_layers \[0, 5\] vs \[2, 5\] read \(data.tapped_layers\)"
     with pytest.raises(ValueError, match=named):
         open_dev_store(str(dev), info, [2, 5])
+
+
+def test_layers_out_of_order_are_refused_and_an_unordered_store_is_read_ascending(tmp_path: Path):
+    # servers (vLLM, SGLang) concatenate the layers in forward order: an export's
+    # target_layer_ids in another order would get its features permuted there
+    from stage1_extract.config import TargetConfig
+
+    assert any("ascending" in p for p in TargetConfig(model="m", tapped_layers=[8, 1]).problems())
+    assert not TargetConfig(model="m", tapped_layers=[1, 8]).problems()
+    with pytest.raises(ValueError, match=r"tapped_layers \[5, 0\] must be distinct and ascending"):
+        build_config(TrainConfig, DEBUG, "train", ["data.store=s", "data.tapped_layers=[5,0]"])
+    # a store an earlier release wrote with its layers listed out of order trains ascending
+    spec = FactorySpec(num_sequences=6, tapped_layers=[5, 0, 2])
+    unordered = build_store(tmp_path / "unordered", spec)
+    out = tmp_path / "run"
+    sets = [f"data.store={unordered}", f"run.out={out}", "run.progress=false"]
+    sets += ["optim.max_steps=1", "run.eval_every=0", "data.holdout_sequences=1"]
+    run_train(build_config(TrainConfig, DEBUG, "train", sets))
+    config = json.loads((out / "export" / "config.json").read_text())
+    assert config["dflash_config"]["target_layer_ids"] == [0, 2, 5]
+    keys = [(0, 0, False)]
+    as_stored = collate(sequences(unordered, None).__getitems__(keys))
+    ascending = collate(sequences(unordered, [0, 2, 5]).__getitems__(keys))
+    assert torch.equal(ascending.hidden_TKD, as_stored.hidden_TKD[:, [1, 2, 0]])
