@@ -109,6 +109,7 @@ def check_same_run(
     path: Path,
     store_key: str,
     allow_change: bool = False,
+    layers: list[int] | None = None,
 ) -> list[str]:
     """Refuse to resume checkpoint `path` under another config (see the module docstring);
     returns the changes to apply when `allow_change`.
@@ -121,6 +122,11 @@ def check_same_run(
         fixed.append("data.store: its content key differs (another extraction)")
     if meta.get("world_size", world) != world:
         fixed.append(f"world size: {meta['world_size']} -> {world} processes")
+    saved_layers = meta.get("target", {}).get("tapped_layers")
+    if layers is not None and saved_layers is not None and saved_layers != layers:
+        # the same config can read other layers: a store an earlier release wrote out of
+        # ascending order is now read reordered, and the checkpoint's fc expects the old order
+        fixed.append(f"the drafter's tapped layers: {saved_layers} -> {layers}")
     if fixed:
         raise ValueError(
             f"{path} was trained with other settings, which a resume cannot change: "
@@ -163,6 +169,7 @@ def resume_run(
     scheduler: torch.optim.lr_scheduler.LambdaLR,
     rank: int,
     device: torch.device,
+    layers: list[int] | None = None,
 ) -> tuple[TrainState, FittedEnd | None] | None:
     """Resume from the newest readable checkpoint of `cfg.run.out`: its train state and the
     schedule's end it had fitted to a time limit (time_fit.restore_fitted puts it back in
@@ -172,7 +179,9 @@ def resume_run(
 
     def check(meta: dict[str, Any], path: Path) -> None:
         nonlocal changes
-        changes = check_same_run(meta, current, world, path, store_key, cfg.run.allow_config_change)
+        changes = check_same_run(
+            meta, current, world, path, store_key, cfg.run.allow_config_change, layers
+        )
 
     remove_leftovers(cfg.run.out, rank)  # before any rank lists the checkpoints
     resumed = resume_latest(

@@ -158,3 +158,24 @@ def test_layers_out_of_order_are_refused_and_an_unordered_store_is_read_ascendin
     as_stored = collate(sequences(unordered, None).__getitems__(keys))
     ascending = collate(sequences(unordered, [0, 2, 5]).__getitems__(keys))
     assert torch.equal(ascending.hidden_TKD, as_stored.hidden_TKD[:, [1, 2, 0]])
+
+
+def test_a_run_that_read_the_layers_in_another_order_is_not_resumed(tmp_path: Path) -> None:
+    # an earlier release trained a store written out of order in the store's order; its
+    # checkpoint's fc expects that order, which this release would now read reordered
+    unordered = build_store(
+        tmp_path / "unordered", FactorySpec(num_sequences=6, tapped_layers=[5, 0, 2])
+    )
+    out = tmp_path / "run"
+    sets = [f"data.store={unordered}", f"run.out={out}", "run.progress=false", "run.eval_every=0"]
+    sets += ["data.holdout_sequences=1", "optim.max_steps=2", "run.checkpoint_every=1"]
+    run_train(build_config(TrainConfig, DEBUG, "train", sets))
+    for meta_path in out.glob("**/meta.json"):  # as the earlier release wrote it
+        meta = json.loads(meta_path.read_text())
+        meta["target"]["tapped_layers"] = [5, 0, 2]
+        meta_path.write_text(json.dumps(meta, indent=2))
+    again = [*sets[:-2], "optim.max_steps=3", "run.checkpoint_every=1"]
+    with pytest.raises(
+        ValueError, match=r"the drafter's tapped layers: \[5, 0, 2\] -> \[0, 2, 5\]"
+    ):
+        run_train(build_config(TrainConfig, DEBUG, "train", again))
