@@ -6,7 +6,10 @@ Every `dflash` command runs under `cli_errors`, which prints one line for any ex
   damaged safetensors file): `error: <message>`, exit 2;
 - anything else (a bug): `error: <type>: <message>` plus how to get the traceback, exit 1;
 - a job stopped on request after saving its progress (`Stopped`): `stopped: <message>`, exit
-  with its own code.
+  with its own code;
+- Ctrl-C that reaches the command (generate, extract, a second one in train; through
+  torchrun's launcher too): `interrupted: ...` with how to resume, exit 130, where Click's
+  own "Aborted!" exited 1, the code of a bug.
 
 `DFLASH_LOG_LEVEL=DEBUG` prints the traceback first. Worker processes started through
 torchrun's launcher fail as a `ChildFailedError` holding whichever rank died first, often a
@@ -22,6 +25,7 @@ import functools
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -39,6 +43,13 @@ from common.logging import LEVEL_ENV, global_rank
 ERROR_DIR_ENV = "DFLASH_ERROR_DIR"
 DEBUG_HINT = f"run with {LEVEL_ENV}=DEBUG for the traceback"
 USER_EXIT, BUG_EXIT = 2, 1
+INTERRUPT_EXIT = 128 + signal.SIGINT  # as a shell reports a command Ctrl-C ended
+# what stays of an interrupted command's work, by command name; others just stop
+RESUME_HINTS = {
+    "generate": "the chunks written so far stay; rerun the same command to resume",
+    "extract": "the shards committed so far stay; rerun the same command to resume",
+    "train": "rerun the same command to resume from the newest checkpoint",
+}
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -165,7 +176,11 @@ def cli_errors(fn: F) -> F:
         try:
             with worker_reports():
                 return fn(*args, **kwargs)
+        except KeyboardInterrupt:
+            _interrupted()
         except Exception as err:
+            if _launcher_interrupted(err):
+                _interrupted()
             if isinstance(err, _click_exceptions()):
                 raise  # usage errors and exits: Click prints and exits itself
             if isinstance(err, Stopped):  # progress saved: how to go on, not an error
@@ -186,6 +201,24 @@ def cli_errors(fn: F) -> F:
             sys.exit(BUG_EXIT)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _interrupted() -> None:
+    """Exit as Ctrl-C asked, saying what stays of the work and how to go on."""
+    import click
+
+    ctx = click.get_current_context(silent=True)
+    hint = RESUME_HINTS.get(ctx.info_name if ctx else "")
+    print(f"interrupted (Ctrl-C){': ' + hint if hint else ''}", file=sys.stderr)
+    logging.shutdown()
+    sys.exit(INTERRUPT_EXIT)
+
+
+def _launcher_interrupted(err: BaseException) -> bool:
+    """torchrun's launcher (several --devices) turns its own Ctrl-C into a SignalException."""
+    return type(err).__name__ == "SignalException" and getattr(err, "sigval", None) == (
+        signal.SIGINT
+    )
 
 
 def _one_line(err: BaseException) -> str:

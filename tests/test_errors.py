@@ -224,3 +224,35 @@ def test_gpu_devices_on_a_machine_without_them(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(ValueError, match=r"has 2 GPU\(s\), ids 0..1; pass existing ids"):
         parse_devices("2,3")
+
+
+@pytest.mark.parametrize(
+    "command, runner, interrupt",
+    [
+        ("generate", "stage1_generate.run.run_generate", "ctrl-c"),
+        ("extract", "stage1_extract.run.run_extract", "launcher"),
+        ("train", "stage2_train.train.run_train", "ctrl-c"),
+    ],
+)
+def test_ctrl_c_says_how_to_resume_and_exits_130(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, command: str, runner: str, interrupt: str
+) -> None:
+    """Click's own "Aborted!" exited 1, a bug's code, and said nothing of the work kept."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def interrupted(*_args, **_kwargs):
+        if interrupt == "launcher":  # several --devices: torchrun's launcher got the Ctrl-C
+            raise SignalException("Process 1 got signal: 2", signal.SIGINT)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, interrupted)
+    args = [command, "--config", str(DEBUG), "--out", str(tmp_path / "out")]
+    args += ["--store", "S"] if command == "train" else ["--model", "M", "--data", "D"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 130, result.output
+    assert "Aborted!" not in result.output and "error:" not in result.output
+    expected = "rerun the same command to resume"
+    assert result.output.strip().splitlines()[-1].startswith("interrupted (Ctrl-C): ")
+    assert expected in result.output
