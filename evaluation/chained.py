@@ -22,9 +22,12 @@ Q = A*B query tokens, K tapped layers, D hidden size.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from common.store import StoreInfo
 from evaluation.heldout import block_acceptance
@@ -125,11 +128,13 @@ def chained_acceptance(
     device: torch.device,
     fixed_shapes: bool | None = None,
     stop_ids: frozenset[int] = frozenset(),
+    on_step: Callable[[int, int, int], None] | None = None,
 ) -> list[tuple[int, int]]:
     """(tokens gained, steps) of every response of `items` (raw sequence rows: tokens,
     position_ids, document_ids, loss_mask, target_argmax, hidden as bf16 or fp8 bits, and
     hidden_scale for fp8), following the online chain of anchors; with `stop_ids`
-    (`unstored_stop_ids`), a reply's stop token that the store does not hold is counted."""
+    (`unstored_stop_ids`), a reply's stop token that the store does not hold is counted.
+    `on_step(tokens gained, tokens to gain, steps)`, the batch's totals, after each step."""
     seq = {k: v.to(device) for k, v in concat_sequences(items).items()}
     tokens_T, docs_T = seq["tokens"].long(), seq["document_ids"]
     argmax_T = seq["target_argmax"].long()
@@ -140,6 +145,7 @@ def chained_acceptance(
     if num_runs == 0:
         return []
     p_R, last_R = runs[:, 0].clone(), runs[:, 1] - 1  # the last token of a run gains nothing
+    to_gain = int((last_R - p_R).sum()) if on_step else 0
     gained_R = torch.zeros(num_runs, dtype=torch.long, device=device)
     steps_R = torch.zeros_like(gained_R)
     # anchor slots: the runs rounded up to a power of two. The compiled attention keeps one
@@ -189,6 +195,8 @@ def chained_acceptance(
         gained_R += torch.where(active_R, gain_R, 0)
         steps_R += active_R.long()
         p_R = torch.where(active_R, p_R + accepted_R + 1, p_R)
+        if on_step is not None:
+            on_step(int(gained_R.sum()), to_gain, int(steps_R.sum()))
     return list(zip(gained_R.tolist(), steps_R.tolist(), strict=True))
 
 
@@ -261,12 +269,15 @@ def chained_tau_on_store(
     prompt_lookup: bool = False,
     fixed_shapes: bool | None = None,
     layers: list[int] | None = None,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """`summarize_chains` over the responses of a store's first `max_sequences` sequences
     (all by default), `batch_sequences` at a time; with `prompt_lookup`, prompt lookup's
     figures on the same responses too (`prompt_lookup_chained_tau`, ...). `fixed_shapes`
     (default: with the flex backend) pads every batch to a few attention shapes. `layers`: the
-    tapped layers the drafter reads, when it reads fewer than the store holds."""
+    tapped layers the drafter reads, when it reads fewer than the store holds. `progress`: a
+    bar on stderr (`dflash evaluate-offline`: a batch is one drafter forward per step of its
+    longest response, minutes on a CPU), whose note follows each step."""
     count = int(info.attrs["counts"]["sequences"])
     count = count if max_sequences is None else min(count, max_sequences)
     rows = StoreSequences(
@@ -285,6 +296,19 @@ def chained_tau_on_store(
     stop_ids = unstored_stop_ids(info.attrs)
     chains: list[tuple[int, int]] = []
     lookup_chains: list[tuple[int, int]] = []
+    bar = tqdm(
+        total=count, desc="chained tau", unit="seq", dynamic_ncols=True, disable=not progress
+    )
+    shown = 0.0
+
+    def show_step(gained: int, to_gain: int, steps: int) -> None:
+        nonlocal shown
+        if time.monotonic() - shown >= 0.5:  # a step can take a millisecond on a GPU
+            shown = time.monotonic()
+            bar.set_postfix_str(
+                f"batch {gained:,}/{to_gain:,} tokens, pooled tau {gained / steps:.2f}"
+            )
+
     for lo in range(0, count, batch_sequences):
         items = [rows.read_row(i) for i in range(lo, min(lo + batch_sequences, count))]
         if prompt_lookup:
@@ -302,7 +326,10 @@ def chained_tau_on_store(
             device=device,
             fixed_shapes=fixed,
             stop_ids=stop_ids,
+            on_step=show_step if progress else None,
         )
+        bar.update(min(batch_sequences, count - lo))
+    bar.close()
     model.train(was_training)
     lookup = summarize_chains(lookup_chains).items() if prompt_lookup else ()
     return {**summarize_chains(chains), **{f"prompt_lookup_{k}": v for k, v in lookup}}

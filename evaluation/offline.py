@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from common.store import open_store
 from evaluation.chained import chained_tau_on_store
@@ -91,7 +92,14 @@ def run_offline_eval(cfg: OfflineEvalConfig) -> dict[str, Any]:
         seed=0,
         layers=drafter_config["dflash_config"]["target_layer_ids"],
     )
-    batches = (collate([sequences[(index, EVAL_EPOCH, False)]]) for index in range(count))
+    # a bar each for the two passes: on a CPU the chained one took minutes for 4 sequences
+    batches = tqdm(
+        (collate([sequences[(index, EVAL_EPOCH, False)]]) for index in range(count)),
+        total=count,
+        desc="random anchors",
+        unit="seq",
+        dynamic_ncols=True,
+    )
     metrics = evaluate(
         model,
         head,
@@ -116,6 +124,7 @@ def run_offline_eval(cfg: OfflineEvalConfig) -> dict[str, Any]:
         device=device,
         prompt_lookup=True,
         layers=drafter_config["dflash_config"]["target_layer_ids"],
+        progress=True,
     )
     return {
         "store": cfg.store,
