@@ -63,6 +63,7 @@ def test_summary_matches_hand_counts(store: Path) -> None:
         "revision": "abc123",
         "model_type": "qwen3",
         "num_hidden_layers": 4,
+        "weights_sha256": None,  # the fixture records no fingerprints
         "dtype": "bfloat16",
         "matmul_precision": "highest",
     }
@@ -84,6 +85,34 @@ def test_summary_table(store: Path) -> None:
     assert "fixture/tiny-target @ abc123" in lines["target"]
     assert "qwen3, 4 layers, run in bfloat16\n" in result.stdout  # no TF32 note at "highest"
     assert "chat template: yes" in lines["tokenizer"]
+
+
+def test_target_named_by_weights_and_text_windows_by_their_length(store: Path) -> None:
+    """A local target has no revision: the line read `pystd-28m @ ?`, as if something were
+    missing, and a store of text windows showed `max 1024 new tokens per turn`, a
+    sampling.max_new_tokens they never used (text.new_tokens sets their length)."""
+    group = zarr.open_group(str(store), mode="r+")
+    attrs = dict(group.attrs["dflash"])
+    attrs["target"] = attrs["target"] | {"name_or_path": "/models/pystd", "revision": None}
+    attrs["fingerprints"] = {"target_weights_sha256": "98aa08f6619e" + "0" * 52}
+    window = {"prompt_tokens": 256, "new_tokens": 128, "stride": 1024}
+    content = {
+        "target": {"model": "/models/pystd", "weights_sha256": "98aa08f6619e" + "0" * 52},
+        "backend": "local",
+        "sampling": {"temperature": 0.0, "max_new_tokens": 1024},
+        "text": window,
+    }
+    attrs["generation"] = {"content": content, "source": {"format": "text"}, "complete": True}
+    group.attrs["dflash"] = attrs
+    out = invoke(store).stdout
+    assert "/models/pystd (weights 98aa08f6619e)\n" in out and "@" not in out
+    assert "/models/pystd (local, weights 98aa08f6619e)\n" in out
+    assert "greedy\n" in out and "per turn" not in out and "256 prompt + 128 new tokens" in out
+    content["text"] = None  # chat rows: the limit applies to each rewritten turn
+    content["target"] = {"model": "org/chat-model"}  # a hub id: no fingerprint
+    group.attrs["dflash"] = attrs
+    out = invoke(store).stdout
+    assert "org/chat-model (local)\n" in out and "greedy, max 1024 new tokens per turn\n" in out
 
 
 def test_in_progress_store(tmp_path: Path) -> None:
