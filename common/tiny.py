@@ -17,6 +17,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+from common.logging import quiet_import_noise
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -112,6 +114,9 @@ def main() -> None:
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--hidden-size", type=int, default=64)
     args = parser.parse_args()
+    # scripts/example.sh starts with this: without it, an installed torchao's import warnings
+    # (common/logging.py) were the first lines a newcomer saw
+    quiet_import_noise()
     path = build_tiny_target(args.out_dir, args.arch, args.num_layers, args.hidden_size)
     print(f"tiny {args.arch} target written to {path}")
 

@@ -1,8 +1,13 @@
-"""init_logger drops the import-time noise of an installed torchao, and only that."""
+"""init_logger (and `python -m common.tiny`) drop the import-time noise of an installed
+torchao, and only that."""
 
 from __future__ import annotations
 
 import logging
+import sys
+from pathlib import Path
+
+import pytest
 
 from common.logging import IMPORT_NOISE, init_logger
 
@@ -39,3 +44,19 @@ def test_import_noise_is_dropped_and_other_warnings_kept() -> None:
             )
             if phrase not in m
         ], name
+
+
+def test_the_tiny_target_script_drops_the_noise_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """scripts/example.sh's first command, `python -m common.tiny`, printed torchao's "Failed to
+    load ..._C_mxfp8.so" and torch's Enum deprecations before anything of the example."""
+    from common import tiny
+
+    for name, _ in IMPORT_NOISE:  # as in a fresh process: no dflash command ran before
+        monkeypatch.setattr(logging.getLogger(name), "filters", [])
+    monkeypatch.setattr(sys, "argv", ["tiny", str(tmp_path / "target")])
+    tiny.main()
+    for name, phrase in IMPORT_NOISE:
+        record = logging.LogRecord(name, logging.WARNING, "", 0, f"x {phrase} y", None, None)
+        assert not logging.getLogger(name).filter(record), name
