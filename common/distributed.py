@@ -27,7 +27,7 @@ import os
 import socket
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from common.errors import user_message
+from common.errors import Stopped, user_message
 
 T = TypeVar("T")
 
@@ -215,6 +215,8 @@ class RankFailed(RuntimeError):
 # the sections in the same order (each ends in a collective), so the keys agree across ranks
 _section_key: str | None = None
 _sections_entered = 0
+# exit code of a rank stopped because another was interrupted: 128 + SIGINT, as a shell reports
+INTERRUPTED_EXIT = 130
 
 
 @contextmanager
@@ -225,27 +227,85 @@ def failure_shared() -> Iterator[None]:
     as the cause). Without it a rank whose part failed left the others waiting in their next
     collective until the process-group timeout (hours). Without a process group: the body.
     A failing rank also marks the section failed on the group's store before it waits, for
-    the others' `another_rank_failed()`."""
+    the others' `another_rank_failed()`.
+
+    A rank interrupted in the body (Ctrl-C: KeyboardInterrupt) marks the section too, leaves
+    its word under `<key>-left` and stops at once, meeting no one. The others stop at their
+    next unit of work (`another_rank_failed`) and end with `Stopped` (exit 130), their own
+    error if any as its cause (a writer refused its commit once the lock's holder was gone),
+    without waiting in the meeting for it: on another node, which its torchrun does not end, a
+    rank used to work through its whole share first, then fail there (hours; on NCCL perhaps
+    waiting until the timeout). A rank already in the meeting learns it from the broken
+    collective (gloo at once); a store that is gone (torchrun's first node stopped) ends every
+    rank likewise, named."""
     global _section_key, _sections_entered
     _sections_entered += 1
     outer, _section_key = _section_key, f"dflash-failure-shared-{_sections_entered}"
-    own: Exception | None = None
+    key, own = _section_key, None
     try:
         yield
     except Exception as err:
         own = err
         if dist.is_initialized():
-            _group_store().set(_section_key, str(dist.get_rank()))
+            _group_store().set(key, str(dist.get_rank()))
+    except BaseException as err:
+        if dist.is_initialized():
+            with suppress(dist.DistError):  # the store is gone: so is the run
+                how = "interrupted (Ctrl-C, SIGINT)"
+                if not isinstance(err, KeyboardInterrupt):
+                    how = f"stopped ({type(err).__name__}: {err})"
+                _group_store().set(f"{key}-left", f"rank {dist.get_rank()} was {how}")
+                _group_store().set(key, str(dist.get_rank()))
+        raise
     finally:
         _section_key = outer
-    said = None if own is None else user_message(own) or f"{type(own).__name__}: {own}"
-    failed = [(rank, text) for rank, text in enumerate(gather_from_all_ranks(said)) if text]
-    if not failed:
+    if not dist.is_initialized():
+        if own is not None:
+            raise own
         return
-    first, text = failed[0]
-    if own is not None and first == (dist.get_rank() if dist.is_initialized() else 0):
-        raise own
-    raise RankFailed(f"rank {first} failed, so every rank stops: {text}") from own
+    said = None if own is None else user_message(own) or f"{type(own).__name__}: {own}"
+    if (left := _left_without_meeting(key)) is None:
+        try:
+            gathered = gather_from_all_ranks(said)
+        except Exception as err:  # the collective broke: a rank is gone from it
+            broken = err
+        else:
+            failed = [(rank, text) for rank, text in enumerate(gathered) if text]
+            if not failed:
+                return
+            first, text = failed[0]
+            if own is not None and first == dist.get_rank():
+                raise own
+            raise RankFailed(f"rank {first} failed, so every rank stops: {text}") from own
+        if (left := _left_without_meeting(key)) is None:
+            if own is not None:
+                raise own
+            raise _gone(broken) from broken
+    raise left from own
+
+
+def _left_without_meeting(key: str) -> Exception | None:
+    """What every rank ends with when one left section `key` without meeting the others (its
+    `-left` word on the store, or the store gone), else None."""
+    try:
+        if not _group_store().check([f"{key}-left"]):
+            return None
+        said = _group_store().get(f"{key}-left").decode()
+    except dist.DistError as err:
+        return _gone(err)
+    return Stopped(
+        f"{said}, so every rank stopped; rerun the same command to resume (what was saved is kept)",
+        INTERRUPTED_EXIT,
+    )
+
+
+def _gone(err: Exception) -> RankFailed:
+    return RankFailed(
+        f"the ranks could not meet ({type(err).__name__}: {err}): a rank is gone without a "
+        "word (killed: SIGKILL, the out-of-memory killer; its node lost) or stuck, or torchrun's "
+        "first node (the store's host) stopped, so every rank stops; see the other ranks' logs, "
+        "then rerun the same command to resume (what was saved is kept)"
+    )
 
 
 def _group_store() -> dist.Store:
@@ -255,15 +315,19 @@ def _group_store() -> dist.Store:
 
 
 def another_rank_failed() -> bool:
-    """Inside failure_shared: whether a rank has already failed in this section (one look-up
-    on the process group's store, not a collective: ranks may ask it a different number of
-    times). A rank with long work of its own left stops at its next unit of it when this says
-    so and leaves the body, so the section's end raises that rank's error on every rank at
-    once, instead of after this rank's whole share. False outside a section or without a
-    process group."""
+    """Inside failure_shared: whether a rank has already failed, or was interrupted, in this
+    section (one look-up on the process group's store, not a collective: ranks may ask it a
+    different number of times). A rank with long work of its own left stops at its next unit
+    of it when this says so and leaves the body, so the section's end raises that rank's error
+    on every rank at once, instead of after this rank's whole share. True too once the store is
+    unreachable (its host, torchrun's first node, stopped). False outside a section or without
+    a process group."""
     if _section_key is None or not dist.is_initialized():
         return False
-    return _group_store().check([_section_key])
+    try:
+        return _group_store().check([_section_key])
+    except dist.DistError:
+        return True
 
 
 class HeldFailure:

@@ -8,7 +8,8 @@ deterministic plan); the store root is prepared once (created, or checked for re
 process loads the target and fills the shards `i % world == rank` that are not committed yet;
 once all exist the root gets its counts and `complete: true`. Rerunning the same command
 resumes. A rank that fails stops the others at their next shard: torchrun's ranks through
-`another_rank_failed` (they meet in failure_shared, which raises its error on every rank), a
+`another_rank_failed` (they meet in failure_shared, which raises its error on every rank; one
+interrupted by Ctrl-C leaves at once, and the others end `stopped` without meeting it), a
 local launch's processes through the launcher, which ends the others as soon as one exits.
 Within a shard the documents are run alone (positions from 0), sorted by length and batched to
 `run.batch_tokens` padded tokens, and their outputs are scattered into the packed layout by

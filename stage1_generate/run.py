@@ -13,8 +13,9 @@ same settings); each process (one per GPU, data parallel through torchrun's laun
 the chunks `c % world == rank` not done yet and commits each as one file; once all are done the
 manifest gets the totals and `complete: true`. Rerunning the same command resumes. A rank that
 fails stops the others at their next chunk: torchrun's ranks through `another_rank_failed`
-(they meet in failure_shared, which raises its error on every rank), a local launch's
-processes through the launcher, which ends the others as soon as one exits.
+(they meet in failure_shared, which raises its error on every rank; one interrupted by Ctrl-C
+leaves at once, and the others end `stopped` without meeting it), a local launch's processes
+through the launcher, which ends the others as soon as one exits.
 """
 
 from __future__ import annotations

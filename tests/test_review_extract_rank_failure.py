@@ -9,9 +9,17 @@ failing to commit shard 3: rank 0 wrote all 14 of its remaining shards, 16.2 s f
 to the exit; now 2 (4 and 6), 3.6 s. One of them is rank 1's own delay: it learns of its
 writer's failure as it asks for its next buffer, after filling one more shard.
 
-Two gloo ranks as in test_review_rank0_sections, writer threads: rank 1's writer fails
-committing its second shard (3); rank 0 (5 shards) fills its second shard (2) only once rank 1's
-failure shows on the group's store, then must stop before its third (4).
+Review finding: a rank interrupted (Ctrl-C: KeyboardInterrupt) left the section without saying
+so: measured under two `torchrun --nnodes 2` on one CPU host (one rank each, 77 shards of 1 s),
+Ctrl-C on the second node stopped its rank, and rank 0, whose torchrun does not end it, filled
+its 35 remaining shards (40 s; on a real run its whole share, hours) before failing in the
+meeting with gloo's "Connection closed by peer"; now it stops after the shard in flight (1.2 s)
+with `stopped: rank 1 was interrupted (Ctrl-C, SIGINT)`, exit 130.
+
+Two gloo ranks as in test_review_rank0_sections, writer threads, two scenarios in one pair of
+processes: rank 1's writer fails committing its second shard (3), or rank 1 is interrupted
+filling it; rank 0 (5 shards) fills its second shard (2) only once rank 1's failure shows on
+the group's store, then must stop before its third (4).
 """
 
 from __future__ import annotations
@@ -41,50 +49,90 @@ NUM_ROWS = 5  # 8 rows (write_data adds 3 short ones), 10 sequences of 64 tokens
 NUM_SHARDS = 10  # one sequence a shard: even ones are rank 0's, odd ones rank 1's
 
 
+SCENARIOS = ("disk-full", "interrupted")
+
+
+class Interrupted(Exception):
+    """A KeyboardInterrupt out of run_extract, as `_in_group` reports only Exceptions."""
+
+
 def _rank(rank: int, root: Path, cfg: ExtractConfig, seen: Any) -> None:
     import common.distributed as distributed
     import stage1_extract.run as extract_run
     import stage1_extract.writer as writer
 
     real_commit, real_fill = writer.commit_folder, extract_run.fill_shard
+    scenario = ""
 
     def commit_folder(tmp: Path, final: Path, *args: Any) -> None:
-        if final.name == "shard-000003":
+        if scenario == "disk-full" and final.name == "shard-000003":
             raise _no_space(final)
         real_commit(tmp, final, *args)
 
     def fill_shard(job: Any, target: Any, index: int, *args: Any) -> Any:
+        if scenario == "interrupted" and index == 3:  # Ctrl-C lands as rank 1 fills it
+            raise KeyboardInterrupt
         if index == 2:  # rank 0 goes on from its first shard once rank 1's failure shows
             deadline = time.monotonic() + 60
             while not distributed.another_rank_failed() and time.monotonic() < deadline:
                 time.sleep(0.01)
         return real_fill(job, target, index, *args)
 
+    def extract(cfg: ExtractConfig) -> None:
+        try:
+            extract_run.run_extract(cfg)
+        except KeyboardInterrupt as err:
+            raise Interrupted("KeyboardInterrupt") from err
+
+    outcomes = {}
     with pytest.MonkeyPatch.context() as patch:
         _as_torchrun_rank(patch, rank, extract_run)
         patch.setattr(writer, "commit_folder", commit_folder)
         patch.setattr(extract_run, "fill_shard", fill_shard)
-        outcome = _in_group(root, "extract", rank, extract_run.run_extract, cfg)
-    seen.put((rank, outcome))
+        for scenario in SCENARIOS:
+            out = _with_out(cfg, "store", root / scenario)
+            outcomes[scenario] = _in_group(root, scenario, rank, extract, out)
+    seen.put((rank, outcomes))
+
+
+@pytest.fixture(scope="module")
+def outcomes(
+    tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[ExtractConfig, Path, dict[int, dict[str, tuple[str, float]]]]:
+    """Both scenarios run by one pair of ranks: the config, the folder of their stores (one
+    per scenario, named so) and each rank's outcome of each."""
+    root = tmp_path_factory.mktemp("rank-failure")
+    sets = ["run.progress=false", "store.sequences_per_shard=1", "run.writer_threads=1"]
+    cfg = make_config(tiny_qwen3, write_data(root, NUM_ROWS), root / "unset", *sets)
+    return cfg, root, _run_ranks(_rank, root, cfg)
 
 
 def _shard_digests(store: Path) -> dict[str, str]:
     return {k: v for k, v in file_digests(store).items() if k.startswith("shards/shard-")}
 
 
-def test_a_failed_rank_stops_the_others_at_their_next_shard(
-    tiny_qwen3: Path, tmp_path: Path
-) -> None:
-    sets = ["run.progress=false", "store.sequences_per_shard=1", "run.writer_threads=1"]
-    cfg = make_config(tiny_qwen3, write_data(tmp_path, NUM_ROWS), tmp_path / "unset", *sets)
-    out = tmp_path / "store"
-    cfg = _with_out(cfg, "store", out)
-
-    outcomes = _run_ranks(_rank, tmp_path, cfg)
-    (own, _), (told, seconds) = outcomes[1], outcomes[0]
+def test_a_failed_rank_stops_the_others_at_their_next_shard(outcomes) -> None:
+    cfg, root, seen = outcomes
+    (own, _), (told, seconds) = seen[1]["disk-full"], seen[0]["disk-full"]
     assert "disk full while writing shard 3" in own and "RankFailed" not in own, own
     assert told.startswith("RankFailed: rank 1 failed"), told
     assert "disk full while writing shard 3" in told, told
+    _check_stopped_then_resumed(_with_out(cfg, "store", root / "disk-full"), seconds)
+
+
+def test_an_interrupted_rank_stops_the_others_at_their_next_shard(outcomes) -> None:
+    cfg, root, seen = outcomes
+    (own, _), (told, seconds) = seen[1]["interrupted"], seen[0]["interrupted"]
+    assert own == "Interrupted: KeyboardInterrupt", own
+    # rank 0 does not wait in the meeting for rank 1 (gone): the process-group timeout (8 s)
+    # would end it with a gloo error
+    assert told.startswith("Stopped: rank 1 was interrupted (Ctrl-C, SIGINT)"), told
+    _check_stopped_then_resumed(_with_out(cfg, "store", root / "interrupted"), seconds)
+
+
+def _check_stopped_then_resumed(cfg: ExtractConfig, seconds: float) -> None:
+    """Rank 1 stopped at its second shard (3), rank 0 after its second (2); a rerun resumes."""
+    out = Path(cfg.store.out)
     done = committed_shards(out)
     assert 1 in done and 3 not in done
     # shard 0 before rank 1 failed, shard 2 (in flight then); not all five

@@ -8,8 +8,16 @@ failure to the exit; on a real run a whole share, hours; now 1 chunk, the one in
 most of it torchrun's teardown). A local launch was already prompt: its launcher ends the other
 processes within ~1 s of one exiting.
 
-Two gloo ranks as in test_review_rank0_sections: rank 1 fails committing its second chunk,
-rank 0 (6 chunks) goes on from its first only once rank 1 fails, then must stop within a chunk.
+Review finding: a rank interrupted (Ctrl-C: KeyboardInterrupt) left the section without saying
+so: under two `torchrun --nnodes 2` on one CPU host, Ctrl-C on the second node stopped its
+rank while rank 0, whose torchrun does not end it, generated all its remaining chunks before
+failing in the meeting with gloo's "Connection closed by peer" (as extract did,
+test_review_extract_rank_failure); now it stops after the chunk in flight with `stopped: rank
+1 was interrupted (Ctrl-C, SIGINT)`, exit 130.
+
+Two gloo ranks as in test_review_rank0_sections, two scenarios in one pair of processes: rank 1
+fails committing its second chunk, or is interrupted there; rank 0 (6 chunks) goes on from its
+first only once rank 1 fails, then must stop within a chunk.
 """
 
 from __future__ import annotations
@@ -38,27 +46,46 @@ DEBUG = Path(__file__).parents[1] / "configs" / "debug.yaml"
 NUM_ROWS = 12  # one row a chunk: chunks 0, 2, ..., 10 are rank 0's, 1, 3, ..., 11 rank 1's
 
 
+SCENARIOS = ("disk-full", "interrupted")
+
+
+class Interrupted(Exception):
+    """A KeyboardInterrupt out of run_generate, as `_in_group` reports only Exceptions."""
+
+
 def _rank(rank: int, root: Path, cfg: GenerateConfig, seen: Any) -> None:
     import stage1_generate.run as generate_run
 
-    real, committed = generate_run.write_chunk, []
+    real, committed, scenario = generate_run.write_chunk, [], ""
 
     def write_chunk(out: Path, chunk: int, *args: Any) -> None:
         if rank == 1 and chunk == 3:  # once rank 0 has committed its first chunk
-            _wait_for(root / "rank-0-committed")
-            (root / "rank-1-fails").touch()
+            _wait_for(root / f"{scenario}-rank-0-committed")
+            (root / f"{scenario}-rank-1-fails").touch()
+            if scenario == "interrupted":  # Ctrl-C lands as it writes
+                raise KeyboardInterrupt
             raise _no_space(out)
         real(out, chunk, *args)
         committed.append(chunk)
         if rank == 0 and chunk == 0:  # rank 0 goes on once rank 1 fails
-            (root / "rank-0-committed").touch()
-            _wait_for(root / "rank-1-fails")
+            (root / f"{scenario}-rank-0-committed").touch()
+            _wait_for(root / f"{scenario}-rank-1-fails")
 
+    def generate(cfg: GenerateConfig) -> None:
+        try:
+            generate_run.run_generate(cfg)
+        except KeyboardInterrupt as err:
+            raise Interrupted("KeyboardInterrupt") from err
+
+    outcomes = {}
     with pytest.MonkeyPatch.context() as patch:
         _as_torchrun_rank(patch, rank, generate_run)
         patch.setattr(generate_run, "write_chunk", write_chunk)
-        outcome = _in_group(root, "generate", rank, generate_run.run_generate, cfg)
-    seen.put((rank, (outcome, committed)))
+        for scenario in SCENARIOS:
+            committed = []
+            out = _with_out(cfg, "output", root / scenario)
+            outcomes[scenario] = (_in_group(root, scenario, rank, generate, out), committed)
+    seen.put((rank, outcomes))
 
 
 def _wait_for(path: Path) -> None:
@@ -71,10 +98,12 @@ def _digests(out: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.glob("part-*")}
 
 
-def test_a_failed_rank_stops_the_others_at_their_next_chunk(
-    tiny_qwen3: Path, tmp_path: Path
-) -> None:
-    data = tmp_path / "chat.jsonl"
+@pytest.fixture(scope="module")
+def outcomes(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path, Any]:
+    """Both scenarios run by one pair of ranks: the config, the folder of their outputs (one
+    per scenario, named so) and each rank's outcome and committed chunks in each."""
+    root = tmp_path_factory.mktemp("rank-failure")
+    data = root / "chat.jsonl"
     rows = [
         {
             "messages": [
@@ -85,21 +114,43 @@ def test_a_failed_rank_stops_the_others_at_their_next_chunk(
         for i in range(NUM_ROWS)
     ]
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    out = tmp_path / "out"
     flags = [f"target.model={tiny_qwen3}", f"data.path={data}", "output.out=unset"]
     flags += ["run.progress=false", "sampling.max_new_tokens=4", "output.rows_per_chunk=1"]
-    cfg = _with_out(build_config(GenerateConfig, DEBUG, "generate", flags), "output", out)
+    cfg = build_config(GenerateConfig, DEBUG, "generate", flags)
+    return cfg, root, _run_ranks(_rank, root, cfg)
 
-    outcomes = _run_ranks(_rank, tmp_path, cfg)
-    ((own, _), failed_at), ((told, seconds), committed) = outcomes[1], outcomes[0]
+
+def test_a_failed_rank_stops_the_others_at_their_next_chunk(outcomes) -> None:
+    cfg, root, seen = outcomes
+    ((own, _), failed_at), ((told, seconds), committed) = seen[1]["disk-full"], seen[0]["disk-full"]
     assert failed_at == [1] and "No space left on device" in own and "RankFailed" not in own
     assert told.startswith("RankFailed: rank 1 failed") and "No space left on device" in told
+    _check_stopped_then_resumed(_with_out(cfg, "output", root / "disk-full"), committed, seconds)
+
+
+def test_an_interrupted_rank_stops_the_others_at_their_next_chunk(outcomes) -> None:
+    cfg, root, seen = outcomes
+    ((own, _), interrupted_at), ((told, seconds), committed) = (
+        seen[1]["interrupted"],
+        seen[0]["interrupted"],
+    )
+    assert interrupted_at == [1] and own == "Interrupted: KeyboardInterrupt", own
+    # rank 0 does not wait in the meeting for rank 1 (gone): the process-group timeout (8 s)
+    # would end it with a gloo error
+    assert told.startswith("Stopped: rank 1 was interrupted (Ctrl-C, SIGINT)"), told
+    _check_stopped_then_resumed(_with_out(cfg, "output", root / "interrupted"), committed, seconds)
+
+
+def _check_stopped_then_resumed(cfg: GenerateConfig, committed: list[int], seconds: float) -> None:
+    """Rank 0 stopped within a chunk of rank 1's failure; a rerun resumes, no row lost or
+    repeated."""
+    out = Path(cfg.output.out)
     # chunk 0 before rank 1 failed, chunk 2 at most (in flight then); not all six
     assert committed in ([0], [0, 2]), (committed, f"{seconds:.1f} s")
 
     kept = _digests(out)
     assert len(kept) == len(committed) + 1
-    manifest = run_generate(_with_out(cfg, "output", out))  # the rerun, one process
+    manifest = run_generate(cfg)  # the rerun, one process
     assert manifest["complete"] and manifest["counts"]["rows_out"] == NUM_ROWS
     assert kept.items() <= _digests(out).items()  # the committed chunks kept as they were
     source = []
