@@ -11,7 +11,6 @@ D hidden size, k top-k, V vocabulary.
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 from dataclasses import dataclass
@@ -63,14 +62,15 @@ class HostArena:
         self.pinned = True
 
     def close(self) -> None:
-        """Unpin and unmap; the memory is freed once no view of it is left."""
+        """Unpin and let go of the memory: it is unmapped once no view of it is left. Not
+        `self.map.close()`: torch.frombuffer keeps a reference to the map, not a buffer
+        export, so that unmapped the memory under every tensor and array still viewing it
+        (a writer thread stopped by a second Ctrl-C, still encoding its shard, read freed
+        memory: a segfault)."""
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
             self.pinned = False
-        del self.bytes
-        # a numpy view handed out earlier may still be alive: then the map goes with it
-        with contextlib.suppress(BufferError):
-            self.map.close()
+        del self.bytes, self.map
         os.close(self.fd)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:

@@ -1,5 +1,6 @@
-"""The writer process pool on its own: a writer's error comes back to the parent with its
-message (a full disk stays recognisable), and a writer that dies is reported, not waited for."""
+"""The writer pools on their own: a writer's error comes back to the parent with its message
+(a full disk stays recognisable), a writer that dies is reported, not waited for, and an
+interrupted close leaves a writer thread still encoding its shard the buffers it reads."""
 
 from __future__ import annotations
 
@@ -94,3 +95,69 @@ def test_buffers_seen_by_a_writer_process_are_the_parents(tmp_path: Path) -> Non
     assert group["tokens"][0].tolist() == list(range(8))
     assert np.all(group["hidden"][...] == np.uint16(0x3FC0))  # bf16 bits of 1.5
     buffers[0].release()
+
+
+def _mapped(address: int) -> bool:
+    """Whether this process maps `address` (/proc/self/maps)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        start, end = (int(x, 16) for x in line.split()[0].split("-"))
+        if start <= address < end:
+            return True
+    return False
+
+
+def test_an_interrupted_close_leaves_a_writing_thread_its_buffers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second Ctrl-C in close() while a writer thread encodes its shard: close released the
+    buffers (unmapped them) under the thread, which then read freed memory (a segfault: a
+    view of an unmapped arena, read in a child process, ended it with SIGSEGV). The thread,
+    let go after the interrupt, must read what was written; the pool, stopped, commits
+    nothing."""
+    import stage1_extract.writer_pools as writer_pools
+    from stage1_extract.shard_writer import ShardJob, ShardWriter
+    from stage1_extract.writer_pools import ThreadPool
+
+    encoding, go, read = threading.Event(), threading.Event(), []
+
+    def write_shard(store: Path, task: ShardTask, buffers: ShardBuffers, *args: object) -> None:
+        arrays = buffers.sequence_arrays(task.num_sequences, 8)  # what zarr encodes from
+        encoding.set()
+        go.wait(30)
+        if read is not None:  # None: the test found the memory unmapped
+            read.append(arrays["hidden"].copy())
+        args[-1]()  # before_commit: the pool was stopped
+
+    def interrupted(self: ThreadPool) -> None:  # a second Ctrl-C as close() waits for it
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(writer_pools, "write_shard", write_shard)
+    monkeypatch.setattr(ThreadPool, "close", interrupted)
+    shard = ShardWriter(
+        tmp_path,
+        ShardLayout(8, 8, 1),
+        processes=0,
+        threads=1,
+        num_todo=1,
+        shard_bytes=1 << 20,
+        make_buffers=lambda: ShardBuffers.allocate(SHAPE, pin=False),
+        watch=None,
+    )
+    buffers = shard.acquire()
+    buffers.tensors["hidden"].view(-1)[:] = 1.5
+    address = buffers.tensors["hidden"].data_ptr()
+    task = ShardTask(index=0, num_sequences=1, documents={}, attrs={})
+    shard.submit(ShardJob(task, buffers, None, torch.tensor(True)))
+    assert encoding.wait(30)
+    with pytest.raises(KeyboardInterrupt):
+        shard.close()
+    shard.pool.stop()  # as run._close_writer does then
+    mapped = _mapped(address)
+    if not mapped:
+        read = None
+    go.set()
+    shard.pool.executor.shutdown(wait=True)
+    assert mapped, "the buffers were unmapped while a writer thread still read them"
+    assert np.all(read[0] == np.uint16(0x3FC0))  # bf16 bits of 1.5
+    with pytest.raises(RuntimeError, match="writers were stopped"):
+        shard.raise_errors()
