@@ -53,6 +53,8 @@ from stage1_extract.writer import ShardLayout, ShardTask, no_space_errno, write_
 
 # (slot, shard index, error or None, seconds spent writing)
 READY = -1  # the slot of the message a writer process sends once it is ready to write
+# how often the collector looks whether an interrupted close() left it nothing to wait for
+COLLECT_POLL_S = 0.5
 Done = Callable[[int, int, BaseException | None, float], None]
 
 
@@ -156,11 +158,14 @@ class ProcessPool:
     def _collect(self) -> None:
         while True:
             try:
-                slot, index, error, seconds = self.results.get(timeout=0.5)
-            except queue.Empty:
+                item = self.results.get(timeout=COLLECT_POLL_S)
+            except queue.Empty:  # an interrupted close() terminated the writers: no None comes
                 if self.closing and not any(p.is_alive() for p in self.procs):
                     return
                 continue
+            if item is None:  # close(): after the last message of every writer, all exited
+                return
+            slot, index, error, seconds = item
             if slot == READY:
                 self.not_ready -= 1
                 if not self.not_ready:
@@ -197,6 +202,9 @@ class ProcessPool:
             raise
         finally:
             self.closing = True  # the collector returns once every writer has exited
+        # the collector's end, behind every writer's messages (each flushed its queue as it
+        # exited); it waited for its next poll instead, up to 0.5 s per close
+        self.results.put(None)
         self.collector.join()
         self.tasks.close()
         self.results.close()

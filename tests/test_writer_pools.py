@@ -1,6 +1,7 @@
 """The writer pools on their own: a writer's error comes back to the parent with its message
-(a full disk stays recognisable), a writer that dies is reported, not waited for, and an
-interrupted close leaves a writer thread still encoding its shard the buffers it reads."""
+(a full disk stays recognisable), a writer that dies is reported, not waited for, an
+interrupted close leaves a writer thread still encoding its shard the buffers it reads, and a
+close returns once the writers have, not at the collector's next poll."""
 
 from __future__ import annotations
 
@@ -161,3 +162,23 @@ def test_an_interrupted_close_leaves_a_writing_thread_its_buffers(
     assert np.all(read[0] == np.uint16(0x3FC0))  # bf16 bits of 1.5
     with pytest.raises(RuntimeError, match="writers were stopped"):
         shard.raise_errors()
+
+
+def test_close_ends_the_collector_without_waiting_for_its_poll(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """close() let the collector see the writers gone only at its next poll of the results
+    (0.5 s: 300-500 ms of every close, 11-20 ms now); here the poll is a minute away."""
+    import stage1_extract.writer_pools as writer_pools
+
+    monkeypatch.setattr(writer_pools, "COLLECT_POLL_S", 60.0)
+    buffers = [ShardBuffers.allocate(SHAPE, pin=False)]
+    results = Results()
+    pool = ProcessPool(tmp_path, ShardLayout(8, 8, 1), 1, buffers, results, None)
+    pool.submit(0, ShardTask(index=3, num_sequences=1, documents={}, attrs={}, finite=False))
+    closer = threading.Thread(target=pool.close)
+    closer.start()
+    closer.join(30)  # a safety net only: the poll would end it after 60 s
+    assert not closer.is_alive(), "close() waits for the collector's next poll"
+    assert [(slot, index) for slot, index, _ in results.got] == [(0, 3)]  # none lost
+    buffers[0].release()
