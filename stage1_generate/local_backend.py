@@ -11,11 +11,17 @@ Legend: B batch rows, T prompt length (padded), N new tokens.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig, PreTrainedTokenizerBase
+from transformers import (
+    GenerationConfig,
+    PreTrainedTokenizerBase,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 from common.logging import get_logger
 from stage1_extract.target import max_positions
@@ -93,8 +99,37 @@ def plain_generation_config(model: torch.nn.Module) -> None:
     model.generation_config = GenerationConfig(**kept)
 
 
+class StepTicker(StoppingCriteria):
+    """Stops nothing: calls `note(batch, batches, rows, step, max_new)` after a decode step, at
+    most every `every_s` seconds. A batch runs all its steps inside transformers' `generate`,
+    which took minutes on a CPU (pystd-28m, 2 cores: 43 s to 4 min a batch) with the bar still."""
+
+    def __init__(
+        self,
+        note: Callable[[int, int, int, int, int], None],
+        batch: tuple[int, int],
+        width: int,
+        max_new: int,
+        every_s: float = 0.5,
+    ) -> None:
+        self.note, self.batch, self.width, self.max_new = note, batch, width, max_new
+        self.every_s, self.shown = every_s, 0.0
+        self.never_B: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        if self.never_B is None:  # one tensor for every step: no allocation per token
+            self.never_B = torch.zeros(len(input_ids), dtype=torch.bool, device=input_ids.device)
+        if time.monotonic() - self.shown >= self.every_s:
+            self.shown = time.monotonic()
+            self.note(*self.batch, len(input_ids), input_ids.shape[1] - self.width, self.max_new)
+        return self.never_B
+
+
 class LocalBackend:
-    """Greedy or sampled generation from a loaded causal LM on one device."""
+    """Greedy or sampled generation from a loaded causal LM on one device. `on_step`, when
+    set: `StepTicker`'s note of the batch under way (the progress bar's)."""
+
+    on_step: Callable[[int, int, int, int, int], None] | None = None
 
     def __init__(
         self,
@@ -163,8 +198,10 @@ class LocalBackend:
             self.static_row = max(self.static_row, seen, max(lengths) + max_new_tokens)
             min_row = self.static_row
         planned = plan_batches(lengths, max_new_tokens, self.batch_size, self.batch_tokens, min_row)
-        for batch in planned:
-            rows = self._generate_batch([prompts[i] for i in batch], max_new_tokens, stop)
+        for k, batch in enumerate(planned):
+            rows = self._generate_batch(
+                [prompts[i] for i in batch], max_new_tokens, stop, (k + 1, len(planned))
+            )
             for i, completion in zip(batch, rows, strict=True):
                 out[i] = completion
             if on_batch is not None:
@@ -173,7 +210,11 @@ class LocalBackend:
 
     @torch.inference_mode()
     def _generate_batch(
-        self, prompts: list[list[int]], max_new: int, stop: bool = True
+        self,
+        prompts: list[list[int]],
+        max_new: int,
+        stop: bool = True,
+        batch: tuple[int, int] = (1, 1),
     ) -> list[Completion]:
         width = max(len(p) for p in prompts)
         ids_BT = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
@@ -188,6 +229,7 @@ class LocalBackend:
             else {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p}
         )
         cache = cache_kwargs(self.model, width + max_new) if self.preallocated else {}
+        ticker = [StepTicker(self.on_step, batch, width, max_new)] if self.on_step else []
         seq_BX = self.model.generate(
             input_ids=ids_BT.to(self.device),
             attention_mask=mask_BT.to(self.device),
@@ -198,6 +240,7 @@ class LocalBackend:
             top_k=None,
             use_cache=True,
             **self.cache_kwargs,
+            stopping_criteria=StoppingCriteriaList(ticker),  # empty: transformers' default
             **cache,
             **kwargs,
         )

@@ -122,12 +122,26 @@ def _generate_chunks(
         disable=not (cfg.run.progress and ctx.is_main),
     )
     start, new_tokens, finished = time.perf_counter(), 0, 0
+    under_way = ""  # the local backend's batch, step by step
+
+    def show() -> None:
+        rate = new_tokens / max(time.perf_counter() - start, 1e-9)
+        done = f"{new_tokens} new tokens, {rate:.0f} tok/s" if new_tokens else ""
+        bar.set_postfix_str("; ".join(s for s in (done, under_way) if s), refresh=True)
 
     def on_batch(_prompts: int, tokens: int) -> None:
-        nonlocal new_tokens
+        nonlocal new_tokens, under_way
         new_tokens += tokens
-        rate = new_tokens / max(time.perf_counter() - start, 1e-9)
-        bar.set_postfix_str(f"{new_tokens} new tokens, {rate:.0f} tok/s", refresh=True)
+        under_way = ""
+        show()
+
+    def on_step(batch: int, batches: int, rows: int, step: int, max_new: int) -> None:
+        nonlocal under_way
+        under_way = f"batch {batch}/{batches}: {rows} rows at token {step}/{max_new}"
+        show()
+
+    if cfg.run.progress and ctx.is_main and hasattr(backend, "on_step"):
+        backend.on_step = on_step
 
     try:
         for chunk in todo:
