@@ -295,12 +295,17 @@ def _generation_rows(generation: dict[str, Any] | None) -> list[tuple[str, str]]
         ("", f"from {source.get('path')} ({source.get('format')}, {source.get('num_rows')} rows)")
     )
     if counts:
+        cut = counts.get("truncated") or 0
+        ends = (
+            f"{cut} windows of text.new_tokens, {(counts.get('prompts') or cut) - cut} ended sooner"
+            if content.get("text")  # a window is meant to run to its length (run.py's _finalize)
+            else f"{cut} replies cut at the limit"
+        )
         rows.append(
             (
                 "",
                 f"{counts.get('rows_out')} rows, {counts.get('new_tokens'):,} new tokens, "
-                f"{counts.get('truncated')} replies cut at the limit, skipped "
-                f"{json.dumps(counts.get('skipped') or {})}",
+                f"{ends}, skipped {json.dumps(counts.get('skipped') or {})}",
             )
         )
     if not generation.get("complete"):

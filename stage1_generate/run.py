@@ -261,16 +261,23 @@ def _finalize(cfg: GenerateConfig) -> dict[str, Any]:
     assert manifest is not None
     counts = summarize(out, manifest["num_chunks"])
     final = finalize_output(out, counts)
+    prompts, cut = counts.get("prompts", 0), counts.get("truncated", 0)
+    # a text window is meant to run to text.new_tokens: "cut at the token limit", said of every
+    # window of the pystd recipe, read as a fault; for replies it is one (a reply unfinished)
+    if manifest["content"]["format"] == "text":
+        ends = f"{cut} windows of text.new_tokens, {prompts - cut} ended sooner at the end of text"
+    else:
+        ends = f"{cut} replies cut at the token limit"
     get_logger().info(
         "generated %s: %d rows from %d source rows (skipped: %s), %d prompts, %d new tokens, "
-        "%d replies cut at the token limit, %d empty replies",
+        "%s, %d empty replies",
         out,
         counts.get("rows_out", 0),
         counts.get("rows_in", 0),
         counts["skipped"] or "none",
-        counts.get("prompts", 0),
+        prompts,
         counts.get("new_tokens", 0),
-        counts.get("truncated", 0),
+        ends,
         counts.get("empty_replies", 0),
     )
     return final

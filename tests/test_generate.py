@@ -833,3 +833,37 @@ def test_the_bar_follows_a_batch_token_by_token(
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows())
     run_generate(config(tiny_qwen3, data, tmp_path / "out", "run.progress=true"))
     assert "batch 1/1: 2 rows at token 1/6" in capsys.readouterr().err
+
+
+def test_text_windows_are_not_called_cut(tiny_eos_target: Path, tmp_path: Path) -> None:
+    """A window is meant to run to text.new_tokens: the summary said "23 replies cut at the
+    token limit" of every pystd recipe window, as of a fault (and so did `dflash inspect`);
+    it now counts the windows of that length and those the end of text ended sooner."""
+    import logging
+
+    class Lines(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    data = write_jsonl(tmp_path / "text.jsonl", [{"text": t} for t in TEXTS])
+    lines = Lines()
+    logging.getLogger("dflash").addHandler(lines)
+    try:
+        manifest = run_generate(
+            config(tiny_eos_target, data, tmp_path / "out", "text.new_tokens=8")
+        )
+    finally:
+        logging.getLogger("dflash").removeHandler(lines)
+    counts = manifest["counts"]
+    assert 0 < counts["truncated"] < counts["prompts"]  # some windows met the end of text
+    summary = next(line for line in lines.lines if line.startswith("generated "))
+    ended = counts["prompts"] - counts["truncated"]
+    assert f"{counts['truncated']} windows of text.new_tokens, {ended} ended sooner" in summary
+    assert "cut at the token limit" not in summary
+    shown = [text for _, text in _generation_rows(manifest)]  # `dflash inspect`'s lines
+    assert any(f"{ended} ended sooner" in text for text in shown), shown
+    assert not any("cut at the limit" in text for text in shown)
