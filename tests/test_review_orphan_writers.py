@@ -74,13 +74,21 @@ VARIANT_ENV = "DFLASH_TEST_ORPHAN_VARIANT"
 # common.tiny are imported only by the functions that use them, seconds a child otherwise pays.
 
 
+def _mark(path: Path, text: str) -> None:
+    """Write a control file whole: a poller that sees it exist reads all of `text` (write_text
+    creates the file before it writes: a test once read "" there and failed on int(""))."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _hold_commits() -> None:
     """Hold this process's shard commits until the test says go."""
     control = Path(os.environ[CONTROL_ENV])
     real_commit = writer.commit_folder
 
     def held_commit(*commit_args: object, **kwargs: object) -> None:
-        (control / "reached").write_text(str(os.getpid()))
+        _mark(control / "reached", str(os.getpid()))
         while not (control / "go").exists():
             time.sleep(0.01)
         real_commit(*commit_args, **kwargs)
@@ -182,7 +190,7 @@ def _rank_zero_loading_its_target(store: Path) -> None:
     model = AutoModelForCausalLM.from_config(config)
 
     def held_load(*_args: object) -> torch.nn.Module:
-        (control / "reached").write_text(str(os.getpid()))
+        _mark(control / "reached", str(os.getpid()))
         while not (control / "go").exists():
             time.sleep(0.01)
         return model
@@ -213,7 +221,7 @@ def _launched_worker(store: Path, model: str, data: str, rank: int, processes: i
     real_plan_job = run.plan_job
 
     def held_plan_job(cfg: ExtractConfig, *args: str) -> object:
-        (control / "reached").write_text(str(os.getpid()))
+        _mark(control / "reached", str(os.getpid()))
         while not (control / "go").exists():
             time.sleep(0.01)
         return real_plan_job(cfg, *args)
