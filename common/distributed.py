@@ -247,7 +247,8 @@ def failure_shared() -> Iterator[None]:
     except Exception as err:
         own = err
         if dist.is_initialized():
-            _group_store().set(key, str(dist.get_rank()))
+            with suppress(dist.DistError):  # the store is gone: the meeting below says so
+                _group_store().set(key, str(dist.get_rank()))
     except BaseException as err:
         if dist.is_initialized():
             with suppress(dist.DistError):  # the store is gone: so is the run
@@ -319,15 +320,16 @@ def another_rank_failed() -> bool:
     section (one look-up on the process group's store, not a collective: ranks may ask it a
     different number of times). A rank with long work of its own left stops at its next unit
     of it when this says so and leaves the body, so the section's end raises that rank's error
-    on every rank at once, instead of after this rank's whole share. True too once the store is
-    unreachable (its host, torchrun's first node, stopped). False outside a section or without
-    a process group."""
+    on every rank at once, instead of after this rank's whole share. A store that cannot be
+    reached (its host, torchrun's first node, stopped) raises RankFailed naming it: a rank that
+    merely stopped its share there would end its section as if its work were done. False
+    outside a section or without a process group."""
     if _section_key is None or not dist.is_initialized():
         return False
     try:
         return _group_store().check([_section_key])
-    except dist.DistError:
-        return True
+    except dist.DistError as err:
+        raise _gone(err) from err
 
 
 class HeldFailure:

@@ -122,3 +122,43 @@ def _run(target: Any, root: Path, *args: Any) -> str:
             rank.join(timeout=30)
             if rank.is_alive():  # a safety net only
                 rank.kill()
+
+
+def test_a_store_that_fails_a_look_up_never_ends_a_share_as_done(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """A look-up the store cannot answer raises, named: a rank that only stopped its share
+    there (the look-up read as 'another rank failed') met the others with nothing to say once
+    the store answered again, and its section ended as if its work were done."""
+    import pytest
+    import torch.distributed as dist
+
+    import common.distributed as distributed
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=TIMEOUT)
+    try:
+        real, failed = distributed._group_store(), []
+
+        class Hiccup:  # one look-up fails (a lost packet, a slow host), then all is well again
+            def __getattr__(self, name: str) -> Any:
+                if name == "check" and not failed:
+                    failed.append(name)
+
+                    def fail(*args: Any) -> None:
+                        raise dist.DistNetworkError("Broken pipe")
+
+                    return fail
+                return getattr(real, name)
+
+        units = []
+        lost = pytest.raises(distributed.RankFailed, match="the ranks could not meet")
+        with lost, distributed.failure_shared():
+            monkeypatch.setattr(distributed, "_group_store", Hiccup)
+            for unit in range(5):
+                if distributed.another_rank_failed():
+                    break
+                units.append(unit)
+        assert units == []
+    finally:
+        dist.destroy_process_group()
