@@ -10,7 +10,8 @@ import functools
 import json
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,16 @@ def old_lr_factor(step, total, warmup_ratio, min_lr_ratio, schedule="cosine", de
 def shape(cfg: OptimConfig) -> tuple[float, float, str, float]:
     """old_lr_factor's arguments after the step and the total."""
     return cfg.warmup_ratio, cfg.min_lr_ratio, cfg.schedule, cfg.decay_ratio
+
+
+@contextmanager
+def group_of_one() -> Iterator[None]:
+    """A gloo process group of one rank, standing in for several (the fit's agreement path)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def fitted_run(
@@ -190,11 +201,8 @@ def test_several_ranks_remap_a_late_wsd_decay_one_step_late(clock: FakeClock) ->
     _, _, alone = fitted_run(clock, WSD, 1000, 1400.0, slower_late)
     [(step, fitted)] = alone.items()
     clock.now = 0.0
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with group_of_one():
         lrs, _, agreed = fitted_run(clock, WSD, 1000, 1400.0, slower_late, world=2)
-    finally:
-        dist.destroy_process_group()
     p = (step + 1 - 808) / 192
     assert agreed == {step + 1: FittedEnd(fitted.end, step + 2, p, schedule="wsd")}
     assert factor(step + 1, WSD, 1000, agreed[step + 1]) == factor(step + 1, WSD, 1000, None)
@@ -279,11 +287,8 @@ def test_several_ranks_apply_the_agreed_end_one_step_late(clock: FakeClock) -> N
     alone, _, frozen = fitted_run(clock, WSD, 1000, limit=600.0, s_per_step=1.0)
     [(step, fitted)] = frozen.items()
     clock.now = 0.0
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with group_of_one():
         lrs, _, agreed = fitted_run(clock, WSD, 1000, limit=600.0, s_per_step=1.0, world=2)
-    finally:
-        dist.destroy_process_group()
     assert agreed == {step + 1: FittedEnd(end=fitted.end, decay_from=step + 2, schedule="wsd")}
     assert lrs[:step] == alone[:step] and lrs[step] == 0.1 and len(lrs) == fitted.end
 
@@ -356,11 +361,8 @@ def test_a_long_warmup_measures_the_rate_before_the_first_fit(clock: FakeClock) 
     assert len(lrs) > 0.97 * (640 + (884.0 - 40 * 0.15 - 600 * 0.087) / 0.087)
     assert_annealed(lrs, cfg, 16000)
     clock.now = 0.0
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with group_of_one():
         _, _, agreed = fitted_run(clock, cfg, 16000, 884.0, pace, world=2)
-    finally:
-        dist.destroy_process_group()
     assert list(agreed)[0] == 641 and agreed[641].decay_from == 642, agreed
     assert agreed[641].progress == 0.0
 
@@ -559,11 +561,8 @@ def test_a_fit_is_restored_under_its_own_schedule_only() -> None:
 
 
 def test_several_ranks_remap_cosine_one_step_late(clock: FakeClock) -> None:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with group_of_one():
         lrs, _, agreed = fitted_run(clock, COSINE, 1000, limit=600.0, s_per_step=1.0, world=2)
-    finally:
-        dist.destroy_process_group()
     p31 = (31 - 1 - 10) / 990
     assert agreed == {31: FittedEnd(588, 32, p31, schedule="cosine")}
     reference = [0.1 * old_lr_factor(s, 1000, *shape(COSINE)) for s in range(1000)]
