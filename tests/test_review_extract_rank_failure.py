@@ -38,6 +38,7 @@ from test_review_rank0_sections import (
     _no_space,
     _run_ranks,
     _with_out,
+    interruptible,
 )
 
 from common.inspect_verify import verify_store
@@ -50,10 +51,6 @@ NUM_SHARDS = 10  # one sequence a shard: even ones are rank 0's, odd ones rank 1
 
 
 SCENARIOS = ("disk-full", "interrupted")
-
-
-class Interrupted(Exception):
-    """A KeyboardInterrupt out of run_extract, as `_in_group` reports only Exceptions."""
 
 
 def _rank(rank: int, root: Path, cfg: ExtractConfig, seen: Any) -> None:
@@ -78,12 +75,7 @@ def _rank(rank: int, root: Path, cfg: ExtractConfig, seen: Any) -> None:
                 time.sleep(0.01)
         return real_fill(job, target, index, *args)
 
-    def extract(cfg: ExtractConfig) -> None:
-        try:
-            extract_run.run_extract(cfg)
-        except KeyboardInterrupt as err:
-            raise Interrupted("KeyboardInterrupt") from err
-
+    extract = interruptible(extract_run.run_extract)
     outcomes = {}
     with pytest.MonkeyPatch.context() as patch:
         _as_torchrun_rank(patch, rank, extract_run)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,9 @@ from test_review_rank0_sections import (
     _in_group,
     _no_space,
     _run_ranks,
+    _wait_for,
     _with_out,
+    interruptible,
 )
 
 from common.config import build_config
@@ -47,10 +48,6 @@ NUM_ROWS = 12  # one row a chunk: chunks 0, 2, ..., 10 are rank 0's, 1, 3, ..., 
 
 
 SCENARIOS = ("disk-full", "interrupted")
-
-
-class Interrupted(Exception):
-    """A KeyboardInterrupt out of run_generate, as `_in_group` reports only Exceptions."""
 
 
 def _rank(rank: int, root: Path, cfg: GenerateConfig, seen: Any) -> None:
@@ -71,12 +68,7 @@ def _rank(rank: int, root: Path, cfg: GenerateConfig, seen: Any) -> None:
             (root / f"{scenario}-rank-0-committed").touch()
             _wait_for(root / f"{scenario}-rank-1-fails")
 
-    def generate(cfg: GenerateConfig) -> None:
-        try:
-            generate_run.run_generate(cfg)
-        except KeyboardInterrupt as err:
-            raise Interrupted("KeyboardInterrupt") from err
-
+    generate = interruptible(generate_run.run_generate)
     outcomes = {}
     with pytest.MonkeyPatch.context() as patch:
         _as_torchrun_rank(patch, rank, generate_run)
@@ -86,12 +78,6 @@ def _rank(rank: int, root: Path, cfg: GenerateConfig, seen: Any) -> None:
             out = _with_out(cfg, "output", root / scenario)
             outcomes[scenario] = (_in_group(root, scenario, rank, generate, out), committed)
     seen.put((rank, outcomes))
-
-
-def _wait_for(path: Path) -> None:
-    deadline = time.monotonic() + 60
-    while not path.exists() and time.monotonic() < deadline:
-        time.sleep(0.01)
 
 
 def _digests(out: Path) -> dict[str, str]:

@@ -13,22 +13,17 @@ Two gloo ranks in processes of their own (a rank's exit is what the other must s
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from test_review_rank0_sections import _run_ranks, _wait_for
+
 from common.distributed import _free_port
 
 TIMEOUT = timedelta(seconds=20)  # a regression fails in seconds, not at torch's default
-
-
-def _wait_for(path: Path) -> None:
-    deadline = time.monotonic() + 60
-    while not path.exists() and time.monotonic() < deadline:
-        time.sleep(0.01)
 
 
 def _outcome(body: Any) -> str:
@@ -66,11 +61,11 @@ def _meeting_rank(rank: int, root: Path, seen: Any) -> None:
         with distributed.failure_shared():
             pass
 
-    seen.put(_outcome(section))
+    seen.put((rank, _outcome(section)))
 
 
 def test_a_rank_waiting_in_the_meeting_learns_of_an_interrupt(tmp_path: Path) -> None:
-    told = _run(_meeting_rank, tmp_path)
+    told = _run_ranks(_meeting_rank, tmp_path, reports=1)[0]  # rank 1 is gone
     assert told.startswith("Stopped: rank 1 was interrupted (Ctrl-C, SIGINT)"), told
     assert "rerun the same command to resume" in told
 
@@ -98,30 +93,14 @@ def _store_rank(rank: int, root: Path, port: int, seen: Any) -> None:
                 time.sleep(0.01)
 
     told = _outcome(section)
-    seen.put(f"{told} ({len(units)} units)")
+    seen.put((rank, f"{told} ({len(units)} units)"))
 
 
 def test_a_lost_store_ends_the_section_at_the_next_unit(tmp_path: Path) -> None:
-    told = _run(_store_rank, tmp_path, _free_port())
+    told = _run_ranks(_store_rank, tmp_path, _free_port(), reports=1)[1]  # rank 0 is gone
     assert told.startswith("RankFailed: the ranks could not meet (DistNetworkError"), told
     assert "torchrun's first node (the store's host) stopped" in told
     assert "(1000 units)" not in told  # stopped at its next unit, not after all of them
-
-
-def _run(target: Any, root: Path, *args: Any) -> str:
-    """Rank 1's outcome (rank 0's for _meeting_rank: the one that reports)."""
-    spawn = multiprocessing.get_context("spawn")
-    seen = spawn.Queue()
-    ranks = [spawn.Process(target=target, args=(r, root, *args, seen)) for r in range(2)]
-    for rank in ranks:
-        rank.start()
-    try:
-        return seen.get(timeout=120)
-    finally:
-        for rank in ranks:
-            rank.join(timeout=30)
-            if rank.is_alive():  # a safety net only
-                rank.kill()
 
 
 def test_a_store_that_fails_a_look_up_never_ends_a_share_as_done(

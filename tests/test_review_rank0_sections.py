@@ -69,6 +69,23 @@ def _meet(root: Path, name: str, rank: int) -> None:
         time.sleep(0.01)
 
 
+class Interrupted(Exception):
+    """A KeyboardInterrupt out of a stage's run, as `_in_group` reports only Exceptions."""
+
+
+def interruptible(run: Any) -> Any:
+    """`run` (a stage's run_extract / run_generate) with a KeyboardInterrupt raised as
+    Interrupted, which `_in_group` reports."""
+
+    def body(cfg: Any) -> None:
+        try:
+            run(cfg)
+        except KeyboardInterrupt as err:
+            raise Interrupted("KeyboardInterrupt") from err
+
+    return body
+
+
 def _in_group(root: Path, name: str, rank: int, body: Any, *args: Any) -> tuple[str, float]:
     """`body(*args)` as rank `rank` of 2 in a process group of its own, which both ranks leave
     together (a rank that failed alone would otherwise meet the other in the next scenario's
@@ -129,14 +146,23 @@ def _with_out(cfg: Any, section: str, out: Path) -> Any:
     return dataclasses.replace(cfg, **{section: changed})
 
 
-def _run_ranks(target: Any, root: Path, *args: Any) -> dict[int, dict[str, tuple[str, float]]]:
+def _wait_for(path: Path) -> None:
+    """Until `path` exists (a minute at most: the assertions after it then fail, named)."""
+    deadline = time.monotonic() + 60
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _run_ranks(target: Any, root: Path, *args: Any, reports: int = 2) -> dict[int, Any]:
+    """`target(rank, root, *args, seen)` as two spawned ranks; the (rank, outcome) pairs that
+    `reports` of them put on `seen`."""
     spawn = multiprocessing.get_context("spawn")
     seen = spawn.Queue()
     ranks = [spawn.Process(target=target, args=(r, root, *args, seen)) for r in range(2)]
     for rank in ranks:
         rank.start()
     try:
-        return dict(seen.get(timeout=120) for _ in ranks)
+        return dict(seen.get(timeout=120) for _ in range(reports))
     finally:
         for rank in ranks:
             rank.join(timeout=10)
