@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from store_factory import FactorySpec, build_store
+from test_train_data import _dataset
 
 from common.config import build_config
 from common.store import open_store
@@ -37,17 +38,9 @@ def dev_store(folder: Path, layers: list[int]) -> Path:
     return build_store(folder, FactorySpec(num_sequences=3, tapped_layers=layers, seed=1))
 
 
-def sequences(store: Path, layers: list[int] | None, distill: bool = True) -> StoreSequences:
-    return StoreSequences(
-        open_store(store),
-        num_anchors=8,
-        per_document=False,
-        block_size=4,
-        label_target="argmax",
-        distill=distill,
-        seed=0,
-        layers=layers,
-    )
+def sequences(store: Path, layers: list[int] | None) -> StoreSequences:
+    """test_train_data's dataset (top-k blocks too) reading `layers` of the store."""
+    return _dataset(store, distill=True, layers=layers)
 
 
 @pytest.mark.parametrize("layers", [[2, 5], [5, 0], [2]])
