@@ -76,6 +76,7 @@ def _chat_prompt(tokenizer, messages: list[dict], template_kwargs: dict[str, Any
 def load_prompts(cfg: EvaluateConfig, tokenizer) -> list[list[int]]:
     """Prompts from text rows (their first tokens) or chat rows (`messages`, up to the last
     assistant turn, rendered by the target's chat template)."""
+    from stage1_extract.data import special_affixes, without_suffix
     from stage1_extract.data_files import load_local
 
     path = Path(cfg.data)
@@ -119,8 +120,6 @@ def load_prompts(cfg: EvaluateConfig, tokenizer) -> list[list[int]]:
             "'messages' [{role, content}]"
         )
     else:
-        from stage1_extract.data import special_affixes, without_suffix
-
         # the tokenizer's BOS stays, an EOS it appends goes (add_eos_token): it would tell the
         # target a short document had ended, where extract stores the text without it
         suffix = special_affixes(tokenizer)[1]
