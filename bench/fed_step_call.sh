@@ -17,7 +17,7 @@ WORKERS=${WORKERS:-12}
 M=.carry/pystd-28m
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 mkdir -p "$OUT" "$WORK"
-if [ ! -d "$M" ] && [ -f "$M.tgz" ]; then tar xzf "$M.tgz" -C .carry || exit 1; fi
+if [ ! -d "$M" ] && [ -f "$M.txz" ]; then python3 -m tarfile -e "$M.txz" .carry || exit 1; fi
 t=$(date +%s)
 if ! dflash inspect "$WORK/store" > /dev/null 2>&1; then
   dflash generate --config "$CFG" --model $M --data .carry/train.jsonl.gz --out "$WORK/gen" \

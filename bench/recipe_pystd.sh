@@ -23,7 +23,7 @@ mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 M=.carry/pystd-28m
 # the target travels packed (bench/prepare_carry.sh): unpacked here once
-if [ ! -d "$M" ] && [ -f "$M.tgz" ]; then tar xzf "$M.tgz" -C .carry || exit 1; fi
+if [ ! -d "$M" ] && [ -f "$M.txz" ]; then python3 -m tarfile -e "$M.txz" .carry || exit 1; fi
 # variant k trains and is evaluated on GPU k mod the count of TRAIN_GPUS (default: DEVICE)
 IFS=',' read -ra TRAIN_GPUS <<< "${TRAIN_GPUS:-${DEVICE%%,*}}"
 # extra --set arguments per stage (a CPU dry run shrinks everything with these)
