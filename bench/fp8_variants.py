@@ -8,7 +8,10 @@ sample (||x - x'|| / ||x||) and the worst token's cosine distance, both against 
 
 Variants: e4m3 and e5m2 with one fp32 scale per token and tapped layer (the store's fp8 is
 e4m3 per token), and e4m3 with one scale per channel and tapped layer over each sequence
-(outlier channels then no longer set every token's scale). One JSON line per variant.
+(outlier channels then no longer set every token's scale); and two 4-bit ones (e2m1, two
+values a byte), asked by issue 12's size goal at five layers: MXFP4 (OCP microscaling: a
+power-of-two scale per 32 features, one byte) and NVFP4-style (an e4m3 scale per 16 features
+under one fp32 scale per token and layer). One JSON line per variant.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from numcodecs import Blosc, Zstd
 
 from common.store import bf16_to_bits, open_store
 from stage2_train.data import StoreSequences
+from stage2_train.fp4_features import encode_fp4
 
 ZSTD = Zstd(level=1)
 # the store's codec for bf16 features (store.byte_shuffle, FORMAT.md): zstd after a byte shuffle
@@ -41,6 +45,16 @@ def quantize(
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, per: str) -> torch.Tensor:
     return q.float() * (scale[..., None] if per == "token" else scale[None])
+
+
+def fp4_bytes_and_decoded(x_SKD: torch.Tensor, kind: str) -> tuple[int, torch.Tensor]:
+    """(zstd bytes of the codes, two a byte, and the scale arrays a store would keep; the
+    decoded features) for data.hidden_as_fp4's layouts (stage2_train/fp4_features.py)."""
+    encoded = encode_fp4(x_SKD, kind)  # type: ignore[arg-type]
+    flat = encoded.codes.reshape(-1)
+    packed = (flat[0::2] | (flat[1::2] << 4)).numpy()
+    scales = [t.contiguous().numpy() for t in encoded.stored_scales]
+    return packed_bytes(packed, *scales), encoded.decoded()
 
 
 def packed_bytes(*arrays: np.ndarray) -> int:
@@ -72,7 +86,7 @@ def main() -> None:
     for index in range(count):
         row = rows.read_row(index)
         features.append(row["hidden"][row["document_ids"] >= 0])  # padding left out
-    variants = [
+    variants: list[tuple[str, torch.dtype | None, str]] = [
         ("e4m3, per token (the store's fp8)", torch.float8_e4m3fn, "token"),
         ("e5m2, per token", torch.float8_e5m2, "token"),
         ("e4m3, per channel and sequence", torch.float8_e4m3fn, "channel"),
@@ -80,13 +94,19 @@ def main() -> None:
     tokens = sum(x.shape[0] for x in features)
     bf16 = sum(len(SHUFFLED.encode(bf16_to_bits(x))) for x in features)
     print(json.dumps({"variant": "bf16", "bytes_per_token": round(bf16 / tokens, 1)}))
+    variants += [("mxfp4 (e2m1, power-of-two scale per 32)", None, "mxfp4")]
+    variants += [("nvfp4-style (e2m1, e4m3 scale per 16, fp32 per token)", None, "nvfp4")]
     for name, dtype, per in variants:
         size, err_sq, ref_sq, worst_cos = 0, 0.0, 0.0, 0.0
         for hidden in features:
             x = hidden.float()
-            q, scale = quantize(x, dtype, per)
-            size += packed_bytes(q.view(torch.uint8).numpy(), scale.numpy())
-            back = dequantize(q, scale, per)
+            if dtype is None:
+                nbytes, back = fp4_bytes_and_decoded(x, per)
+                size += nbytes
+            else:
+                q, scale = quantize(x, dtype, per)
+                size += packed_bytes(q.view(torch.uint8).numpy(), scale.numpy())
+                back = dequantize(q, scale, per)
             err_sq += float(((back - x) ** 2).sum())
             ref_sq += float((x**2).sum())
             cos = torch.nn.functional.cosine_similarity(back, x, dim=-1)

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from common.store import quantize_fp8
+from common.store import dequantize_fp8, quantize_fp8
+from stage2_train.fp4_features import Fp4Kind, round_features_fp4
 from stage2_train.mask_widths import narrow_widths
 from stage2_train.masks import NARROW, TILE, MaskTables, anchor_mask_tables, context_intervals
 
@@ -56,6 +57,25 @@ class Batch:
         }
         return Batch(**moved)
 
+    def rounded_to_fp4(self, kind: Fp4Kind) -> Batch:
+        """This batch as a store of 4-bit features would give it (`data.hidden_as_fp4`): the
+        stored features (an fp8 store's decoded first) rounded as `kind`, as bf16 features."""
+        if self.hidden_scale_TK is None:
+            features_TKD = self.hidden_TKD
+        else:
+            features_TKD = dequantize_fp8(self.hidden_TKD, self.hidden_scale_TK)
+        rounded_TKD = round_features_fp4(features_TKD, kind).to(torch.bfloat16)
+        return replace(self, hidden_TKD=rounded_TKD, hidden_scale_TK=None)
+
+    def rounded_as_configured(self, hidden_as_fp8: bool, hidden_as_fp4: str) -> Batch:
+        """The batch as `data.hidden_as_fp8` / `data.hidden_as_fp4` ask (at most one is on):
+        the same rounding for the training steps and the held-out evaluation."""
+        if hidden_as_fp8:
+            return self.rounded_to_fp8()
+        if hidden_as_fp4 != "none":
+            return self.rounded_to_fp4(hidden_as_fp4)  # type: ignore[arg-type]
+        return self
+
     def rounded_to_fp8(self) -> Batch:
         """This batch as an fp8 store would give it (`data.hidden_as_fp8`): bf16 hidden states
         quantized by extract's own `quantize_fp8`, on the batch's device; an fp8 batch as it is."""
@@ -63,6 +83,16 @@ class Batch:
             return self
         bits_TKD, scale_TK = quantize_fp8(self.hidden_TKD)
         return replace(self, hidden_TKD=bits_TKD, hidden_scale_TK=scale_TK)
+
+
+def rounding_note(hidden_as_fp8: bool, hidden_as_fp4: str) -> str:
+    """The start-up line's words for a rounding option that is on: the run's figures are then
+    another store's than the one it reads (a device log is all a reader has)."""
+    if hidden_as_fp8:
+        return ", features rounded to fp8 (data.hidden_as_fp8)"
+    if hidden_as_fp4 != "none":
+        return f", features rounded to {hidden_as_fp4} (data.hidden_as_fp4)"
+    return ""
 
 
 def batch_tensors(batch: Batch) -> Iterator[torch.Tensor]:

@@ -172,6 +172,15 @@ class TrainDataConfig:
         "on the same text and held-out sequences (the dev store keeps its own dtype); nothing "
         "changes on an fp8 store",
     )
+    hidden_as_fp4: Literal["none", "mxfp4", "nvfp4"] = doc(
+        "none",
+        "train and evaluate held-out on the store's hidden states rounded to 4 bits (e2m1) as a "
+        "store of such features would hold them: mxfp4, a power-of-two scale per 32 features "
+        "(0.53 bytes a feature), or nvfp4, an e4m3 scale per 16 under an fp32 one per token and "
+        "layer (0.56); fp8 takes 1 (stage2_train/fp4_features.py). What such a store would cost "
+        "in acceptance, measured before it exists; the dev store and served drafters see the "
+        "features unrounded",
+    )
     tapped_layers: list[int] | None = doc(
         None,
         "train on these of the store's tapped layers (target layer ids in ascending order, "
@@ -222,6 +231,11 @@ class TrainDataConfig:
             )
         if self.follow_poll_s <= 0 or self.follow_timeout_s <= 0:
             out.append("follow_poll_s and follow_timeout_s must be > 0")
+        if self.hidden_as_fp8 and self.hidden_as_fp4 != "none":
+            out.append(
+                f"hidden_as_fp8 and hidden_as_fp4={self.hidden_as_fp4} both round the features: "
+                "set one of them (hidden_as_fp4=none, or hidden_as_fp8=false)"
+            )
         layers = self.tapped_layers
         if layers is not None and list(layers) != sorted(set(layers)):
             # the export's target_layer_ids: servers concatenate the layers in forward order

@@ -47,6 +47,7 @@ from evaluation.chained import chained_tau_on_store
 from evaluation.heldout import evaluate
 from evaluation.offline import OfflineEvalConfig
 from stage2_train.anchors import training_slot_weights
+from stage2_train.batch import rounding_note
 from stage2_train.best import BEST_DIR, best_so_far, record_best
 from stage2_train.checkpoint import TrainState, save_checkpoint, step_dir
 from stage2_train.config import TrainConfig, with_compile_defaults
@@ -315,8 +316,12 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
 
     def run_eval() -> dict[str, Any]:
         batches = eval_loader
-        if cfg.data.hidden_as_fp8:  # held out as trained: the fp8 store's features
-            batches = (batch.to(device).rounded_to_fp8() for batch in eval_loader)
+        data = cfg.data
+        if data.hidden_as_fp8 or data.hidden_as_fp4 != "none":  # held out as trained
+            batches = (
+                batch.to(device).rounded_as_configured(data.hidden_as_fp8, data.hidden_as_fp4)
+                for batch in eval_loader
+            )
         with compute_context(cfg.run.dtype, device):
             return evaluate(
                 served,
@@ -399,7 +404,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         plan.num_train,
         cfg.data.holdout_sequences,
         # said where the run starts: its figures are an fp8 store's, from a bf16 one
-        ", features rounded to fp8 (data.hidden_as_fp8)" if cfg.data.hidden_as_fp8 else "",
+        rounding_note(cfg.data.hidden_as_fp8, cfg.data.hidden_as_fp4),
         plan.steps_per_epoch,
         total_steps,
         ctx.world_size,

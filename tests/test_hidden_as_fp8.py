@@ -1,4 +1,5 @@
-"""`data.hidden_as_fp8`: training on a bf16 store as an fp8 store would feed it.
+"""`data.hidden_as_fp8` / `data.hidden_as_fp4`: training on a bf16 store as an fp8 store (or a
+store of 4-bit features) would feed it.
 
 The point of the option is a like-for-like measurement (one bf16 store, the same text and
 held-out sequences, only the features' rounding differs), so the test holds it to exactly that:
@@ -9,15 +10,21 @@ held-out figures to the last digit."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
+import zarr
 
 from common.config import build_config
+from common.store import bf16_to_bits, bits_to_bf16
+from common.store_files import record_shard_files
 from common.tiny import EXAMPLE_DATA
 from stage1_extract.config import ExtractConfig
 from stage1_extract.run import run_extract
 from stage2_train.config import TrainConfig
+from stage2_train.fp4_features import round_features_fp4
 from stage2_train.train import run_train
 
 DEBUG = Path(__file__).parents[1] / "configs" / "debug.yaml"
@@ -68,3 +75,24 @@ def test_a_bf16_store_rounded_trains_as_the_fp8_store(
     assert plain != fp8  # the rounding is visible: the comparison above could fail
     # on an fp8 store the option changes nothing
     assert train(stores["float8_e4m3fn"], tmp_path / "fp8-again", "data.hidden_as_fp8=true") == fp8
+
+
+@pytest.mark.parametrize("kind", ["mxfp4", "nvfp4"])
+def test_fp4_rounding_trains_as_a_store_of_the_rounded_features(
+    stores: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture, kind: str
+):
+    """`data.hidden_as_fp4`: the bf16 store rounded in the loader trains, and evaluates
+    held-out, exactly as a copy of that store whose features were rounded on disk (the
+    rounded values are exact in bf16 for mxfp4; nvfp4's get the same one cast)."""
+    rounded_store = tmp_path / "rounded-store"
+    shutil.copytree(stores["bfloat16"], rounded_store)
+    for folder in sorted((rounded_store / "shards").iterdir()):
+        group = zarr.open_group(folder, mode="r+")
+        features = bits_to_bf16(group["hidden"][...])
+        group["hidden"][...] = bf16_to_bits(round_features_fp4(features, kind).to(torch.bfloat16))
+        record_shard_files(folder)  # the sizes a v2 store records, as extract does
+    on_disk = train(rounded_store, tmp_path / "on-disk")
+    in_loader = train(stores["bfloat16"], tmp_path / "in-loader", f"data.hidden_as_fp4={kind}")
+    assert f"features rounded to {kind} (data.hidden_as_fp4)" in caplog.text
+    assert in_loader == on_disk
+    assert in_loader != train(stores["bfloat16"], tmp_path / "plain")  # the rounding is visible

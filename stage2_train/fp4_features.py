@@ -1,0 +1,110 @@
+"""Hidden states rounded to 4 bits, as a store of e2m1 features would hold them
+(`data.hidden_as_fp4`): what such a store would cost in acceptance, measured from an existing
+store before any store format exists (issue 12: five tapped layers under 12 KB a token at the
+Qwen3-8B width need features under ~0.6 bytes; fp8 takes 1).
+
+Two layouts, each a shared scale per block of features along the hidden size:
+- "mxfp4" (OCP microscaling): 32 features a block, a power-of-two scale (one byte, e8m0),
+  2^(floor(log2 amax) - 2), so the block's largest value lands in e2m1's top binade [4, 8),
+  clamped to 6. 0.53 bytes a feature.
+- "nvfp4" (NVIDIA's layout): 16 features a block, an e4m3 scale amax / 6 under one fp32
+  scale per token and layer (amax / (6 * 448)), so the largest value maps to 6. 0.56 bytes.
+
+Values are rounded to the nearest e2m1 value, ties to the even code (IEEE's rule, as the
+hardware's casts do). mxfp4's results are exactly representable in bf16 (at most 2
+significant bits times a power of two); nvfp4's, times an fp32 scale, round once more when
+cast to bf16, as an fp8 store's decode to the model's dtype does (~0.4% at most, against
+fp4's ~10%).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+FP4_KINDS = ("mxfp4", "nvfp4")
+Fp4Kind = Literal["mxfp4", "nvfp4"]
+BLOCK = {"mxfp4": 32, "nvfp4": 16}
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+# e2m1's magnitudes; code i (0-7) holds E2M1_VALUES[i], so an even code has an even mantissa
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """Each value of x (fp32, already scaled) rounded to the nearest e2m1 value, ties to the
+    even code, magnitudes above 6 clamped to 6 (the OCP spec's conversion with saturation)."""
+    return e2m1_value(e2m1_code(x))
+
+
+def e2m1_code(x: torch.Tensor) -> torch.Tensor:
+    """The e2m1 code (uint8: magnitude code 0-7, sign in bit 3) nearest each value of x."""
+    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=x.device)
+    midpoints = (values[1:] + values[:-1]) / 2
+    magnitude = x.float().abs().clamp(max=E2M1_MAX)
+    # right=False: a value on a midpoint gets the lower code; move it up when that code is odd
+    code = torch.bucketize(magnitude, midpoints)
+    on_tie = (code < 7) & (magnitude == midpoints[code.clamp(max=6)])
+    code = code + (on_tie & (code % 2 == 1)).long()
+    return (code + 8 * x.signbit()).to(torch.uint8)
+
+
+def e2m1_value(code: torch.Tensor) -> torch.Tensor:
+    """fp32 values of e2m1 codes."""
+    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=code.device)
+    magnitude = values[(code & 7).long()]
+    return torch.where(code >= 8, -magnitude, magnitude)
+
+
+@dataclass
+class Fp4Features:
+    """Features as a 4-bit store would hold them: codes [..., D // block, block], the scale each
+    block decodes with (fp32, [..., D // block, 1]) and the scale arrays a store would keep
+    (mxfp4: the exponents + 127 as uint8; nvfp4: the e4m3 block scales' bits and the fp32 scale
+    per row)."""
+
+    codes: torch.Tensor
+    block_scale: torch.Tensor
+    stored_scales: list[torch.Tensor]
+
+    def decoded(self) -> torch.Tensor:
+        values = e2m1_value(self.codes) * self.block_scale
+        return values.reshape(*values.shape[:-2], -1)
+
+
+def encode_fp4(hidden_ND: torch.Tensor, kind: Fp4Kind) -> Fp4Features:
+    """[..., D] features -> `kind`'s blocks (module docstring). D must be a multiple of the
+    block."""
+    if kind not in BLOCK:
+        raise ValueError(f"unknown fp4 layout {kind!r}: one of {', '.join(FP4_KINDS)}")
+    block = BLOCK[kind]
+    D = hidden_ND.shape[-1]
+    if D % block:
+        raise ValueError(
+            f"{kind} rounds blocks of {block} features; this hidden size, {D}, is not a multiple"
+        )
+    x = hidden_ND.float()
+    blocks = x.reshape(*x.shape[:-1], D // block, block)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    if kind == "mxfp4":
+        # a zero block decodes to zeros whatever its scale; the clamp keeps log2 finite
+        exponent = torch.floor(torch.log2(amax.clamp(min=torch.finfo(torch.float32).tiny))) - 2
+        scale = torch.exp2(exponent)
+        stored = [(exponent.clamp(-127, 127) + 127).to(torch.uint8)]  # e8m0's range
+    else:
+        per_row = amax.amax(-2, keepdim=True) / (E2M1_MAX * E4M3_MAX)
+        per_row = torch.where(per_row == 0, torch.ones_like(per_row), per_row)
+        e4m3 = (amax / E2M1_MAX / per_row).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+        scale = e4m3.float() * per_row
+        stored = [e4m3.view(torch.uint8), per_row]
+    # a block whose scale is zero (an e4m3 scale that underflowed) holds zeros, as it decodes
+    codes = e2m1_code(torch.where(scale == 0, 0.0, blocks / scale.clamp(min=1e-38)))
+    return Fp4Features(codes, scale, stored)
+
+
+def round_features_fp4(hidden_ND: torch.Tensor, kind: Fp4Kind) -> torch.Tensor:
+    """[..., D] features -> the same shape in fp32, each block of the last dimension rounded as
+    `kind` (module docstring) stores it and decoded. D must be a multiple of the block."""
+    return encode_fp4(hidden_ND, kind).decoded()

@@ -1,0 +1,124 @@
+"""`data.hidden_as_fp4`'s rounding (stage2_train/fp4_features.py) against references built
+here value by value from the formats' definitions: e2m1's 15 signed values, MXFP4's
+power-of-two scale per 32 features, NVFP4's e4m3 scale per 16 under an fp32 one per row."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from common.store import dequantize_fp8, quantize_fp8
+from stage2_train.batch import Batch
+from stage2_train.fp4_features import round_features_fp4, round_to_e2m1
+
+MAGNITUDES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]  # e2m1, codes 0-7 (OCP MX spec)
+
+
+def nearest_e2m1(v: float) -> float:
+    """The nearest e2m1 value by brute force over the grid; a tie goes to the even code;
+    beyond 6, 6 (saturation)."""
+    m = min(abs(v), 6.0)
+    best = min(range(8), key=lambda c: (abs(MAGNITUDES[c] - m), c % 2))
+    return math.copysign(MAGNITUDES[best], v)
+
+
+def test_e2m1_rounding_matches_the_grid_ties_to_even() -> None:
+    ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+    values = ties + [-t for t in ties] + [0.1, 0.26, 2.49, 5.9, 6.0, 7.5, 100.0, -1e-9, 0.0]
+    values += torch.empty(2000).uniform_(-8, 8, generator=torch.Generator().manual_seed(0)).tolist()
+    got = round_to_e2m1(torch.tensor(values)).tolist()
+    assert got == [nearest_e2m1(v) for v in values]
+    # the ties land on even codes: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4
+    assert got[:7] == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
+
+
+def reference_mxfp4(row: list[float]) -> list[float]:
+    out = []
+    for start in range(0, len(row), 32):
+        block = row[start : start + 32]
+        amax = max(abs(v) for v in block)
+        if amax == 0:
+            out += [0.0] * len(block)
+            continue
+        scale = 2.0 ** (math.floor(math.log2(amax)) - 2)
+        out += [nearest_e2m1(v / scale) * scale for v in block]
+    return out
+
+
+def reference_nvfp4(row: list[float]) -> list[float]:
+    per_row = max(abs(v) for v in row) / (6 * 448)
+    out = []
+    for start in range(0, len(row), 16):
+        block = row[start : start + 16]
+        wanted = max(abs(v) for v in block) / 6 / per_row
+        block_scale = torch.tensor(wanted).to(torch.float8_e4m3fn).float().item()
+        scale = torch.tensor(block_scale * per_row, dtype=torch.float32).item()
+        out += [nearest_e2m1(v / scale) * scale if scale else 0.0 for v in block]
+    return out
+
+
+@pytest.mark.parametrize("kind", ["mxfp4", "nvfp4"])
+def test_blocks_match_the_reference(kind: str) -> None:
+    g = torch.Generator().manual_seed(1)
+    # rows of 64 features with a wide spread of magnitudes across blocks, a zero block, an outlier
+    x = (
+        torch.randn(6, 2, 64, generator=g)
+        * torch.logspace(-3, 2, 64)[torch.randperm(64, generator=g)]
+    )
+    x[0, 0, :32] = 0
+    x[1, 1, 5] = 300.0
+    got = round_features_fp4(x, kind)  # type: ignore[arg-type]
+    reference = reference_mxfp4 if kind == "mxfp4" else reference_nvfp4
+    for t in range(x.shape[0]):
+        for k in range(x.shape[1]):
+            want = torch.tensor(reference(x[t, k].tolist()), dtype=torch.float32)
+            torch.testing.assert_close(got[t, k], want, rtol=1e-6, atol=0)
+    assert (got[0, 0, :32] == 0).all()
+
+
+def test_mxfp4_results_are_exact_in_bf16() -> None:
+    x = torch.randn(50, 3, 96, generator=torch.Generator().manual_seed(2)) * 7
+    got = round_features_fp4(x, "mxfp4")
+    assert torch.equal(got.to(torch.bfloat16).float(), got)
+
+
+def test_bad_layouts_are_named() -> None:
+    with pytest.raises(ValueError, match="not a multiple"):
+        round_features_fp4(torch.ones(2, 40), "mxfp4")
+    with pytest.raises(ValueError, match="unknown fp4 layout 'fp4'"):
+        round_features_fp4(torch.ones(2, 32), "fp4")  # type: ignore[arg-type]
+
+
+def _batch(hidden_TKD: torch.Tensor, scale_TK: torch.Tensor | None) -> Batch:
+    T = hidden_TKD.shape[0]
+    none = torch.zeros(0, dtype=torch.long)
+    return Batch(
+        indices=torch.zeros(1, dtype=torch.long),
+        tokens_T=torch.zeros(T, dtype=torch.long),
+        position_ids_T=torch.arange(T),
+        document_ids_T=torch.zeros(T, dtype=torch.long),
+        hidden_TKD=hidden_TKD,
+        anchors_A=none,
+        labels_AB=none,
+        weights_AB=none,
+        hidden_scale_TK=scale_TK,
+    )
+
+
+def test_a_batch_rounds_what_its_store_holds() -> None:
+    """bf16 features are rounded as they are; an fp8 store's are decoded first (the features
+    the drafter would otherwise see), and either way the drafter gets bf16 and no scale."""
+    x = (torch.randn(12, 3, 64, generator=torch.Generator().manual_seed(3)) * 4).to(torch.bfloat16)
+    for kind in ("mxfp4", "nvfp4"):
+        plain = _batch(x, None).rounded_as_configured(False, kind)
+        assert plain.hidden_scale_TK is None and plain.hidden_TKD.dtype == torch.bfloat16
+        assert torch.equal(plain.hidden_TKD, round_features_fp4(x, kind).to(torch.bfloat16))
+        bits, scale = quantize_fp8(x)
+        from_fp8 = _batch(bits, scale).rounded_as_configured(False, kind)
+        want = round_features_fp4(dequantize_fp8(bits, scale), kind).to(torch.bfloat16)
+        assert from_fp8.hidden_scale_TK is None and torch.equal(from_fp8.hidden_TKD, want)
+        assert not torch.equal(from_fp8.hidden_TKD, x)  # the rounding is visible
+    unchanged = _batch(x, None)
+    assert unchanged.rounded_as_configured(False, "none") is unchanged
