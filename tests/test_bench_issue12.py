@@ -93,15 +93,19 @@ def test_loader_cost_reads_a_store(tmp_path: Path) -> None:
 
 def test_fp8_variants_on_a_bf16_store(tmp_path: Path) -> None:
     """bench/fp8_variants.py requantizes a bf16 store's features: e5m2 (2 mantissa bits) errs
-    more than e4m3 (3), and every variant is smaller than bf16."""
+    more than e4m3 (3), the 4-bit layouts (1 mantissa bit) more still and take fewer bytes,
+    and every variant is smaller than bf16."""
     store = build_store(tmp_path / "store", FactorySpec(hidden_dtype="bfloat16"))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     command = [sys.executable, str(ROOT / "bench" / "fp8_variants.py"), "--store", str(store)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     bf16, *variants = [json.loads(line) for line in done.stdout.strip().splitlines()]
-    assert bf16["variant"] == "bf16" and len(variants) == 3
-    e4m3, e5m2, per_channel = variants
+    assert bf16["variant"] == "bf16" and len(variants) == 5
+    e4m3, e5m2, per_channel, mxfp4, nvfp4 = variants
     assert e4m3["rel_rms_error"] < e5m2["rel_rms_error"] < 0.2
     assert per_channel["rel_rms_error"] < 0.1
+    for fp4 in (mxfp4, nvfp4):
+        assert e5m2["rel_rms_error"] < fp4["rel_rms_error"] < 0.3
+        assert fp4["bytes_per_token"] < e5m2["bytes_per_token"]
     assert all(v["bytes_per_token"] < bf16["bytes_per_token"] for v in variants)
