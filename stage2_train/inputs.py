@@ -26,6 +26,7 @@ from common.store import (
 from common.store_check import check_shards, damage_error, damaged_shards
 from stage2_train.config import TrainConfig
 from stage2_train.data import layer_index, loader_arrays
+from stage2_train.fp4_features import BLOCK as FP4_BLOCK
 from stage2_train.model import DrafterShape, drafter_shape
 from stage2_train.plan import split_store
 
@@ -180,6 +181,14 @@ def check_inputs(cfg: TrainConfig) -> tuple[StoreInfo, DrafterShape]:
         layer_index(info, cfg.data.tapped_layers)
     except ValueError as err:
         problems.append(str(err))
+    fp4 = cfg.data.hidden_as_fp4
+    if fp4 != "none" and D % FP4_BLOCK[fp4]:
+        # found here, not at the first step (after the model is built and compiled)
+        problems.append(
+            f"data.hidden_as_fp4={fp4} rounds blocks of {FP4_BLOCK[fp4]} features, and the "
+            f"target's hidden size {D} is not a multiple: "
+            + ("use nvfp4 (blocks of 16) or none" if D % 16 == 0 else "set it to none")
+        )
     if cfg.anchors.num_anchors * cfg.drafter.block_size > 64 * info.seq_len:
         problems.append("anchors.num_anchors * block_size is over 64x the sequence length")
     if problems:

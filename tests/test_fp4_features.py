@@ -5,13 +5,18 @@ power-of-two scale per 32 features, NVFP4's e4m3 scale per 16 under an fp32 one 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from store_factory import FactorySpec, build_store
 
+from common.config import build_config
 from common.store import dequantize_fp8, quantize_fp8
 from stage2_train.batch import Batch
+from stage2_train.config import TrainConfig
 from stage2_train.fp4_features import round_features_fp4, round_to_e2m1
+from stage2_train.inputs import check_inputs
 
 MAGNITUDES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]  # e2m1, codes 0-7 (OCP MX spec)
 
@@ -122,3 +127,17 @@ def test_a_batch_rounds_what_its_store_holds() -> None:
         assert not torch.equal(from_fp8.hidden_TKD, x)  # the rounding is visible
     unchanged = _batch(x, None)
     assert unchanged.rounded_as_configured(False, "none") is unchanged
+
+
+def test_a_hidden_size_off_the_block_is_refused_at_the_start(tmp_path: Path) -> None:
+    """A hidden size that is no multiple of the layout's block fails in check_inputs, naming
+    data.hidden_as_fp4 and the layout that would fit, not at the first step."""
+    store = build_store(tmp_path / "s", FactorySpec(hidden_size=48, num_sequences=4))
+
+    def cfg(kind: str) -> TrainConfig:
+        sets = [f"data.store={store}", f"run.out={tmp_path / 'run'}", f"data.hidden_as_fp4={kind}"]
+        return build_config(TrainConfig, "configs/debug.yaml", "train", sets)
+
+    with pytest.raises(ValueError, match=r"hidden_as_fp4=mxfp4 .* hidden size 48 .* use nvfp4"):
+        check_inputs(cfg("mxfp4"))
+    check_inputs(cfg("nvfp4"))  # 48 = 3 blocks of 16
