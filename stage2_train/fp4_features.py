@@ -13,7 +13,7 @@ Two layouts, each a shared scale per block of features along the hidden size:
 Values are rounded to the nearest e2m1 value, ties to the even code (IEEE's rule, as the
 hardware's casts do). mxfp4's results are exactly representable in bf16 (at most 2
 significant bits times a power of two); nvfp4's, times an fp32 scale, round once more when
-cast to bf16, as an fp8 store's decode to the model's dtype does (~0.4% at most, against
+cast to bf16, as an fp8 store's decode to the model's dtype does (0.2% at most, against
 fp4's ~10%).
 """
 
