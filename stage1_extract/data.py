@@ -1,15 +1,16 @@
 """Read the input dataset and turn every row into one document: token ids plus a loss mask.
 
-Accepted inputs: a local .json/.jsonl/.jsonl.gz/.parquet file or a folder of them, or a hub
-dataset name (needs network). Accepted rows: `messages` [{role, content}], ShareGPT
-`conversations` [{from, value}] (both rendered by the tokenizer's own chat template, loss on
-assistant turns; see `stage1_extract/chat.py`), plain `text` (loss on every token) or `prompt` +
-`completion` (loss on the completion). A text or prompt gets what the tokenizer puts before a
-text by default (Llama's BOS: the target was trained to see it), never what it appends (an EOS,
-for a tokenizer set to add one): that says the document ended there, which a text row does not
-say and a prompt contradicts; an end the data holds is written in it (`<|endoftext|>` as text,
-read back as its id). Tokenization is a batched `datasets` map of a module-level function, so
-its result is cached by fingerprint and a rerun of the same data and tokenizer is free.
+Accepted inputs: a local .json/.jsonl/.jsonl.gz/.parquet file or a folder of them, a
+`datasets.save_to_disk` folder, or a hub dataset name (needs network). Accepted rows: `messages`
+[{role, content}], ShareGPT `conversations` [{from, value}] (both rendered by the tokenizer's
+own chat template, loss on assistant turns; see `stage1_extract/chat.py`), plain `text` (loss on
+every token) or `prompt` + `completion` (loss on the completion). A text or prompt gets what the
+tokenizer puts before a text by default (Llama's BOS: the target was trained to see it), never
+what it appends (an EOS, for a tokenizer set to add one): that says the document ended there,
+which a text row does not say and a prompt contradicts; an end the data holds is written in it
+(`<|endoftext|>` as text, read back as its id). Tokenization is a batched `datasets` map of a
+module-level function, so its result is cached by fingerprint and a rerun of the same data and
+tokenizer is free.
 
     from stage1_extract.data import prepare_documents
     prepared = prepare_documents(cfg.data, tokenizer)   # .dataset: input_ids, loss_mask, source_index

@@ -20,6 +20,8 @@ LOCAL_BUILDERS = {
     ".json": "json",
     ".parquet": "parquet",
 }
+# what `Dataset.save_to_disk` (state.json) and `DatasetDict.save_to_disk` write at the top
+SAVED_MARKERS = ("state.json", "dataset_dict.json")
 EMPTY_FIX = "it holds no rows; remove it, or point --data at a file or folder with rows"
 READ_FIX = {
     "json": "fix or remove the file (JSON Lines: one object per line; .json: one array of "
@@ -77,7 +79,9 @@ def _json_lines_problem(files: list[str]) -> str | None:
             continue
         opener = gzip.open if name.lower().endswith(".gz") else open
         rows = 0
-        with opener(name, "rt", encoding="utf-8", errors="replace") as f:
+        # utf-8-sig: a BOM before the first line (Windows editors write one) is no JSON, and
+        # `datasets` reads past it; as utf-8 it would be blamed for a bad line further on
+        with opener(name, "rt", encoding="utf-8-sig", errors="replace") as f:
             for number, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -105,9 +109,32 @@ def _cause(err: BaseException) -> str:
     return type(err).__name__
 
 
+def _load_saved(path: Path, split: str) -> datasets.Dataset:
+    """A folder written by `Dataset.save_to_disk` (or a DatasetDict's, one folder per split)."""
+    try:
+        saved = datasets.load_from_disk(str(path))
+    except Exception as err:
+        raise ValueError(
+            f"could not read data {path} (a datasets.save_to_disk folder): {_cause(err)}; "
+            "save it again, or point --data at its rows as .jsonl or .parquet files"
+        ) from err
+    if isinstance(saved, datasets.DatasetDict):
+        if split not in saved:
+            raise ValueError(
+                f"data {path} (a datasets.save_to_disk folder) has no split {split!r}, only "
+                f"{sorted(saved)}; choose one with --set data.split=NAME"
+            )
+        return saved[split]
+    return saved
+
+
 def load_local(path: Path, split: str) -> datasets.Dataset:
-    """`datasets.load_dataset` of a local file or folder; a failure names the file, the reason
-    and the fix."""
+    """`datasets.load_dataset` of a local file or folder (`datasets.load_from_disk` of a
+    `save_to_disk` folder); a failure names the file, the reason and the fix."""
+    # a save_to_disk folder holds Arrow files beside JSON metadata (state.json,
+    # dataset_info.json), which the JSON builder would read as rows ("Couldn't cast")
+    if path.is_dir() and any((path / m).is_file() for m in SAVED_MARKERS):
+        return _load_saved(path, split)
     builder, files = local_data_files(path)
     if empty := [f for f in files if os.path.getsize(f) == 0]:
         raise ValueError(f"data file {empty[0]} is empty: {EMPTY_FIX}")
