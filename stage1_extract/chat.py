@@ -88,6 +88,8 @@ def normalize_conversation(
                 "unknown_role", f"message {j} is from {role!r}; known: {sorted(ROLE_ALIASES)}"
             )
         content = item.get(content_key)
+        if isinstance(content, list):
+            content = text_of_parts(content, j)
         if content is not None and not isinstance(content, str):
             raise InvalidRow("bad_message", f"message {j} content is not a string: {content!r:.80}")
         # keep extra fields (tool_calls, reasoning_content...) for the template, but not the Nones
@@ -103,6 +105,24 @@ def normalize_conversation(
     if not empty_replies_ok and all(is_empty_turn(m) for m in assistants):
         raise InvalidRow("empty_assistant", "every assistant message has empty content")
     return messages
+
+
+def text_of_parts(parts: list[Any], j: int) -> str:
+    """OpenAI's content as a list of parts ([{type: "text", text}]) as the one string chat
+    templates render: the texts joined by newlines, as vLLM and TensorRT-LLM join them for a
+    template that takes strings (what the target sees when such a request is served). A part
+    of another type (an image) has no text the drafter could learn from: an InvalidRow."""
+    texts = []
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise InvalidRow(
+                "non_text_content",
+                f"message {j} content has a part that is not text ({kind!r}, expected "
+                f"{{type: 'text', text: ...}}): {part!r:.80}",
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def is_empty_turn(message: dict[str, Any]) -> bool:

@@ -94,6 +94,15 @@ def _message_keys(feature: Any) -> set[str]:
     return set(inner) if isinstance(inner, dict) else set()
 
 
+def _string_contents(feature: Any, fmt: str) -> bool:
+    """Whether the schema says every message's content is a string (no list of parts)."""
+    inner = getattr(feature, "feature", None)
+    value = (
+        inner.get("value" if fmt == "sharegpt" else "content") if isinstance(inner, dict) else None
+    )
+    return getattr(value, "dtype", None) in ("string", "large_string")
+
+
 def detect_format(cfg: DataConfig, features: datasets.Features) -> tuple[str, str]:
     """(format, column) of the rows: `cfg.format` checked against the columns, or, for "auto",
     picked by column name and by the message fields ({role, content} or {from, value})."""
@@ -145,9 +154,12 @@ def _tokenize_batch(
     completion_column: str | None = None,
     template_kwargs: dict[str, Any] | None = None,
     suffix: list[int] | None = None,
+    content_parts: str | None = None,
 ) -> dict[str, list[Any]] | pa.Table:
     """One `datasets.map` batch; module-level with plain arguments so its fingerprint is stable.
-    `suffix`: the tokenizer's default suffix, left out of text rows and prompts."""
+    `suffix`: the tokenizer's default suffix, left out of text rows and prompts.
+    `content_parts`: not read; keys the map's cache of rows whose contents may be lists of
+    parts, which versions before `text_of_parts` refused (a cache of their skips would stay)."""
     rows = batch[column]
     suffix = suffix or []
     if fmt == "text":
@@ -372,6 +384,12 @@ def prepare_documents(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Pr
             # likewise: only a tokenizer that appends a suffix gets other rows than before
             # (the map's cache is keyed by these arguments, never by this module's code)
             **({"suffix": suffix} if suffix else {}),
+            # likewise: only contents that may be lists of parts, which earlier versions refused
+            **(
+                {"content_parts": "joined"}
+                if chat and not _string_contents(raw.features[column], fmt)
+                else {}
+            ),
         },
         remove_columns=raw.column_names,
         features=FEATURES,

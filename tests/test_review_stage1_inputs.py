@@ -9,10 +9,33 @@ from pathlib import Path
 import datasets
 import pytest
 
+from common.tiny import build_tokenizer, example_texts
 from stage1_extract.config import DataConfig
-from stage1_extract.data import load_raw_dataset
+from stage1_extract.data import load_raw_dataset, prepare_documents
 
 ROWS = [{"text": f"document number {i}"} for i in range(4)]
+CHAT = [
+    {"role": "system", "content": "You are a concise assistant."},
+    {"role": "user", "content": "What is a prime number?\nAnswer briefly."},
+    {"role": "assistant", "content": "A number whose only divisors are one and itself."},
+]
+
+
+@pytest.fixture(autouse=True)
+def private_datasets_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def as_parts(message: dict, split: bool = False) -> dict:
+    """`message` with its content as OpenAI's list of text parts (two when `split`: the
+    first line and the rest, which vLLM joins by a newline)."""
+    texts = message["content"].split("\n", 1) if split else [message["content"]]
+    return {**message, "content": [{"type": "text", "text": t} for t in texts]}
 
 
 def load_error(cfg: DataConfig) -> str:
@@ -52,3 +75,36 @@ def test_save_to_disk_folders_are_read(tmp_path: Path) -> None:
     message = load_error(DataConfig(path=str(tmp_path / "dict"), split="validation"))
     assert "has no split 'validation', only ['test', 'train']" in message
     assert "--set data.split=NAME" in message
+
+
+def test_content_given_as_text_parts_is_their_text(tmp_path: Path) -> None:
+    # OpenAI's content parts were refused ("content is not a string"), rows lost under skip
+    tok = build_tokenizer(example_texts())
+    reference = prepare_documents(
+        DataConfig(path=str(write_jsonl(tmp_path / "plain.jsonl", [{"messages": CHAT}] * 2))), tok
+    ).dataset
+    parts = [as_parts(CHAT[0]), as_parts(CHAT[1], split=True), as_parts(CHAT[2])]
+    # JSON Lines mixing strings and parts (a `Json` column), and Parquet of parts alone
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"messages": CHAT}, {"messages": parts}])
+    datasets.Dataset.from_list([{"messages": parts}] * 2).to_parquet(str(tmp_path / "p.parquet"))
+    for path in (mixed, tmp_path / "p.parquet"):
+        got = prepare_documents(DataConfig(path=str(path)), tok)
+        assert got.skipped == {}
+        assert got.dataset["input_ids"][:] == reference["input_ids"][:]
+        assert got.dataset["loss_mask"][:] == reference["loss_mask"][:]
+
+
+def test_a_part_that_is_not_text_names_the_row(tmp_path: Path) -> None:
+    tok = build_tokenizer(example_texts())
+    image = {"type": "image_url", "image_url": {"url": "file:///x.png"}}
+    user = {"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}
+    rows = [{"messages": CHAT}, {"messages": [user, CHAT[2]]}]
+    path = write_jsonl(tmp_path / "image.jsonl", rows)
+    with pytest.raises(ValueError) as err:
+        prepare_documents(DataConfig(path=str(path)), tok)
+    assert f"data {path} row 1: message 0 content has a part that is not text ('image_url'" in str(
+        err.value
+    )
+    skipped = prepare_documents(DataConfig(path=str(path), on_invalid="skip"), tok)
+    assert skipped.skipped == {"non_text_content": 1}
+    assert skipped.dataset["source_index"][:] == [0]
