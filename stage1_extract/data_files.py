@@ -11,6 +11,11 @@ import os
 from pathlib import Path
 
 import datasets
+from datasets.data_files import DataFilesList, get_data_patterns
+
+from common.logging import get_logger
+
+log = get_logger()
 
 # file suffix -> `datasets` builder; longest suffixes first so ".jsonl.gz" wins over ".gz"
 LOCAL_BUILDERS = {
@@ -35,8 +40,40 @@ def _builder_for(path: Path) -> str | None:
     return next((b for suffix, b in LOCAL_BUILDERS.items() if name.endswith(suffix)), None)
 
 
-def local_data_files(path: Path) -> tuple[str, list[str]]:
-    """The `datasets` builder and the sorted data files of a local file or folder."""
+def _split_files(folder: Path, files: list[Path], split: str) -> list[Path]:
+    """`files` of `split` where their names name splits as `datasets` names a hub dataset's
+    (`data/train-00000-of-00001.parquet`, `test/`, `validation.jsonl`): read whole, such a
+    folder gave every split as one, a test set trained on, and data.split went unused. A
+    folder of one split, or of none (`part-*.jsonl.gz`), is read whole as before."""
+    by_split = {
+        str(name): {Path(f).resolve() for f in DataFilesList.from_patterns(p, str(folder))}
+        for name, p in get_data_patterns(str(folder)).items()
+    }
+    resolved = {f.resolve(): f for f in files}
+    in_splits = {name: [f for f in resolved if f in got] for name, got in by_split.items()}
+    in_splits = {name: got for name, got in in_splits.items() if got}
+    if len(in_splits) <= 1 and all(len(got) == len(files) for got in in_splits.values()):
+        return files
+    counts = ", ".join(f"{name} ({len(got)} files)" for name, got in sorted(in_splits.items()))
+    loose = [str(f) for r, f in resolved.items() if not any(r in g for g in in_splits.values())]
+    if loose:  # `datasets` would leave them out unsaid
+        raise ValueError(
+            f"data folder {folder} names splits in its file names ({counts}), but "
+            f"{len(loose)} files belong to none, e.g. {loose[0]}; move them into a split's "
+            "files, or point --data at one file or subfolder"
+        )
+    if split not in in_splits:
+        raise ValueError(
+            f"data folder {folder} names splits in its file names ({counts}) but not "
+            f"{split!r}; choose one with --set data.split=NAME"
+        )
+    log.info("data folder %s: reading split %r of %s (data.split)", folder, split, counts)
+    return [resolved[f] for f in in_splits[split]]
+
+
+def local_data_files(path: Path, split: str = "train") -> tuple[str, list[str]]:
+    """The `datasets` builder and the sorted data files of a local file or folder (of `split`
+    where the folder's file names name splits)."""
     accepted = ", ".join(LOCAL_BUILDERS)
     if path.is_file():
         builder = _builder_for(path)
@@ -52,6 +89,7 @@ def local_data_files(path: Path) -> tuple[str, list[str]]:
     )
     if not files:
         raise ValueError(f"data folder {path} holds no {accepted} files; point --data at one")
+    files = _split_files(path, files, split)
     builders = {_builder_for(p) for p in files}
     if len(builders) > 1:
         raise ValueError(
@@ -135,7 +173,7 @@ def load_local(path: Path, split: str) -> datasets.Dataset:
     # dataset_info.json), which the JSON builder would read as rows ("Couldn't cast")
     if path.is_dir() and any((path / m).is_file() for m in SAVED_MARKERS):
         return _load_saved(path, split)
-    builder, files = local_data_files(path)
+    builder, files = local_data_files(path, split)
     if empty := [f for f in files if os.path.getsize(f) == 0]:
         raise ValueError(f"data file {empty[0]} is empty: {EMPTY_FIX}")
     try:

@@ -108,3 +108,29 @@ def test_a_part_that_is_not_text_names_the_row(tmp_path: Path) -> None:
     skipped = prepare_documents(DataConfig(path=str(path), on_invalid="skip"), tok)
     assert skipped.skipped == {"non_text_content": 1}
     assert skipped.dataset["source_index"][:] == [0]
+
+
+def test_a_folder_whose_file_names_name_splits_reads_data_split(tmp_path: Path) -> None:
+    # a hub dataset's snapshot: every split was read as one (its test rows trained on)
+    folder = tmp_path / "snapshot"
+    (folder / "data").mkdir(parents=True)
+    (folder / "README.md").write_text("# card\n")
+    for split, rows in (("train", ROWS[:3]), ("test", ROWS[3:])):
+        name = f"data/{split}-00000-of-00001.parquet"
+        datasets.Dataset.from_list(rows).to_parquet(str(folder / name))
+    train = load_raw_dataset(DataConfig(path=str(folder)))
+    assert train["text"] == [r["text"] for r in ROWS[:3]]
+    test = load_raw_dataset(DataConfig(path=str(folder), split="test"))
+    assert test["text"] == [ROWS[3]["text"]]
+    message = load_error(DataConfig(path=str(folder), split="validation"))
+    assert "names splits in its file names (test (1 files), train (1 files))" in message
+    assert "but not 'validation'; choose one with --set data.split=NAME" in message
+    # a file of no split would be left out unsaid by `datasets`: refused, named
+    (tmp_path / "j").mkdir()
+    write_jsonl(tmp_path / "j" / "train.jsonl", ROWS[:2])
+    write_jsonl(tmp_path / "j" / "extra.jsonl", ROWS[2:])
+    message = load_error(DataConfig(path=str(tmp_path / "j")))
+    assert "but 1 files belong to none, e.g. " + str(tmp_path / "j" / "extra.jsonl") in message
+    # one split alone, or none named, is read whole as before
+    (tmp_path / "j" / "extra.jsonl").rename(tmp_path / "j" / "train-2.jsonl")
+    assert len(load_raw_dataset(DataConfig(path=str(tmp_path / "j")))) == 4
