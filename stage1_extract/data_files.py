@@ -9,6 +9,7 @@ import gzip
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import datasets
 from datasets.data_files import DataFilesList, get_data_patterns
@@ -92,8 +93,10 @@ def local_data_files(path: Path, split: str = "train") -> tuple[str, list[str]]:
     files = _split_files(path, files, split)
     builders = {_builder_for(p) for p in files}
     if len(builders) > 1:
+        first = {_builder_for(p): p for p in reversed(files)}
         raise ValueError(
-            f"data folder {path} mixes JSON and Parquet files; keep one kind per folder"
+            f"data folder {path} mixes JSON and Parquet files (e.g. {first['json']} and "
+            f"{first['parquet']}); keep one kind per folder"
         )
     return builders.pop(), [str(p) for p in files]
 
@@ -108,14 +111,27 @@ def looks_local(path: str) -> bool:
     )
 
 
+def _holds_lines(name: str, opener: Any) -> bool:
+    """Whether a .json(.gz) file `datasets` failed on holds JSON Lines (which it reads in a
+    .json file too, naming a bad line by Arrow's row in a block): not one JSON document, and
+    its first text an object's, not an array's."""
+    with opener(name, "rt", encoding="utf-8-sig", errors="replace") as f:
+        text = f.read()
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return text.lstrip().startswith("{")
+    return False
+
+
 def _json_lines_problem(files: list[str]) -> str | None:
     """The error for the first empty .jsonl(.gz) file or bad line among `files`, read with the
     stdlib: the errors of `datasets` name neither the file nor the line (Arrow counts rows per
     block)."""
     for name in files:
-        if not name.lower().endswith((".jsonl", ".jsonl.gz")):
-            continue
         opener = gzip.open if name.lower().endswith(".gz") else open
+        if not name.lower().endswith((".jsonl", ".jsonl.gz")) and not _holds_lines(name, opener):
+            continue
         rows = 0
         # utf-8-sig: a BOM before the first line (Windows editors write one) is no JSON, and
         # `datasets` reads past it; as utf-8 it would be blamed for a bad line further on

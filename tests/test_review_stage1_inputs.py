@@ -134,3 +134,18 @@ def test_a_folder_whose_file_names_name_splits_reads_data_split(tmp_path: Path) 
     # one split alone, or none named, is read whole as before
     (tmp_path / "j" / "extra.jsonl").rename(tmp_path / "j" / "train-2.jsonl")
     assert len(load_raw_dataset(DataConfig(path=str(tmp_path / "j")))) == 4
+
+
+def test_a_bad_line_of_json_lines_in_a_json_file_is_named_by_its_line(tmp_path: Path) -> None:
+    # `datasets` reads JSON Lines in a .json file too; its error named Arrow's "row 2"
+    path = tmp_path / "rows.json"
+    path.write_text(f'{json.dumps(ROWS[0])}\n{json.dumps(ROWS[1])}\n{{"text": x}}\n')
+    message = load_error(DataConfig(path=str(path)))
+    assert message.startswith(f"data file {path} line 3, column 10: Expecting value")
+
+
+def test_a_folder_mixing_json_and_parquet_names_one_of_each(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "a.jsonl", ROWS[:2])
+    datasets.Dataset.from_list(ROWS[2:]).to_parquet(str(tmp_path / "b.parquet"))
+    message = load_error(DataConfig(path=str(tmp_path)))
+    assert f"(e.g. {tmp_path / 'a.jsonl'} and {tmp_path / 'b.parquet'})" in message
