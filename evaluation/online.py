@@ -85,6 +85,13 @@ def load_prompts(cfg: EvaluateConfig, tokenizer) -> list[list[int]]:
             f"--data {path} does not exist; pass a .json/.jsonl(.gz)/.parquet file of "
             "documents or conversations, or a folder of them"
         )
+    if (path / "zarr.json").is_file():
+        # the reader took the store's zarr.json files for rows and failed in a pyarrow cast
+        raise ValueError(
+            f"--data {path} is a store (zarr.json), not prompts: pass the rows it was "
+            "extracted from (a .jsonl, or the `dflash generate` folder), or measure on the "
+            "store with `dflash evaluate-offline --store`"
+        )
     # extract's reader: the same files and folders (a `dflash generate` output too), and a
     # malformed line or an empty file named with the fix
     rows = load_local(path, "train")
@@ -217,6 +224,14 @@ def run_evaluate(cfg: EvaluateConfig) -> dict:
     # the target's positions from its config alone, and the prompts, before any weights load
     # (a missing folder or an unreachable hub id is named with the fix)
     target_config = load_target_config(TargetConfig(model=cfg.target), "--target")
+    if getattr(target_config, "dflash_config", None) is not None:
+        # a drafter export loads as a model too: refused here, its check against the drafter
+        # named its layers and width as if it were a target of another shape
+        raise ValueError(
+            f"--target {cfg.target} is a DFlash drafter export (dflash_config in its "
+            "config.json), not a target: pass the target model the drafter was trained for "
+            "as --target, and the export as --drafter"
+        )
     found = max_positions(target_config)
     check_positions(cfg, found)
     # the drafter first: a wrong folder, or one of another target, fails before minutes of

@@ -195,17 +195,48 @@ def shape_from_export(config: dict) -> DrafterShape:
     )
 
 
+def not_an_export_fix(folder: Path) -> str:
+    """What to pass instead of `folder` as a drafter, by what it is (a run folder or one of
+    its checkpoints: the slips a user makes after `dflash train`)."""
+    step = STEP_RE.match(folder.name)
+    if step and folder.is_dir():
+        return (
+            f"this is a training checkpoint: export it with `dflash export {folder.parent} "
+            f"--step {int(step.group(1))} --out FOLDER` and pass FOLDER"
+        )
+    if (folder / "export" / "config.json").is_file():
+        return f"this is a training run: pass its export, {folder / 'export'}"
+    if list_checkpoints(folder):
+        return f"this is a training run: export it with `dflash export {folder}` first"
+    return "pass an export folder (RUN/export, or `dflash export RUN`)"
+
+
 def read_export_config(folder: str | Path) -> dict:
     """The config.json of an export folder; ValueError naming the fix when the folder is not
-    one (config.json or model.safetensors missing)."""
+    one (config.json or model.safetensors missing, or a config without dflash_config: a
+    target model's folder, say)."""
     folder = Path(folder)
     missing = [n for n in ("config.json", "model.safetensors") if not (folder / n).is_file()]
     if missing:
         raise ValueError(
-            f"drafter {folder}: {', '.join(missing)} missing; pass an export folder "
-            "(RUN/export, or `dflash export RUN`)"
+            f"drafter {folder}: {', '.join(missing)} missing; {not_an_export_fix(folder)}"
         )
-    return json.loads((folder / "config.json").read_text())
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"drafter {folder}: config.json is unreadable ({err}); export it again with "
+            "`dflash export RUN --out FOLDER`"
+        ) from err
+    # a model folder of any other kind (the target's, passed for the drafter) has both files
+    # too: without this, the first read of dflash_config failed as a KeyError, a bug's exit
+    if not isinstance(config, dict) or not isinstance(config.get("dflash_config"), dict):
+        raise ValueError(
+            f"drafter {folder}: its config.json has no dflash_config, so it is no DFlash "
+            "drafter (a target model's folder?); pass an export folder (RUN/export, or "
+            "`dflash export RUN`)"
+        )
+    return config
 
 
 def load_export(folder: str | Path) -> DFlashDrafter:

@@ -123,6 +123,10 @@ def check_same_run(
     if meta.get("world_size", world) != world:
         fixed.append(f"world size: {meta['world_size']} -> {world} processes")
     saved_layers = meta.get("target", {}).get("tapped_layers")
+    if layers is not None and saved_layers == layers:
+        # data.tapped_layers matters by the layers it reads: naming all of the store's layers,
+        # or leaving it unset (all of them), is the same drafter input, not a change
+        fixed = [line for line in fixed if not line.startswith("data.tapped_layers:")]
     if layers is not None and saved_layers is not None and saved_layers != layers:
         # the same config can read other layers: a store an earlier release wrote out of
         # ascending order is now read reordered, and the checkpoint's fc expects the old order
