@@ -42,6 +42,17 @@ class OfflineEvalConfig:
     dtype: str = "float32"  # the drafter's compute dtype, as `dflash evaluate` runs it
     chain_batch: int = 8  # sequences per chained forward
 
+    def validate(self) -> None:
+        # named by their flags: --num-anchors 0 failed as an AssertionError deep in the anchor
+        # sampler (a bug's exit), and --max-sequences 0 as a store with no sequences
+        problems = [
+            f"--{name.replace('_', '-')} must be >= 1, got {value}"
+            for name in ("num_anchors", "max_sequences")
+            if (value := getattr(self, name)) is not None and value < 1
+        ]
+        if problems:
+            raise ValueError("invalid evaluate-offline settings: " + "; ".join(problems))
+
 
 def check_fits(drafter_config: dict[str, Any], attrs: dict[str, Any], store: str) -> None:
     """The drafter must read layers the store holds (all of them, or some: a drafter trained
@@ -70,6 +81,7 @@ def check_fits(drafter_config: dict[str, Any], attrs: dict[str, Any], store: str
 
 def run_offline_eval(cfg: OfflineEvalConfig) -> dict[str, Any]:
     """Per-slot accuracy and implied tau of the drafter over the store's sequences."""
+    cfg.validate()
     info = open_store(cfg.store, require_complete=True)
     drafter_config = read_export_config(cfg.drafter)
     check_fits(drafter_config, info.attrs, cfg.store)

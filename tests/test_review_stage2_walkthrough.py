@@ -118,3 +118,17 @@ def test_naming_the_stores_layers_is_no_change_on_resume(tmp_path: Path) -> None
     assert (out / "step-000006").is_dir()
     with pytest.raises(ValueError, match=r"data.tapped_layers: None -> \[2\]"):
         run_train(build_config(TrainConfig, DEBUG, "train", [*named, "data.tapped_layers=[2]"]))
+
+
+@pytest.mark.parametrize(
+    "option, named",
+    [("--num-anchors", "--num-anchors must be >= 1, got 0"), ("--max-sequences", "--max-seq")],
+)
+def test_evaluate_offline_counts_below_one_are_named_by_their_flag(
+    store: Path, option: str, named: str
+) -> None:
+    # --num-anchors 0 failed as an AssertionError in the anchor sampler (a bug's exit), and
+    # --max-sequences 0 as a store without sequences; refused before the drafter is read
+    args = ["evaluate-offline", "--drafter", "/nonexistent", "--store", str(store)]
+    line = error_line(CliRunner().invoke(cli, [*args, option, "0"]))
+    assert line.startswith("error: invalid evaluate-offline settings") and named in line
