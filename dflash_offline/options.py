@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
@@ -93,6 +94,9 @@ def echo_json(results: dict[str, Any], json_out: str | None) -> None:
     text = json.dumps(_finite(results), indent=2, allow_nan=False)
     click.echo(text)
     if json_out:
+        # its folder made as the plot beside it makes its own: evaluate-offline's --json-out in
+        # a new folder failed after all of its work (minutes on a CPU), evaluate's did not
+        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
         with open(json_out, "w") as f:
             f.write(text)
 

@@ -132,3 +132,13 @@ def test_evaluate_offline_counts_below_one_are_named_by_their_flag(
     args = ["evaluate-offline", "--drafter", "/nonexistent", "--store", str(store)]
     line = error_line(CliRunner().invoke(cli, [*args, option, "0"]))
     assert line.startswith("error: invalid evaluate-offline settings") and named in line
+
+
+def test_json_out_in_a_new_folder_is_written(tmp_path: Path) -> None:
+    # evaluate-offline's --json-out in a folder not yet made failed once all was computed
+    # (evaluate's worked: its plot, written first, made the folder)
+    from dflash_offline.options import echo_json
+
+    path = tmp_path / "new" / "offline.json"
+    echo_json({"chained_tau": 1.5}, str(path))
+    assert json.loads(path.read_text()) == {"chained_tau": 1.5}
