@@ -76,6 +76,7 @@ def _chat_prompt(tokenizer, messages: list[dict], template_kwargs: dict[str, Any
 def load_prompts(cfg: EvaluateConfig, tokenizer) -> list[list[int]]:
     """Prompts from text rows (their first tokens) or chat rows (`messages`, up to the last
     assistant turn, rendered by the target's chat template)."""
+    from stage1_extract.chat import InvalidRow, template_message
     from stage1_extract.data import special_affixes, without_suffix
     from stage1_extract.data_files import load_local
 
@@ -102,7 +103,15 @@ def load_prompts(cfg: EvaluateConfig, tokenizer) -> list[list[int]]:
                 f"{path} holds conversations but the target's tokenizer has no chat template"
             )
         prompts, cut = [], 0
-        for i, messages in enumerate(rows["messages"]):
+        for i, raw in enumerate(rows["messages"]):
+            try:
+                # as extract renders them: parts joined, Arrow's None-filled keys dropped (a
+                # template testing `tool_calls is defined` took a None for a list)
+                messages = [template_message(m, j, "messages") for j, m in enumerate(raw or [])]
+            except InvalidRow as err:
+                raise ValueError(
+                    f"--data {path} row {i}: {err.detail}; fix or remove the row"
+                ) from None
             try:
                 ids = _chat_prompt(tokenizer, messages, cfg.chat_template_kwargs)
             except Exception as err:  # the template's raise_exception, or a Jinja error

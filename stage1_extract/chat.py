@@ -74,37 +74,43 @@ def normalize_conversation(
     are placeholders, not rows without loss."""
     if not raw:
         raise InvalidRow("empty_conversation", "the conversation has no messages")
-    role_key, content_key = ("from", "value") if fmt == "sharegpt" else ("role", "content")
-    messages = []
-    for j, item in enumerate(raw):
-        if not isinstance(item, dict) or item.get(role_key) is None:
-            raise InvalidRow(
-                "bad_message",
-                f"message {j} has no '{role_key}' (expected {{{role_key}, {content_key}}})",
-            )
-        role = str(item[role_key])
-        if fmt == "sharegpt" and role.lower() not in ROLE_ALIASES:
-            raise InvalidRow(
-                "unknown_role", f"message {j} is from {role!r}; known: {sorted(ROLE_ALIASES)}"
-            )
-        content = item.get(content_key)
-        if isinstance(content, list):
-            content = text_of_parts(content, j)
-        if content is not None and not isinstance(content, str):
-            raise InvalidRow("bad_message", f"message {j} content is not a string: {content!r:.80}")
-        # keep extra fields (tool_calls, reasoning_content...) for the template, but not the Nones
-        # that Arrow fills in for keys other rows have: templates test `is defined`, not truthiness
-        extra = {} if fmt == "sharegpt" else item
-        message = {k: v for k, v in extra.items() if v is not None and k not in ("role", "content")}
-        message["role"] = ROLE_ALIASES.get(role.lower(), role)
-        message["content"] = content or ""
-        messages.append(message)
+    messages = [template_message(item, j, fmt) for j, item in enumerate(raw)]
     assistants = [m for m in messages if m["role"] == "assistant"]
     if not assistants:
         raise InvalidRow("no_assistant", "the conversation has no assistant message")
     if not empty_replies_ok and all(is_empty_turn(m) for m in assistants):
         raise InvalidRow("empty_assistant", "every assistant message has empty content")
     return messages
+
+
+def template_message(item: Any, j: int, fmt: str) -> dict[str, Any]:
+    """Message j of a conversation ({role, content}, or ShareGPT's {from, value}) as a chat
+    template takes it: roles named as templates name them, content a string (OpenAI's list of
+    text parts joined), the Nones Arrow fills in for other rows' keys dropped; InvalidRow when
+    it cannot be one."""
+    role_key, content_key = ("from", "value") if fmt == "sharegpt" else ("role", "content")
+    if not isinstance(item, dict) or item.get(role_key) is None:
+        raise InvalidRow(
+            "bad_message",
+            f"message {j} has no '{role_key}' (expected {{{role_key}, {content_key}}})",
+        )
+    role = str(item[role_key])
+    if fmt == "sharegpt" and role.lower() not in ROLE_ALIASES:
+        raise InvalidRow(
+            "unknown_role", f"message {j} is from {role!r}; known: {sorted(ROLE_ALIASES)}"
+        )
+    content = item.get(content_key)
+    if isinstance(content, list):
+        content = text_of_parts(content, j)
+    if content is not None and not isinstance(content, str):
+        raise InvalidRow("bad_message", f"message {j} content is not a string: {content!r:.80}")
+    # keep extra fields (tool_calls, reasoning_content...) for the template, but not the Nones
+    # that Arrow fills in for keys other rows have: templates test `is defined`, not truthiness
+    extra = {} if fmt == "sharegpt" else item
+    message = {k: v for k, v in extra.items() if v is not None and k not in ("role", "content")}
+    message["role"] = ROLE_ALIASES.get(role.lower(), role)
+    message["content"] = content or ""
+    return message
 
 
 def text_of_parts(parts: list[Any], j: int) -> str:

@@ -425,3 +425,37 @@ def test_a_chat_prompt_ending_in_a_user_turn_is_answered_there(
         log.removeHandler(caplog.handler)
     assert short == tokenizer(expected, add_special_tokens=False)["input_ids"][-8:]
     assert "1 of 1 chat prompts cut to their last 8 tokens" in caplog.text
+
+
+def test_chat_prompts_render_as_extract_renders_them(tiny_qwen3: Path, tmp_path: Path) -> None:
+    """evaluate's chat prompts go through extract's message normalisation: content given as
+    OpenAI's list of text parts is their text (it rendered as a Python list), the None Arrow
+    fills in for a key only another row has is dropped (a template testing `is defined` took
+    it), and a message that cannot be one names its row."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from evaluation.online import EvaluateConfig, load_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m.name is defined %}NAMED:{{ m.name }}|{% endif %}"
+        "{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant:"
+        "{% endif %}"
+    )
+    parts = [{"type": "text", "text": "Hi."}, {"type": "text", "text": "Twice."}]
+    rows = [
+        {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": "Yo."}]},
+        {"messages": [{"role": "user", "content": "Bye.", "name": "ann"}]},
+    ]
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    first, second = load_prompts(EvaluateConfig(str(tiny_qwen3), str(chat)), tokenizer)
+    # Arrow gave the first row's user message name=None: it must not render as NAMED:None
+    assert tokenizer.decode(first) == "user: Hi.\nTwice.\nassistant:"
+    assert tokenizer.decode(second) == "NAMED:ann|user: Bye.\nassistant:"
+    image = [{"type": "image_url", "image_url": {"url": "x"}}]
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": image}]}) + "\n")
+    with pytest.raises(ValueError, match=r"chat.jsonl row 0: message 0 content has a part"):
+        load_prompts(EvaluateConfig(str(tiny_qwen3), str(chat)), tokenizer)
