@@ -21,12 +21,13 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from common.logging import get_logger
 from common.store import open_store
 from evaluation.chained import chained_tau_on_store
 from evaluation.heldout import evaluate
 from stage2_train.anchors import slot_weights
 from stage2_train.data import StoreSequences, collate
-from stage2_train.export import load_export, read_export_config
+from stage2_train.export import load_export, other_target, read_export_config, trained_for
 from stage2_train.plan import EVAL_EPOCH
 from stage2_train.step import load_frozen_head
 
@@ -85,6 +86,16 @@ def run_offline_eval(cfg: OfflineEvalConfig) -> dict[str, Any]:
     info = open_store(cfg.store, require_complete=True)
     drafter_config = read_export_config(cfg.drafter)
     check_fits(drafter_config, info.attrs, cfg.store)
+    store_target = trained_for(info.attrs)
+    if differs := other_target(
+        drafter_config, store_target["name_or_path"], store_target["weights_sha256"]
+    ):
+        get_logger().warning(
+            "--drafter %s was %s, the target of store %s: its figures are another target's",
+            cfg.drafter,
+            differs,
+            cfg.store,
+        )
     device = torch.device(cfg.device)
     dtype = getattr(torch, cfg.dtype)
     model = load_export(cfg.drafter).to(device, dtype).eval()

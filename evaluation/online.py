@@ -225,8 +225,9 @@ def run_evaluate(cfg: EvaluateConfig) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from stage1_extract.config import TargetConfig
+    from stage1_extract.fingerprints import weights_fingerprint
     from stage1_extract.target import load_target_config, max_positions
-    from stage2_train.export import load_export, read_export_config
+    from stage2_train.export import load_export, other_target, read_export_config
 
     cfg.validate()
     dtype = getattr(torch, cfg.dtype)
@@ -246,7 +247,16 @@ def run_evaluate(cfg: EvaluateConfig) -> dict:
     # the drafter first: a wrong folder, or one of another target, fails before minutes of
     # prompt lookup
     if cfg.drafter:
-        check_drafter_fits(read_export_config(cfg.drafter), target_config, cfg)
+        drafter_config = read_export_config(cfg.drafter)
+        check_drafter_fits(drafter_config, target_config, cfg)
+        # the same shapes of another model (a base beside its instruct twin) fit: said, not
+        # refused, as a quantized deployment of the trained-for target is another file too
+        if differs := other_target(drafter_config, cfg.target, weights_fingerprint(cfg.target)):
+            get_logger().warning(
+                "--drafter %s was %s: tau is measured on another target than it learned",
+                cfg.drafter,
+                differs,
+            )
     drafter = load_export(cfg.drafter).to(cfg.device, dtype).eval() if cfg.drafter else None
     tokenizer = AutoTokenizer.from_pretrained(cfg.target)
     prompts = load_prompts(cfg, tokenizer)

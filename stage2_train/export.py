@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -48,6 +49,11 @@ LAYER_KEYS = [
     "input_layernorm.weight",
     "post_attention_layernorm.weight",
 ]
+
+
+# the config.json key naming the target the export's training store came from (not read by
+# servers): {name_or_path, weights_sha256}
+TRAINED_FOR_KEY = "dflash_offline_target"
 
 
 def expected_keys(num_layers: int) -> set[str]:
@@ -127,9 +133,11 @@ def export_drafter(
     dtype: torch.dtype | str = torch.bfloat16,
     mask_token: str | None = None,
     fix: str = "free space or pass another --out, then export again",
+    target: dict[str, Any] | None = None,
 ) -> Path:
     """Write config.json, model.safetensors (in `dtype`) and modeling_dflash.py of `model` into
-    `out_dir` (replacing it); `fix` ends the message of a disk-full error."""
+    `out_dir` (replacing it); `fix` ends the message of a disk-full error. `target`
+    (`trained_for`): the target whose store trained it, recorded for evaluate's check."""
     out_dir = Path(out_dir)
     dtype = EXPORT_DTYPES[dtype] if isinstance(dtype, str) else dtype
     state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
@@ -140,6 +148,9 @@ def export_drafter(
     config["dflash_config"].update(block_size=shape.block_size, mask_token=mask_token)
     config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
     config["auto_map"] = AUTO_MAP
+    if target is not None:
+        # servers read dflash_config and the model keys; this one is for dflash evaluate
+        config[TRAINED_FOR_KEY] = target
     check_export_target(out_dir)
     tmp = out_dir.with_name(f".tmp-{out_dir.name}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -158,6 +169,37 @@ def export_drafter(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def trained_for(store_attrs: dict[str, Any]) -> dict[str, Any]:
+    """What names the target a store was extracted from (its attributes): the model as given
+    and, for a local folder, its weights' sha256 (FORMAT.md `fingerprints`; None for a hub id
+    or a store written before fingerprints)."""
+    prints = store_attrs.get("fingerprints")
+    digest = prints.get("target_weights_sha256") if isinstance(prints, dict) else None
+    return {"name_or_path": store_attrs["target"]["name_or_path"], "weights_sha256": digest}
+
+
+def other_target(drafter_config: dict[str, Any], name: str, weights_sha256: str | None) -> str:
+    """Why the target `name` (weights `weights_sha256`, None when unknown) is not the one the
+    export's store came from, or "" when it is, or when either side cannot tell (an export
+    from before the record, a hub id beside a local folder: a folder may hold its download)."""
+    recorded = drafter_config.get(TRAINED_FOR_KEY)
+    if not isinstance(recorded, dict):
+        return ""
+    digest = recorded.get("weights_sha256")
+    if digest and weights_sha256:
+        if digest == weights_sha256:
+            return ""
+        return (
+            f"trained for {recorded.get('name_or_path')} (weights sha256 {digest[:12]}), "
+            f"not {name} ({weights_sha256[:12]})"
+        )
+    if not digest and not weights_sha256:  # two hub ids
+        if str(recorded.get("name_or_path")).lower() == name.lower():
+            return ""
+        return f"trained for {recorded.get('name_or_path')}, not {name}"
+    return ""
 
 
 def check_export_target(out_dir: Path) -> None:
@@ -313,4 +355,6 @@ def export_checkpoint(
         dtype=dtype,
         mask_token=checkpoint_mask_token(meta, shape.mask_token_id),
         fix=f"free space or pass another --out, then rerun `dflash export {run}`",
+        # checkpoints from before the record name no target: their exports have none
+        target=target.get("trained_for"),
     )

@@ -52,7 +52,7 @@ from stage2_train.best import BEST_DIR, best_so_far, record_best
 from stage2_train.checkpoint import TrainState, save_checkpoint, step_dir
 from stage2_train.config import TrainConfig, with_compile_defaults
 from stage2_train.data import StoreSequences, loader_arrays, make_loader
-from stage2_train.export import export_drafter, mask_token_string, served_copy
+from stage2_train.export import export_drafter, mask_token_string, served_copy, trained_for
 from stage2_train.follow import (
     FollowHoldout,
     FollowPlan,
@@ -340,7 +340,11 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         "store": str(info.path),
         "store_content_key": info.attrs["content_key"],
         "shape": dataclasses.asdict(shape),
-        "target": {"tapped_layers": layers, "config": info.attrs["target"]["config"]},
+        "target": {
+            "tapped_layers": layers,
+            "config": info.attrs["target"]["config"],
+            "trained_for": trained_for(info.attrs),
+        },
         # named for `dflash export`, which looks a null mask_token up again (the store may be gone)
         "tokenizer": {"name_or_path": info.attrs["tokenizer"].get("name_or_path")},
         # its string goes into the export's dflash_config (rank 0 writes meta and export)
@@ -359,6 +363,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
             folder,
             mask_token=extra_meta["mask_token"],
             fix=fix,
+            target=extra_meta["target"]["trained_for"],
         )
 
     best_tau = best_so_far(out, state.step)
