@@ -22,7 +22,10 @@ Templates with `{% generation %}` tags use transformers' own `return_assistant_t
 An assistant turn with empty content stays in the conversation (the turns around it still
 train) but has no loss tokens: there is nothing of the target's to predict in it, and its
 end-of-turn token alone would teach the drafter to stop right after a header. A conversation
-whose assistant turns are all empty is an InvalidRow ("empty_assistant").
+whose assistant turns are all empty is an InvalidRow ("empty_assistant"). A turn with
+`tool_calls` is not empty: the calls as the template writes them (e.g. Qwen3's
+`<tool_call>` JSON) are what the target writes in that turn, so they train, from the end of the
+generation prompt through the end-of-turn text.
 """
 
 from __future__ import annotations
@@ -132,8 +135,17 @@ def text_of_parts(parts: list[Any], j: int) -> str:
 
 
 def is_empty_turn(message: dict[str, Any]) -> bool:
-    """An assistant message with nothing to learn: no loss tokens for it."""
-    return message["role"] == "assistant" and not message["content"].strip()
+    """An assistant message with nothing to learn: no loss tokens for it. A turn of tool calls
+    alone is not empty: the template writes the calls, and they are the target's text."""
+    return (
+        message["role"] == "assistant"
+        and not message["content"].strip()
+        and not message.get("tool_calls")
+    )
+
+
+def without_calls(message: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in message.items() if k != "tool_calls"}
 
 
 def has_generation_tags(tokenizer: PreTrainedTokenizerBase) -> bool:
@@ -158,11 +170,17 @@ def _render(
 
 
 def _locate_turn(
-    full: str, content: str, header: str, closing: str, after: int
+    full: str, content: str, header: str, closing: str, after: int, calls: bool = False
 ) -> tuple[int, int] | None:
     """Span of an assistant turn found by search from `after`: it starts after the next
     `header` (the generation prompt) or, without one, at the content; it ends after the content
-    as given plus `closing`, or, when the template rewrote the content, at the next `closing`."""
+    as given plus `closing`, or, when the template rewrote the content or writes tool calls
+    after it (`calls`), at the next `closing`."""
+    if calls and not content.strip():
+        # the calls' text is the template's own rendering: found between header and closing
+        at = full.find(header, after) if header else -1
+        stop = full.find(closing, at + len(header)) if at >= 0 and closing else -1
+        return (at + len(header), stop + len(closing)) if stop >= 0 else None
     texts = list(dict.fromkeys((content, content.strip())))
     found = [i for i in (full.find(t, after) for t in texts) if i >= 0]
     at = full.find(header, after) if header else -1
@@ -175,7 +193,7 @@ def _locate_turn(
         if not found:
             return None
         start = min(found)
-    for text in texts:
+    for text in texts if not calls else ():
         if full.startswith(text, start):
             end = start + len(text)
             return start, end + len(closing) if closing and full.startswith(closing, end) else end
@@ -229,14 +247,16 @@ def assistant_char_spans(
         # the end-of-turn text, learned from a turn whose content the template cannot rewrite
         probe = _render(
             tokenizer,
-            [*messages[:i], {**message, "content": SENTINEL}],
+            # without its calls: the closing is what follows a turn's text, not the calls
+            [*messages[:i], {**without_calls(message), "content": SENTINEL}],
             gen=False,
             template_kwargs=kw,
         )
         closing = ""
         if probe is not None and SENTINEL in probe:
             closing = probe[probe.index(SENTINEL) + len(SENTINEL) :].rstrip()
-        span = _locate_turn(full, message["content"], header, closing, after)
+        calls = bool(message.get("tool_calls"))
+        span = _locate_turn(full, message["content"], header, closing, after, calls)
         if span is None:
             raise InvalidRow(
                 "template_mismatch",

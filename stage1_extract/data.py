@@ -155,9 +155,12 @@ def _tokenize_batch(
     template_kwargs: dict[str, Any] | None = None,
     suffix: list[int] | None = None,
     content_parts: str | None = None,
+    tool_calls: str | None = None,
 ) -> dict[str, list[Any]] | pa.Table:
     """One `datasets.map` batch; module-level with plain arguments so its fingerprint is stable.
     `suffix`: the tokenizer's default suffix, left out of text rows and prompts.
+    `tool_calls`: not read; keys the map's cache of messages that carry tool calls, whose
+    turns versions before trained nothing (a cache of those masks would stay).
     `content_parts`: not read; keys the map's cache of rows whose contents may be lists of
     parts, which versions before `text_of_parts` refused (a cache of their skips would stay)."""
     rows = batch[column]
@@ -388,6 +391,12 @@ def prepare_documents(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Pr
             **(
                 {"content_parts": "joined"}
                 if chat and not _string_contents(raw.features[column], fmt)
+                else {}
+            ),
+            # likewise: messages with tool calls, whose turns earlier versions left without loss
+            **(
+                {"tool_calls": "trained"}
+                if chat and "tool_calls" in _message_keys(raw.features[column])
                 else {}
             ),
         },

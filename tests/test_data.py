@@ -502,3 +502,74 @@ def test_a_target_that_transforms_its_logits_is_named(caplog):
     warned = list(dict.fromkeys(r.getMessage() for r in caplog.records))  # (root's copy too)
     assert len(warned) == 2, warned
     assert "logits_scaling=8.0" in warned[0] and "final_logit_softcapping=30" in warned[1]
+
+
+# a ChatML template that writes an assistant turn's tool calls after its content (as Qwen3's
+# writes <tool_call> JSON); LAST_TOOL_TEMPLATE marks the last message, so that every earlier
+# turn renders otherwise once a later one follows (the search path)
+TOOL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ MARK }}{{ m['content'] }}"
+    "{% if m.tool_calls is defined %}{% for c in m.tool_calls %}<tool_call>"
+    "{{ c['function']['name'] }}({{ c['function']['arguments'] }})</tool_call>{% endfor %}"
+    "{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("mark_last", [False, True], ids=["prefix", "search"])
+def test_tool_call_turns_train_on_the_calls(mark_last: bool) -> None:
+    """An assistant turn of tool calls (empty content, or content then calls) is the target's
+    text as the template writes it: trained through its end of turn, the tool's reply not; it
+    was an empty turn before, without loss. Both paths: prefix renders, and the search."""
+    tok = chatml_tokenizer()
+    mark = "{{ 'LAST:' if loop.last else '' }}" if mark_last else ""
+    tok.chat_template = TOOL_TEMPLATE.replace("{{ MARK }}", mark)
+    call = {"type": "function", "function": {"name": "add", "arguments": '{"x": 1}'}}
+    messages = [
+        {"role": "user", "content": "Add one."},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "2"},
+        {"role": "assistant", "content": "Calling again.", "tool_calls": [call]},
+        {"role": "tool", "content": "3"},
+        {"role": "assistant", "content": "It is three."},
+    ]
+    assert not chat.is_empty_turn(messages[1])
+    [(ids, mask)] = chat.tokenize_conversations(tok, [messages])
+    calls = '<tool_call>add({"x": 1})</tool_call>'
+    last = "LAST:" if mark_last else ""
+    pieces = [
+        ("<|im_start|>user\nAdd one.<|im_end|>\n", 0),
+        ("<|im_start|>assistant\n", 0),
+        (calls, 1),
+        ("<|im_end|>", 1),
+        ("\n<|im_start|>tool\n2<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("Calling again." + calls, 1),
+        ("<|im_end|>", 1),
+        ("\n<|im_start|>tool\n3<|im_end|>\n<|im_start|>assistant\n", 0),
+        (last + "It is three.", 1),  # the last turn's own text, as rendered last
+        ("<|im_end|>", 1),
+        ("\n", 0),
+    ]
+    assert (ids, mask) == expected_from_pieces(tok, pieces)
+    # a conversation whose only assistant turn is a call is a row, not an empty one
+    assert chat.normalize_conversation(messages[:2], "messages")[1]["tool_calls"] == [call]
+
+
+def test_tool_calls_survive_a_jsonl_file(tmp_path: Path) -> None:
+    """Through datasets (Arrow fills tool_calls=None on the messages without calls): the
+    stored masks are tokenize_conversations' of the rows, the call turns trained."""
+    tok = chatml_tokenizer()
+    tok.chat_template = TOOL_TEMPLATE.replace("{{ MARK }}", "")
+    call = {"type": "function", "function": {"name": "add", "arguments": '{"x": 1}'}}
+    messages = [
+        {"role": "user", "content": "Add one."},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "2"},
+        {"role": "assistant", "content": "Two."},
+    ]
+    prepared = prepare(write_jsonl(tmp_path / "d.jsonl", [{"messages": messages}]), tok)
+    assert prepared.skipped == {}  # no empty turn counted
+    [(ids, mask)] = chat.tokenize_conversations(tok, [messages])
+    assert prepared.dataset[0]["input_ids"] == ids and prepared.dataset[0]["loss_mask"] == mask
+    trained = tok.decode([i for i, m in zip(ids, mask, strict=True) if m])
+    assert trained.startswith('<tool_call>add({"x": 1})</tool_call>')
