@@ -144,10 +144,6 @@ def is_empty_turn(message: dict[str, Any]) -> bool:
     )
 
 
-def without_calls(message: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in message.items() if k != "tool_calls"}
-
-
 def has_generation_tags(tokenizer: PreTrainedTokenizerBase) -> bool:
     template = tokenizer.chat_template
     return isinstance(template, str) and bool(GENERATION_TAG_RE.search(template))
@@ -193,10 +189,13 @@ def _locate_turn(
         if not found:
             return None
         start = min(found)
-    for text in texts if not calls else ():
-        if full.startswith(text, start):
-            end = start + len(text)
-            return start, end + len(closing) if closing and full.startswith(closing, end) else end
+    if not calls:  # (calls follow the content: the turn ends at the next closing)
+        for text in texts:
+            if full.startswith(text, start):
+                end = start + len(text)
+                return start, end + len(closing) if closing and full.startswith(
+                    closing, end
+                ) else end
     stop = full.find(closing, start) if closing else -1
     return (start, stop + len(closing)) if stop >= 0 else None
 
@@ -248,7 +247,10 @@ def assistant_char_spans(
         probe = _render(
             tokenizer,
             # without its calls: the closing is what follows a turn's text, not the calls
-            [*messages[:i], {**without_calls(message), "content": SENTINEL}],
+            [
+                *messages[:i],
+                {**{k: v for k, v in message.items() if k != "tool_calls"}, "content": SENTINEL},
+            ],
             gen=False,
             template_kwargs=kw,
         )

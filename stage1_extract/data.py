@@ -88,18 +88,20 @@ def load_raw_dataset(cfg: DataConfig) -> datasets.Dataset:
     return ds
 
 
-def _message_keys(feature: Any) -> set[str]:
-    """Field names of the messages of a list-of-structs column (from the schema, no row read)."""
+def _message_fields(feature: Any) -> dict[str, Any]:
+    """The message struct's fields of a list-of-structs column (from the schema, no row read)."""
     inner = getattr(feature, "feature", None)
-    return set(inner) if isinstance(inner, dict) else set()
+    return inner if isinstance(inner, dict) else {}
+
+
+def _message_keys(feature: Any) -> set[str]:
+    """Field names of the messages of a list-of-structs column."""
+    return set(_message_fields(feature))
 
 
 def _string_contents(feature: Any, fmt: str) -> bool:
     """Whether the schema says every message's content is a string (no list of parts)."""
-    inner = getattr(feature, "feature", None)
-    value = (
-        inner.get("value" if fmt == "sharegpt" else "content") if isinstance(inner, dict) else None
-    )
+    value = _message_fields(feature).get("value" if fmt == "sharegpt" else "content")
     return getattr(value, "dtype", None) in ("string", "large_string")
 
 

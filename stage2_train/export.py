@@ -180,26 +180,28 @@ def trained_for(store_attrs: dict[str, Any]) -> dict[str, Any]:
     return {"name_or_path": store_attrs["target"]["name_or_path"], "weights_sha256": digest}
 
 
+def target_identity(name_or_path: str, weights_sha256: str | None) -> tuple[str, str]:
+    """What a target is known by: ("weights", a local folder's digest) or ("hub ids", the hub
+    id, lowercased: extract records no digest for one). Only two of one kind compare: a folder
+    may hold a hub id's download."""
+    return ("weights", weights_sha256) if weights_sha256 else ("hub ids", name_or_path.lower())
+
+
 def other_target(drafter_config: dict[str, Any], name: str, weights_sha256: str | None) -> str:
     """Why the target `name` (weights `weights_sha256`, None when unknown) is not the one the
     export's store came from, or "" when it is, or when either side cannot tell (an export
-    from before the record, a hub id beside a local folder: a folder may hold its download)."""
+    from before the record, a hub id beside a local folder: `target_identity`)."""
     recorded = drafter_config.get(TRAINED_FOR_KEY)
     if not isinstance(recorded, dict):
         return ""
-    digest = recorded.get("weights_sha256")
-    if digest and weights_sha256:
-        if digest == weights_sha256:
-            return ""
-        return (
-            f"trained for {recorded.get('name_or_path')} (weights sha256 {digest[:12]}), "
-            f"not {name} ({weights_sha256[:12]})"
-        )
-    if not digest and not weights_sha256:  # two hub ids
-        if str(recorded.get("name_or_path")).lower() == name.lower():
-            return ""
-        return f"trained for {recorded.get('name_or_path')}, not {name}"
-    return ""
+    trained = str(recorded.get("name_or_path"))
+    kind, known = target_identity(trained, recorded.get("weights_sha256"))
+    given_kind, given = target_identity(name, weights_sha256)
+    if given_kind != kind or given == known:
+        return ""
+    if kind == "weights":
+        return f"trained for {trained} (weights sha256 {known[:12]}), not {name} ({given[:12]})"
+    return f"trained for {trained}, not {name}"
 
 
 def check_export_target(out_dir: Path) -> None:

@@ -24,7 +24,6 @@ from typing import Literal
 
 import torch
 
-FP4_KINDS = ("mxfp4", "nvfp4")
 Fp4Kind = Literal["mxfp4", "nvfp4"]
 BLOCK = {"mxfp4": 32, "nvfp4": 16}
 E2M1_MAX = 6.0
@@ -33,14 +32,10 @@ E4M3_MAX = 448.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
-def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """Each value of x (fp32, already scaled) rounded to the nearest e2m1 value, ties to the
-    even code, magnitudes above 6 clamped to 6 (the OCP spec's conversion with saturation)."""
-    return e2m1_value(e2m1_code(x))
-
-
 def e2m1_code(x: torch.Tensor) -> torch.Tensor:
-    """The e2m1 code (uint8: magnitude code 0-7, sign in bit 3) nearest each value of x."""
+    """The e2m1 code (uint8: magnitude code 0-7, sign in bit 3) nearest each value of x (fp32,
+    already scaled): ties to the even code, magnitudes above 6 clamped to 6 (the OCP spec's
+    conversion with saturation)."""
     values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=x.device)
     midpoints = (values[1:] + values[:-1]) / 2
     magnitude = x.float().abs().clamp(max=E2M1_MAX)
@@ -78,7 +73,7 @@ def encode_fp4(hidden_ND: torch.Tensor, kind: Fp4Kind) -> Fp4Features:
     """[..., D] features -> `kind`'s blocks (module docstring). D must be a multiple of the
     block."""
     if kind not in BLOCK:
-        raise ValueError(f"unknown fp4 layout {kind!r}: one of {', '.join(FP4_KINDS)}")
+        raise ValueError(f"unknown fp4 layout {kind!r}: one of {', '.join(BLOCK)}")
     block = BLOCK[kind]
     D = hidden_ND.shape[-1]
     if D % block:

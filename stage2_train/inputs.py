@@ -26,6 +26,7 @@ from common.store import (
 from common.store_check import check_shards, damage_error, damaged_shards
 from stage2_train.config import TrainConfig
 from stage2_train.data import layer_index, loader_arrays
+from stage2_train.export import target_identity, trained_for
 from stage2_train.fp4_features import BLOCK as FP4_BLOCK
 from stage2_train.model import DrafterShape, drafter_shape
 from stage2_train.plan import split_store
@@ -265,11 +266,8 @@ def open_dev_store(path: str, train_info: StoreInfo, layers: list[int]) -> Store
 
 
 def _target_weights(attrs: dict[str, Any]) -> tuple[str, str] | None:
-    """What a store's target weights are known by: ("weights", a local folder's digest) or
-    ("hub ids", the hub id: extract records no digest for one); None for a store from before
-    fingerprints. Only two of one kind compare (a folder may hold a hub id's download)."""
-    prints = attrs.get("fingerprints")
-    if not isinstance(prints, dict):
+    """What a store's target is known by (`target_identity`); None for a store from before
+    fingerprints."""
+    if not isinstance(attrs.get("fingerprints"), dict):
         return None
-    digest = prints.get("target_weights_sha256")
-    return ("weights", digest) if digest else ("hub ids", attrs["target"]["name_or_path"].lower())
+    return target_identity(**trained_for(attrs))

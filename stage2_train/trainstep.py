@@ -111,11 +111,8 @@ class StepRunner:
             torch.compiler.cudagraph_mark_step_begin()
         B = self.cfg.drafter.block_size
         batches = [b.to(self.device) for b in micro_batches]
-        data = self.cfg.data
-        if data.hidden_as_fp8 or data.hidden_as_fp4 != "none":
-            batches = [
-                b.rounded_as_configured(data.hidden_as_fp8, data.hidden_as_fp4) for b in batches
-            ]
+        data = self.cfg.data  # (the batches as they are when neither rounding is on)
+        batches = [b.rounded_as_configured(data.hidden_as_fp8, data.hidden_as_fp4) for b in batches]
         weights = [b.weights_AB * self.slot_weights_B[None] for b in batches]
         local = torch.stack([w.sum() for w in weights]).sum().double()
         denom = _all_reduce(local.clone()).clamp(min=1e-12)
