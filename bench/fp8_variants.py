@@ -90,12 +90,12 @@ def main() -> None:
         ("e4m3, per token (the store's fp8)", torch.float8_e4m3fn, "token"),
         ("e5m2, per token", torch.float8_e5m2, "token"),
         ("e4m3, per channel and sequence", torch.float8_e4m3fn, "channel"),
+        ("mxfp4 (e2m1, power-of-two scale per 32)", None, "mxfp4"),
+        ("nvfp4-style (e2m1, e4m3 scale per 16, fp32 per token)", None, "nvfp4"),
     ]
     tokens = sum(x.shape[0] for x in features)
     bf16 = sum(len(SHUFFLED.encode(bf16_to_bits(x))) for x in features)
     print(json.dumps({"variant": "bf16", "bytes_per_token": round(bf16 / tokens, 1)}))
-    variants += [("mxfp4 (e2m1, power-of-two scale per 32)", None, "mxfp4")]
-    variants += [("nvfp4-style (e2m1, e4m3 scale per 16, fp32 per token)", None, "nvfp4")]
     for name, dtype, per in variants:
         size, err_sq, ref_sq, worst_cos = 0, 0.0, 0.0, 0.0
         for hidden in features:
