@@ -23,9 +23,9 @@ import numpy as np
 import torch
 from numcodecs import Blosc, Zstd
 
+from common.fp4 import encode_fp4
 from common.store import bf16_to_bits, open_store
 from stage2_train.data import StoreSequences
-from stage2_train.fp4_features import encode_fp4
 
 ZSTD = Zstd(level=1)
 # the store's codec for bf16 features (store.byte_shuffle, FORMAT.md): zstd after a byte shuffle
@@ -49,7 +49,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, per: str) -> torch.Tensor:
 
 def fp4_bytes_and_decoded(x_SKD: torch.Tensor, kind: str) -> tuple[int, torch.Tensor]:
     """(zstd bytes of the codes, two a byte, and the scale arrays a store would keep; the
-    decoded features) for data.hidden_as_fp4's layouts (stage2_train/fp4_features.py)."""
+    decoded features) for data.hidden_as_fp4's layouts (common/fp4.py)."""
     encoded = encode_fp4(x_SKD, kind)  # type: ignore[arg-type]
     flat = encoded.codes.reshape(-1)
     packed = (flat[0::2] | (flat[1::2] << 4)).numpy()

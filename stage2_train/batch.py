@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from common.fp4 import Fp4Kind, round_features_fp4
 from common.store import dequantize_fp8, quantize_fp8
-from stage2_train.fp4_features import Fp4Kind, round_features_fp4
 from stage2_train.mask_widths import narrow_widths
 from stage2_train.masks import NARROW, TILE, MaskTables, anchor_mask_tables, context_intervals
 

@@ -177,7 +177,7 @@ class TrainDataConfig:
         "train and evaluate held-out on the store's hidden states rounded to 4 bits (e2m1) as a "
         "store of such features would hold them: mxfp4, a power-of-two scale per 32 features "
         "(0.53 bytes a feature), or nvfp4, an e4m3 scale per 16 under an fp32 one per token and "
-        "layer (0.56); fp8 takes 1 (stage2_train/fp4_features.py). What such a store would cost "
+        "layer (0.56); fp8 takes 1 (common/fp4.py). What such a store would cost "
         "in acceptance, measured before it exists; the dev store and served drafters see the "
         "features unrounded",
     )

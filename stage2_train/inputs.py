@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from common.fp4 import BLOCK as FP4_BLOCK
 from common.generated import META_DIR as GENERATE_META_DIR
 from common.store import (
     HEAD_FILE,
@@ -27,7 +28,6 @@ from common.store_check import check_shards, damage_error, damaged_shards
 from stage2_train.config import TrainConfig
 from stage2_train.data import layer_index, loader_arrays
 from stage2_train.export import target_identity, trained_for
-from stage2_train.fp4_features import BLOCK as FP4_BLOCK
 from stage2_train.model import DrafterShape, drafter_shape
 from stage2_train.plan import split_store
 

@@ -1,4 +1,4 @@
-"""`data.hidden_as_fp4`'s rounding (stage2_train/fp4_features.py) against references built
+"""`data.hidden_as_fp4`'s rounding (common/fp4.py) against references built
 here value by value from the formats' definitions: e2m1's 15 signed values, MXFP4's
 power-of-two scale per 32 features, NVFP4's e4m3 scale per 16 under an fp32 one per row."""
 
@@ -12,10 +12,10 @@ import torch
 from store_factory import FactorySpec, build_store
 
 from common.config import build_config
+from common.fp4 import e2m1_code, e2m1_value, round_features_fp4
 from common.store import dequantize_fp8, quantize_fp8
 from stage2_train.batch import Batch
 from stage2_train.config import TrainConfig
-from stage2_train.fp4_features import e2m1_code, e2m1_value, round_features_fp4
 from stage2_train.inputs import check_inputs
 
 MAGNITUDES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]  # e2m1, codes 0-7 (OCP MX spec)

@@ -18,13 +18,13 @@ import torch
 import zarr
 
 from common.config import build_config
+from common.fp4 import round_features_fp4
 from common.store import bf16_to_bits, bits_to_bf16
 from common.store_files import record_shard_files
 from common.tiny import EXAMPLE_DATA
 from stage1_extract.config import ExtractConfig
 from stage1_extract.run import run_extract
 from stage2_train.config import TrainConfig
-from stage2_train.fp4_features import round_features_fp4
 from stage2_train.train import run_train
 
 DEBUG = Path(__file__).parents[1] / "configs" / "debug.yaml"
