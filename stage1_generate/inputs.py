@@ -19,6 +19,9 @@ from stage1_generate.config import GenerateConfig
 
 # the content key that says a reply keeps the special tokens the target wrote in it
 REPLY_SPECIALS = "reply_special_tokens"
+# the content key that says a text or completion row's reply ends with the text of the stop
+# token that ended it (versions before left it out: extract stored no stop for such rows)
+REPLY_STOP = "reply_stop_token"
 
 
 def load_tokenizer(
@@ -95,6 +98,10 @@ def build_manifest(
         # target wrote inside them: its key refuses to resume such a folder (rows of either
         # kind would mix); past the end of text they were kept already
         content[REPLY_SPECIALS] = "kept"
+    if fmt == "completion" or (fmt == "text" and cfg.text.stop_at_eos):
+        # versions before it wrote these replies without the stop token that ended them (chat
+        # rows get the template's end of turn; past the end of text nothing stops)
+        content[REPLY_STOP] = "written"
     if fmt == "completion" and suffix:
         # versions before it fed the target each prompt followed by that suffix (an EOS): its
         # key refuses to resume such a folder, and extract refuses a finished one

@@ -47,13 +47,15 @@ GENERATION_KEPT = (
 
 @dataclass
 class Completion:
-    """One reply: its text, its token ids when the backend knows them, and whether it ended
-    at a stop id (False: cut at the token limit)."""
+    """One reply: its text, its token ids when the backend knows them, whether it ended at a
+    stop id (False: cut at the token limit), and which stop id ended it (None when cut, or
+    when a server did not say which). Neither text, ids nor num_tokens hold the stop id."""
 
     text: str
     num_tokens: int
     finished: bool
     token_ids: list[int] | None = None
+    stop_id: int | None = None
 
 
 def plan_batches(
@@ -253,5 +255,6 @@ class LocalBackend:
             # every special token the target wrote stays (the stop id is cut off above):
             # extract's tokenizer reads its text back as that id
             text = self.tokenizer.decode(reply, skip_special_tokens=False)
-            completions.append(Completion(text, len(reply), end is not None, reply))
+            stop_id = None if end is None else row[end]
+            completions.append(Completion(text, len(reply), end is not None, reply, stop_id))
         return completions

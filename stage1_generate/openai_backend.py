@@ -66,6 +66,7 @@ class OpenAIBackend:
         sampling: SamplingConfig,
         stop_ids: list[int],
         target_model: str,
+        eos_id: int | None = None,
     ) -> None:
         assert endpoint.url, "config validation requires endpoint.url for run.backend=openai"
         self.url = endpoint.url.rstrip("/")
@@ -78,6 +79,7 @@ class OpenAIBackend:
         self.https, self.host, self.port = parts.scheme == "https", parts.hostname, parts.port
         self.prefix = parts.path
         self.endpoint, self.sampling, self.stop_ids = endpoint, sampling, stop_ids
+        self.eos_id = eos_id  # the tokenizer's end of sequence: vLLM's stop_reason None
         self.model = endpoint.model or target_model
         self.headers = {"Content-Type": "application/json"}
         api_key = os.environ.get(endpoint.api_key_env) if endpoint.api_key_env else None
@@ -195,12 +197,32 @@ class OpenAIBackend:
             )
         # vLLM and SGLang count (and return) the stop token; the local backend's reply ends
         # before it, and so do ours
+        stop_id = self._stop_id(choice, ids) if finished else None
         if ids is not None:
             ids = ids[:-1] if finished and ids and ids[-1] in self.stop_ids else list(ids)
             num_tokens = len(ids)
         elif finished:
             num_tokens = max(num_tokens - 1, 0)
-        return Completion(text, num_tokens, finished, ids)
+        return Completion(text, num_tokens, finished, ids, stop_id)
+
+    def _stop_id(self, choice: dict[str, Any], ids: list[int] | None) -> int | None:
+        """The stop id that ended a finished reply: the last of its ids when returned, else
+        SGLang's `matched_stop` or vLLM's `stop_reason` (None there: the server's end of
+        sequence, the tokenizer's), else the only stop id; None when none of them says."""
+        for said in (
+            ids[-1] if ids else None,
+            choice.get("matched_stop"),
+            choice.get("stop_reason"),
+        ):
+            if said in self.stop_ids:
+                return said
+        if (
+            "stop_reason" in choice
+            and choice["stop_reason"] is None
+            and self.eos_id in self.stop_ids
+        ):
+            return self.eos_id
+        return self.stop_ids[0] if len(self.stop_ids) == 1 else None
 
     def _request(
         self, method: str, path: str, body: bytes | None, timeout: float

@@ -27,7 +27,7 @@ from common.durable import fsync_path
 from common.generated import META_DIR, manifest_path, read_manifest
 from common.locks import exclusive_lock
 from stage1_extract.store_root import content_key
-from stage1_generate.inputs import REPLY_SPECIALS
+from stage1_generate.inputs import REPLY_SPECIALS, REPLY_STOP
 
 LOCK_FILE = ".dflash-generate.lock"  # hidden: extract's data loader skips it
 
@@ -53,13 +53,23 @@ def _differences(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> 
     return out
 
 
-def _older_version_of(old: dict[str, Any], manifest: dict[str, Any]) -> bool:
-    """`old` has the settings of `manifest`, written by a version whose replies left out the
-    special tokens the target wrote (its content has no `REPLY_SPECIALS`)."""
+# what the rows of a version before each content marker left out
+OLDER_ROWS = {
+    REPLY_SPECIALS: "the special tokens a target writes inside a reply (e.g. <|python_tag|>, a "
+    "tool-call marker)",
+    REPLY_STOP: "the stop token that ended a text or completion reply (e.g. <|endoftext|>)",
+}
+
+
+def _older_version_of(old: dict[str, Any], manifest: dict[str, Any]) -> list[str]:
+    """What the rows of `old` left out, when it has the settings of `manifest` but was written
+    by a version before some of its markers (`OLDER_ROWS`); empty when it is no such folder."""
     content = manifest["content"]
-    if REPLY_SPECIALS not in content or REPLY_SPECIALS in old["content"]:
-        return False
-    return old["key"] == content_key({k: v for k, v in content.items() if k != REPLY_SPECIALS})
+    missing = [k for k in OLDER_ROWS if k in content and k not in old["content"]]
+    if not missing:
+        return []
+    earlier = {k: v for k, v in content.items() if k not in missing}
+    return [OLDER_ROWS[k] for k in missing] if old["key"] == content_key(earlier) else []
 
 
 def _others(out: Path) -> list[Path]:
@@ -105,14 +115,15 @@ def prepare_output(out: Path, manifest: dict[str, Any], overwrite: bool) -> None
         leftover.unlink()
     old = read_manifest(out) if out.exists() else None
     if old is not None:
-        if old["key"] != manifest["key"] and _older_version_of(old, manifest):
+        left_out = _older_version_of(old, manifest) if old["key"] != manifest["key"] else []
+        if left_out:
             if old.get("complete"):
                 return  # nothing left to generate, so nothing to mix: kept as it is
             raise ValueError(
-                f"--out {out} was begun by an older dflash-offline, which left the special tokens "
-                "a target writes inside a reply (e.g. <|python_tag|>, a tool-call marker) out "
-                "of its rows; this version keeps them, and the chunks of both would mix: "
-                "generate into a new --out, or pass --overwrite to regenerate this one"
+                f"--out {out} was begun by an older dflash-offline, which left "
+                f"{' and '.join(left_out)} out of its rows; this version writes them, and the "
+                "chunks of both would mix: generate into a new --out, or pass --overwrite to "
+                "regenerate this one"
             )
         if old["key"] != manifest["key"]:
             changed = _differences(old["content"], manifest["content"])

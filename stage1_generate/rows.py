@@ -322,8 +322,9 @@ def _split_row(
     """{text} or {prompt, completion} of one window. The whole window is decoded at once when
     the reply's ids are known, so no character is cut at the seam. Prompt and reply keep their
     special tokens as text (a document's own `<|endoftext|>` or chat markers, one the target
-    wrote: the reply holds no stop id, the backends cut it before one): extract's tokenizer
-    reads them back as the ids the target saw and wrote."""
+    wrote), and a reply that the target ended ends with its stop token's text (the backends
+    cut the stop id off; `_stop_text`): extract's tokenizer reads them back as the ids the
+    target saw and wrote, the stop included, so the drafter learns where the target stops."""
     prompt_text = tokenizer.decode(prompt, skip_special_tokens=False)
     if completion.token_ids is None:
         reply_text = completion.text
@@ -336,9 +337,22 @@ def _split_row(
             cut -= 1
             prompt_text = tokenizer.decode(prompt[:cut], skip_special_tokens=False)
         reply_text = text[len(prompt_text) :]
+    reply_text += _stop_text(tokenizer, completion.stop_id)
     if as_text:
         return {"text": prompt_text + reply_text}
     return {"prompt": prompt_text, "completion": reply_text}
+
+
+def _stop_text(tokenizer: PreTrainedTokenizerBase, stop_id: int | None) -> str:
+    """The text of the stop id that ended a reply (e.g. `<|endoftext|>`), written after the
+    reply of a text or completion row: no chat template writes an end there, and without it
+    extract stored no stop, so the drafter never learned to predict one where the target
+    writes it. Empty when the reply was cut at the token limit, or when the tokenizer would
+    not read the text back as that id (a stop id that is no special token)."""
+    if stop_id is None:
+        return ""
+    text = tokenizer.decode([stop_id], skip_special_tokens=False)
+    return text if tokenizer(text, add_special_tokens=False)["input_ids"] == [stop_id] else ""
 
 
 def generate_completion(

@@ -78,7 +78,9 @@ def _make_backend(
         from stage1_generate.openai_backend import OpenAIBackend
 
         stops = stop_token_ids(tokenizer, None, cfg.data.chat_template_kwargs)
-        return OpenAIBackend(cfg.endpoint, cfg.sampling, stops, cfg.target.model)
+        return OpenAIBackend(
+            cfg.endpoint, cfg.sampling, stops, cfg.target.model, tokenizer.eos_token_id
+        )
     from stage1_extract.target import load_target
     from stage1_generate.local_backend import LocalBackend
 

@@ -253,11 +253,13 @@ def test_text_rows_written_past_the_end_of_text(tiny_eos_target: Path, tmp_path:
         assert row["new_tokens"] == 8
         assert row["text"] == tokenizer.decode(prompt + reply, skip_special_tokens=False)
     assert past["counts"]["truncated"] == len(windows)
-    # the default: each reply ends before its first end of text (a reply that is one alone
-    # leaves no row); another special token it wrote stays
-    cut = [(i, s, p, r[: r.index(eos)] if eos in r else r) for i, s, p, r in windows]
+    # the default: each reply ends at its first end of text, written as the row's last token
+    # (a reply that is one alone leaves no row); another special token it wrote stays
+    cut = [(i, s, p, r[: r.index(eos) + 1] if eos in r else r) for i, s, p, r in windows]
     expected = [
-        (i, s, tokenizer.decode(p + r, skip_special_tokens=False)) for i, s, p, r in cut if r
+        (i, s, tokenizer.decode(p + r, skip_special_tokens=False))
+        for i, s, p, r in cut
+        if r and r != [eos]
     ]
     got = [
         (r["source_index"], r["window_start"], r["text"]) for r in read_rows(tmp_path / "stopped")

@@ -128,10 +128,12 @@ def test_extract_reads_back_the_targets_reply_ids(
         assert input_ids[: len(doc) + len(script) + 1] == doc + script + [end]
         assert len(input_ids) == len(doc) + 16
         return
-    assert input_ids == ids(tokenizer, DOC) + script
+    # the stop token that ended the reply is written too (no template writes one here)
+    assert input_ids == ids(tokenizer, DOC) + script + [end]
     split = shape == "completion" or "text.loss_on_prompt=false" in extra
-    assert (rows[0]["completion"] if split else rows[0]["text"][len(DOC) :]) == SCRIPT
-    assert sum(mask) == (len(script) if split else len(input_ids))
+    written = rows[0]["completion"] if split else rows[0]["text"][len(DOC) :]
+    assert written == SCRIPT + "<|im_end|>"
+    assert sum(mask) == (len(script) + 1 if split else len(input_ids))
 
 
 @pytest.mark.parametrize("shape", ["chat", "text", "completion"])
