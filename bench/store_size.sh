@@ -58,3 +58,4 @@ want fp8-zstd3 && option fp8-zstd3 --set store.hidden_dtype=float8_e4m3fn --set 
 want bf16-zstd1-top8 && option bf16-zstd1-top8 --set verifier.topk=8
 want bf16-zstd1-3layers && LAYERS="$LAYERS3" option bf16-zstd1-3layers
 want fp8-zstd1-3layers && LAYERS="$LAYERS3" option fp8-zstd1-3layers --set store.hidden_dtype=float8_e4m3fn
+want nvfp4-zstd1 && option nvfp4-zstd1 --set store.hidden_dtype=nvfp4

@@ -103,3 +103,48 @@ def round_features_fp4(hidden_ND: torch.Tensor, kind: Fp4Kind) -> torch.Tensor:
     """[..., D] features -> the same shape in fp32, each block of the last dimension rounded as
     `kind` (module docstring) stores it and decoded. D must be a multiple of the block."""
     return encode_fp4(hidden_ND, kind).decoded()
+
+
+def nvfp4_row_bytes(hidden_size: int) -> int:
+    """Bytes of one stored nvfp4 row of `hidden_size` features (store.hidden_dtype=nvfp4): the
+    codes two to a byte, then one e4m3 scale per block of 16."""
+    return hidden_size // 2 + hidden_size // BLOCK["nvfp4"]
+
+
+def nvfp4_codes_bytes(row_bytes: int) -> int:
+    """Where the block scales of an nvfp4 row of `row_bytes` bytes begin (after D / 2 bytes of
+    codes; D = row_bytes * 16 / 9)."""
+    block = BLOCK["nvfp4"]
+    hidden_size = row_bytes * block // (block // 2 + 1)
+    if nvfp4_row_bytes(hidden_size) != row_bytes:
+        raise ValueError(f"{row_bytes} bytes is not the width of an nvfp4 row of any hidden size")
+    return hidden_size // 2
+
+
+def quantize_nvfp4(hidden_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., D] -> (uint8 rows [..., nvfp4_row_bytes(D)], fp32 scale [...]): the FORMAT.md
+    nvfp4 encoding of `hidden_dtype: "nvfp4"`. A row is D / 2 bytes of e2m1 codes, feature 2i
+    in the low nibble of byte i and 2i + 1 in the high one, then D / 16 bytes holding the
+    float8_e4m3fn bits of each block's scale; the fp32 scale is the row's (per token and
+    layer). Decodes to exactly what `round_features_fp4(hidden, "nvfp4")` gives. D must be a
+    multiple of 16."""
+    encoded = encode_fp4(hidden_ND, "nvfp4")
+    codes_ND = encoded.codes.flatten(-2)
+    packed_ND = codes_ND[..., 0::2] | (codes_ND[..., 1::2] << 4)
+    block_bits, row_scale = encoded.stored_scales
+    row_bytes = torch.cat([packed_ND, block_bits.flatten(-2)], dim=-1)
+    return row_bytes, row_scale.reshape(hidden_ND.shape[:-1])
+
+
+def dequantize_nvfp4(
+    row_bytes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The FORMAT.md nvfp4 decode of rows [..., W] (W = nvfp4_row_bytes(D)) with their fp32
+    scales [...]: e2m1(code) * float(e4m3 block scale) * scale, in fp32, then `dtype`."""
+    half = nvfp4_codes_bytes(row_bytes.shape[-1])
+    packed, block_bits = row_bytes[..., :half], row_bytes[..., half:]
+    block, D = BLOCK["nvfp4"], 2 * half
+    codes = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(*packed.shape[:-1], D)
+    block_scale = block_bits.view(torch.float8_e4m3fn).float() * scale[..., None].float()
+    values = e2m1_value(codes.reshape(*codes.shape[:-1], D // block, block))
+    return (values * block_scale[..., None]).flatten(-2).to(dtype)

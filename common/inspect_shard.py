@@ -18,6 +18,7 @@ import torch
 import zarr
 from tqdm import tqdm
 
+from common.fp4 import nvfp4_codes_bytes
 from common.inspect_damage import REEXTRACT, Undecodable, missing_bytes, read_array
 from common.store import (
     DOCUMENT_ARRAYS,
@@ -210,19 +211,25 @@ def _check_bits(
     r1: int,
     tally: _Tally,
     chunk_bytes: int,
-    fp8: bool = False,
+    encoding: str = "bfloat16",
 ) -> None:
-    """NaN/Inf in a bf16-bits (or, with `fp8`, float8_e4m3fn-bits) array over sequences
-    [r0, r1), read in slabs of <= chunk_bytes (counted decoded, for fp8)."""
+    """NaN/Inf in an array of bf16 bits (or, as `hidden` of an fp8 or nvfp4 store, of fp8 bits /
+    nvfp4 rows) over sequences [r0, r1), read in slabs of <= chunk_bytes (counted decoded, for
+    one-byte encodings)."""
     seq_len = array.shape[1]
-    per_token = math.prod(array.shape[2:]) * (4 if fp8 else array.dtype.itemsize)
+    scaled = encoding != "bfloat16"
+    per_token = math.prod(array.shape[2:]) * (4 if scaled else array.dtype.itemsize)
     rows = max(1, chunk_bytes // (seq_len * per_token))
     toks = seq_len if rows > 1 else max(1, min(seq_len, chunk_bytes // per_token))
     for a in range(r0, r1, rows):
         for t in range(0, seq_len, toks):
             bits = read_array(array, np.s_[a : min(a + rows, r1), t : t + toks])
-            if fp8:  # decoded without the scale: a bad scale is hidden_scale's own problem
-                bad = torch.from_numpy(bits).view(torch.float8_e4m3fn).float().isnan().numpy()
+            if scaled:  # decoded without the scale: a bad scale is hidden_scale's own problem
+                # an nvfp4 row's codes are all finite values: only its block scales can be NaN
+                fp8_bits = (
+                    bits[..., nvfp4_codes_bytes(bits.shape[-1]) :] if encoding == "nvfp4" else bits
+                )
+                bad = torch.from_numpy(fp8_bits).view(torch.float8_e4m3fn).float().isnan().numpy()
             else:
                 bad = (bits & BF16_EXPONENT) == BF16_EXPONENT
             tally.add(name, "NaN/Inf values", bad.reshape(*bad.shape[:2], -1).any(-1), a, t)
@@ -315,7 +322,6 @@ def _check_arrays(
     per_seq = sum(arrays[k].nbytes // max(n, 1) for k in small) or 1
     step = max(1, chunk_bytes // per_seq)
     counted = {"tokens": 0, "loss_tokens": 0}
-    fp8 = info.hidden_dtype == "float8_e4m3fn"
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
         block = {k: read_array(arrays[k], np.s_[r0:r1]) for k in small}
@@ -332,8 +338,8 @@ def _check_arrays(
         counted["loss_tokens"] += int(block["loss_mask"].sum()) if "loss_mask" in block else 0
         for big in BITS_ARRAYS:
             if big in arrays:
-                scaled = fp8 and big == "hidden"
-                _check_bits(big, arrays[big], real, r0, r1, tally, chunk_bytes, scaled)
+                encoding = info.hidden_dtype if big == "hidden" else "bfloat16"
+                _check_bits(big, arrays[big], real, r0, r1, tally, chunk_bytes, encoding)
         bar.update((r1 - r0) / n)
     problems = tally.problems()
     # a size that differs from the commit's, on an array whose values look right otherwise:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.fp4 import BLOCK, dequantize_nvfp4, nvfp4_row_bytes, quantize_nvfp4
 from common.generated import META_DIR as GENERATE_META_DIR
 
 FORMAT_NAME = "dflash-offline-store"
@@ -56,7 +57,11 @@ OPTIONAL_SEQUENCE_ARRAYS: dict[str, tuple[str, tuple[str, ...]]] = {
 HIDDEN_DTYPES: dict[str, tuple[str, bool]] = {
     "bfloat16": ("uint16", False),
     "float8_e4m3fn": ("uint8", True),
+    "nvfp4": ("uint8", True),
 }
+# The width of a token's row of one layer in `hidden`, where it is not `hidden_size` values: an
+# nvfp4 row is its packed codes and block scales (common/fp4.py, FORMAT.md)
+HIDDEN_ROW_WIDTH = {"nvfp4": "nvfp4_row_bytes"}
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # Per-document arrays of a shard, [num_documents]
 DOCUMENT_ARRAYS: dict[str, str] = {
@@ -140,13 +145,57 @@ def dequantize_fp8(
     return (bits.view(torch.float8_e4m3fn).float() * scale[..., None].float()).to(dtype)
 
 
+def hidden_dtype_problem(hidden_dtype: str, hidden_size: int) -> str | None:
+    """Why features of `hidden_size` cannot be stored as `hidden_dtype`, or None."""
+    block = BLOCK["nvfp4"]
+    if hidden_dtype == "nvfp4" and hidden_size % block:
+        return (
+            f"store.hidden_dtype=nvfp4 stores blocks of {block} features, and the target's "
+            f"hidden size {hidden_size} is not a multiple: use float8_e4m3fn or bfloat16"
+        )
+    return None
+
+
+def encode_hidden(
+    hidden_ND: torch.Tensor, hidden_dtype: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[..., D] features -> what `hidden` and `hidden_scale` of a `hidden_dtype` store hold for
+    them: bf16 values and no scale, or fp8 bits / nvfp4 rows (uint8) and fp32 scales [...].
+    Runs on the tensor's device."""
+    if hidden_dtype == "bfloat16":
+        return hidden_ND.to(torch.bfloat16), None
+    if hidden_dtype == "float8_e4m3fn":
+        return quantize_fp8(hidden_ND)
+    if hidden_dtype == "nvfp4":
+        return quantize_nvfp4(hidden_ND)
+    raise ValueError(f"hidden_dtype {hidden_dtype!r}: one of {', '.join(HIDDEN_DTYPES)}")
+
+
+def decode_scaled_hidden(
+    stored_KW: torch.Tensor, scale_K: torch.Tensor, hidden_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Features of a scaled `hidden` (fp8 or nvfp4, told apart by the rows' width: fp8's is
+    `hidden_size` bytes, nvfp4's nvfp4_row_bytes(hidden_size)) with their fp32 scales, decoded
+    to [..., hidden_size] in `dtype`. A batch of either store decodes here, the dev store's
+    beside the training store's, whatever each holds."""
+    width = stored_KW.shape[-1]
+    if width == hidden_size:
+        return dequantize_fp8(stored_KW, scale_K, dtype)
+    if width == nvfp4_row_bytes(hidden_size):
+        return dequantize_nvfp4(stored_KW, scale_K, dtype)
+    raise ValueError(
+        f"stored feature rows of {width} bytes are neither fp8 nor nvfp4 rows of hidden size "
+        f"{hidden_size}"
+    )
+
+
 def sequence_array_specs(
     hidden_dtype: str, full_logits: bool
 ) -> dict[str, tuple[str, tuple[str, ...]]]:
     """The per-token arrays a shard of a store with these root attributes holds."""
     bits, scaled = HIDDEN_DTYPES[hidden_dtype]
     specs = dict(SEQUENCE_ARRAYS)
-    specs["hidden"] = (bits, specs["hidden"][1])
+    specs["hidden"] = (bits, ("num_tapped", HIDDEN_ROW_WIDTH.get(hidden_dtype, "hidden_size")))
     if scaled:
         specs["hidden_scale"] = ("float32", ("num_tapped",))
     return specs | (OPTIONAL_SEQUENCE_ARRAYS if full_logits else {})
@@ -194,6 +243,8 @@ class StoreInfo:
     def dim(self, name: str) -> int:
         if name == "num_tapped":
             return len(self.tapped_layers)
+        if name == "nvfp4_row_bytes":
+            return nvfp4_row_bytes(self.hidden_size)
         return int(self.attrs[name])
 
 

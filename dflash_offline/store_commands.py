@@ -124,7 +124,7 @@ def plot(run: str) -> None:
 )
 @click.option(
     "--hidden-dtype",
-    type=click.Choice(["bfloat16", "float8_e4m3fn"]),
+    type=click.Choice(["bfloat16", "float8_e4m3fn", "nvfp4"]),
     help="import: the store's hidden_dtype [default: bfloat16]",
 )
 @click.option(

@@ -154,11 +154,14 @@ class StoreConfig:
         "byte-shuffle the float arrays of 2+ byte elements (bf16 hidden states, logits) before "
         "zstd, through Blosc: lossless, ~20% fewer bytes for a bf16 store (FORMAT.md)",
     )
-    hidden_dtype: Literal["bfloat16", "float8_e4m3fn"] = doc(
+    hidden_dtype: Literal["bfloat16", "float8_e4m3fn", "nvfp4"] = doc(
         "float8_e4m3fn",
         "dtype of the stored hidden states: float8_e4m3fn with one fp32 scale per token and "
         "tapped layer (0.65x the bytes of a bf16 store on pystd-28m; its online tau 6.21 lay "
-        "between two bf16 runs' 6.04 and 6.37, held-out level), or bfloat16",
+        "between two bf16 runs' 6.04 and 6.37, held-out level), bfloat16, or nvfp4: 4-bit e2m1 "
+        "values with an e4m3 scale per 16 and an fp32 one per token and layer (0.56 bytes a "
+        "feature, ~0.6x an fp8 store; a hidden size that is a multiple of 16; its acceptance "
+        "against fp8 is not measured yet: BENCHMARKS.md)",
     )
     overwrite: bool = doc(False, "delete an existing store at `out` first")
 

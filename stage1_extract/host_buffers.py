@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.store import bf16_to_bits
+from common.fp4 import nvfp4_row_bytes
+from common.store import HIDDEN_DTYPES, bf16_to_bits
 
 ALIGN = 4096  # every array starts on its own page
 
@@ -92,14 +93,16 @@ class BufferShape:
     hidden_size: int
     topk: int
     vocab: int | None
-    fp8: bool
+    hidden_dtype: str  # the store's (common.store.HIDDEN_DTYPES)
 
     def arrays(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         M, K, D, k = self.slots, self.num_tapped, self.hidden_size, self.topk
+        scaled = HIDDEN_DTYPES[self.hidden_dtype][1]
+        width = nvfp4_row_bytes(D) if self.hidden_dtype == "nvfp4" else D
         out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
-            "hidden": ((M, K, D), torch.uint8 if self.fp8 else torch.bfloat16),
+            "hidden": ((M, K, width), torch.uint8 if scaled else torch.bfloat16),
         }
-        if self.fp8:
+        if scaled:
             out["hidden_scale"] = ((M, K), torch.float32)
         out |= {
             "target_argmax": ((M,), torch.int32),

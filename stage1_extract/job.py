@@ -25,8 +25,9 @@ import zarr
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from common.config import to_dict
+from common.fp4 import nvfp4_row_bytes
 from common.generated import PROMPT_SUFFIX_LEFT_OUT, provenance, read_manifest
-from common.store import FORMAT_NAME, FORMAT_VERSION
+from common.store import FORMAT_NAME, FORMAT_VERSION, hidden_dtype_problem
 from stage1_extract.config import ExtractConfig
 from stage1_extract.data import PreparedData, prepare_documents, special_affixes
 from stage1_extract.fingerprints import documents_sha256, weights_fingerprint
@@ -68,7 +69,8 @@ class ExtractJob:
     def shard_bytes(self) -> int:
         """Uncompressed bytes of a full shard (an upper bound for the disk)."""
         K, D = len(self.tapped), self.hidden_size
-        hidden = K * D + K * 4 if self.cfg.store.hidden_dtype == "float8_e4m3fn" else K * D * 2
+        stored = {"bfloat16": 2 * D, "float8_e4m3fn": D + 4, "nvfp4": nvfp4_row_bytes(D) + 4}
+        hidden = K * stored[self.cfg.store.hidden_dtype]
         per_token = hidden + self.cfg.verifier.topk * 8 + 21
         if self.cfg.verifier.store_full_logits:
             per_token += self.vocab_size * 2
@@ -180,6 +182,8 @@ def plan_job(cfg: ExtractConfig, model_name: str = "target.model") -> ExtractJob
             f"verifier.topk={cfg.verifier.topk} is more than {cfg.target.model}'s vocabulary "
             f"of {text.vocab_size}; lower verifier.topk (32 is the default)"
         )
+    if problem := hidden_dtype_problem(cfg.store.hidden_dtype, text.hidden_size):
+        raise ValueError(f"{cfg.target.model}: {problem}")
     check_seq_len(cfg, config)
     tokenizer = load_tokenizer(cfg, model_name)
     if manifest is not None:  # the data were written by `dflash generate`

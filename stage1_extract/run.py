@@ -160,7 +160,7 @@ def buffer_shape(job: ExtractJob) -> BufferShape:
         hidden_size=job.hidden_size,
         topk=cfg.verifier.topk,
         vocab=job.vocab_size if cfg.verifier.store_full_logits else None,
-        fp8=cfg.store.hidden_dtype == "float8_e4m3fn",
+        hidden_dtype=cfg.store.hidden_dtype,
     )
 
 

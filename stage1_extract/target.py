@@ -27,7 +27,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from common.config import runs_tf32
 from common.durable import fsync_path
-from common.store import quantize_fp8
+from common.fp4 import nvfp4_row_bytes
+from common.store import HIDDEN_DTYPES, encode_hidden
 from common.target_config import text_config
 from stage1_extract.config import TargetConfig
 from stage1_extract.head_stats import head_chunk_stats
@@ -268,7 +269,7 @@ class TappedTarget:
         self.topk = topk
         self.head_chunk = head_chunk
         self.full_logits = full_logits
-        self.fp8 = hidden_dtype == "float8_e4m3fn"
+        self.hidden_dtype = hidden_dtype
         self.device = self.base.get_input_embeddings().weight.device
         # unset: compiled on a GPU (measured faster, same bits but the log-sum-exp's rounding),
         # eager on the CPU (inductor's C++ builds cost more than short CPU runs gain)
@@ -283,16 +284,14 @@ class TappedTarget:
         def keep(_module: torch.nn.Module, _args: Any, output: Any) -> None:
             hidden_BTD = output[0] if isinstance(output, tuple) else output
             idx = self._valid_idx.to(hidden_BTD.device, non_blocking=True)
-            # only the valid rows, in bf16 or fp8: never hold a full layer in its compute dtype
-            # longer than this hook runs
+            # only the valid rows, as stored: never hold a full layer in its compute dtype
+            # longer than this hook runs. Quantized here, on the layer's device, from the
+            # layer's own dtype: the device-to-host copy moves the stored bytes only
             valid_ND = hidden_BTD.flatten(0, 1).index_select(0, idx)
-            if not self.fp8:
-                self._hidden_NKD[:, k] = valid_ND.to(self.device, torch.bfloat16)
-                return
-            # quantized here, on the layer's device: the device-to-host copy moves half the bytes
-            bits_ND, scale_N = quantize_fp8(valid_ND)
-            self._hidden_NKD[:, k] = bits_ND.to(self.device)
-            self._scale_NK[:, k] = scale_N.to(self.device)
+            stored_NW, scale_N = encode_hidden(valid_ND, self.hidden_dtype)
+            self._hidden_NKD[:, k] = stored_NW.to(self.device)
+            if scale_N is not None:
+                self._scale_NK[:, k] = scale_N.to(self.device)
 
         return keep
 
@@ -324,9 +323,11 @@ class TappedTarget:
         self._valid_idx = (valid_idx.pin_memory() if pin else valid_idx).to(
             self.device, non_blocking=True
         )
-        K, stored = len(self.tapped), torch.uint8 if self.fp8 else torch.bfloat16
-        self._hidden_NKD = torch.empty(num_valid, K, D, dtype=stored, device=self.device)
-        if self.fp8:
+        K, scaled = len(self.tapped), HIDDEN_DTYPES[self.hidden_dtype][1]
+        width = nvfp4_row_bytes(D) if self.hidden_dtype == "nvfp4" else D
+        stored = torch.uint8 if scaled else torch.bfloat16
+        self._hidden_NKD = torch.empty(num_valid, K, width, dtype=stored, device=self.device)
+        if scaled:
             self._scale_NK = torch.empty(num_valid, K, dtype=torch.float32, device=self.device)
         # hooks live only during our forward, so the model stays usable as a plain LM
         hooks = [

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from common.fp4 import Fp4Kind, round_features_fp4
+from common.fp4 import Fp4Kind, quantize_nvfp4, round_features_fp4
 from common.store import dequantize_fp8, quantize_fp8
 from stage2_train.mask_widths import narrow_widths
 from stage2_train.masks import NARROW, TILE, MaskTables, anchor_mask_tables, context_intervals
@@ -59,11 +59,17 @@ class Batch:
 
     def rounded_to_fp4(self, kind: Fp4Kind) -> Batch:
         """This batch as a store of 4-bit features would give it (`data.hidden_as_fp4`): the
-        stored features (an fp8 store's decoded first) rounded as `kind`, as bf16 features."""
+        stored features (an fp8 store's decoded first) rounded as `kind`. nvfp4: the rows an
+        nvfp4 store (store.hidden_dtype=nvfp4) would hold, decoded by the step as that store's
+        are, so the two train alike in any dtype; mxfp4 (no such store): bf16 features, which
+        hold its values exactly."""
         if self.hidden_scale_TK is None:
             features_TKD = self.hidden_TKD
         else:
             features_TKD = dequantize_fp8(self.hidden_TKD, self.hidden_scale_TK)
+        if kind == "nvfp4":
+            rows_TKW, scale_TK = quantize_nvfp4(features_TKD)
+            return replace(self, hidden_TKD=rows_TKW, hidden_scale_TK=scale_TK)
         rounded_TKD = round_features_fp4(features_TKD, kind).to(torch.bfloat16)
         return replace(self, hidden_TKD=rounded_TKD, hidden_scale_TK=None)
 

@@ -16,11 +16,11 @@ from common.fp4 import BLOCK as FP4_BLOCK
 from common.generated import META_DIR as GENERATE_META_DIR
 from common.store import (
     HEAD_FILE,
-    HIDDEN_DTYPES,
     StoreError,
     StoreInfo,
     committed_shards,
     open_store,
+    sequence_array_specs,
     shard_name,
     shards_dir,
 )
@@ -145,7 +145,8 @@ def check_inputs(cfg: TrainConfig) -> tuple[StoreInfo, DrafterShape]:
     names = loader_arrays(info.hidden_dtype, cfg.loss.distill_weight > 0)
     hidden_zarr = _first_hidden_meta(info, names)
     stored_KD = tuple(hidden_zarr["shape"][2:])
-    bits, K_D = HIDDEN_DTYPES[info.hidden_dtype][0], (len(info.tapped_layers), D)
+    bits, (_, width) = sequence_array_specs(info.hidden_dtype, False)["hidden"]
+    K_D = (len(info.tapped_layers), info.dim(width))
     if info.complete and (hidden_zarr["data_type"] != bits or stored_KD != K_D):
         # a damaged or foreign shard: the report of every damaged shard, as run_train gives it;
         # unless every shard disagrees with the root attributes (then they are at fault: below)
@@ -159,9 +160,9 @@ def check_inputs(cfg: TrainConfig) -> tuple[StoreInfo, DrafterShape]:
         )
     if stored_KD != K_D:
         problems.append(
-            f"shard hidden arrays hold {stored_KD} = (K, D) per token, but the store lists "
-            f"{len(info.tapped_layers)} tapped layers of width {D}; the store is inconsistent: "
-            "re-extract it"
+            f"shard hidden arrays hold {stored_KD} = (K, row) per token, but the store lists "
+            f"{len(info.tapped_layers)} tapped layers of {K_D[1]} stored values (hidden size "
+            f"{D}, {info.hidden_dtype}); the store is inconsistent: re-extract it"
         )
     if (embed_dim, head_dim, head_rows) != (D, D, info.vocab_size):
         problems.append(
@@ -183,7 +184,15 @@ def check_inputs(cfg: TrainConfig) -> tuple[StoreInfo, DrafterShape]:
     except ValueError as err:
         problems.append(str(err))
     fp4 = cfg.data.hidden_as_fp4
-    if fp4 != "none" and D % FP4_BLOCK[fp4]:
+    rounding = "data.hidden_as_fp8=true" if cfg.data.hidden_as_fp8 else f"data.hidden_as_fp4={fp4}"
+    if info.hidden_dtype == "nvfp4" and rounding != "data.hidden_as_fp4=none":
+        # 4-bit features rounded again measure neither store: what the option is for is
+        # measuring a store format from features finer than it
+        problems.append(
+            f"{rounding} rounds a store's features to another format, but this store holds "
+            "nvfp4 features already: turn it off (train on what the store holds)"
+        )
+    elif fp4 != "none" and D % FP4_BLOCK[fp4]:
         # found here, not at the first step (after the model is built and compiled)
         problems.append(
             f"data.hidden_as_fp4={fp4} rounds blocks of {FP4_BLOCK[fp4]} features, and the "

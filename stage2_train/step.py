@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from common.store import HEAD_FILE, StoreError, dequantize_fp8
+from common.store import HEAD_FILE, StoreError, decode_scaled_hidden
 from stage2_train.anchors import block_positions
 from stage2_train.attention import BlockAttention
 from stage2_train.data import Batch
@@ -73,8 +73,11 @@ def forward_batch(
     dtype = head.embed_VD.dtype
     if batch.hidden_scale_TK is None:
         features_TKD = batch.hidden_TKD.to(dtype)
-    else:  # fp8 store: decoded here, on the device, from the bits the loader moved
-        features_TKD = dequantize_fp8(batch.hidden_TKD, batch.hidden_scale_TK, dtype)
+    else:  # fp8 or nvfp4 store: decoded here, on the device, from the bytes the loader moved
+        hidden_size = head.embed_VD.shape[1]
+        features_TKD = decode_scaled_hidden(
+            batch.hidden_TKD, batch.hidden_scale_TK, hidden_size, dtype
+        )
     return model(
         features_TKD,
         block_inputs_QD,

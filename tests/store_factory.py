@@ -28,7 +28,7 @@ from common.store import (
     FORMAT_VERSION,
     HEAD_FILE,
     bf16_to_bits,
-    quantize_fp8,
+    encode_hidden,
     shard_name,
 )
 from common.store_files import record_shard_files
@@ -53,7 +53,7 @@ class FactorySpec:
     chunk_tokens: int = 32
     mask_token_id: int | None = 3
     pad_token_id: int = 0
-    hidden_dtype: str = "bfloat16"  # or "float8_e4m3fn": uint8 bits + hidden_scale
+    hidden_dtype: str = "bfloat16"  # or "float8_e4m3fn" / "nvfp4": uint8 bytes + hidden_scale
     format_version: int = FORMAT_VERSION
     complete: bool = True
     seed: int = 0
@@ -183,12 +183,12 @@ def build_store(path: str | Path, spec: FactorySpec | None = None) -> Path:
         _array(group, "loss_mask", loss_NS, spec.chunk_tokens)
         _array(group, "position_ids", pos_NS, spec.chunk_tokens)
         _array(group, "document_ids", doc_NS, spec.chunk_tokens)
-        if spec.hidden_dtype == "float8_e4m3fn":
-            bits, scale = quantize_fp8(hidden)
-            _array(group, "hidden", bits.numpy(), spec.chunk_tokens)
+        stored, scale = encode_hidden(hidden, spec.hidden_dtype)
+        if scale is not None:
+            _array(group, "hidden", stored.numpy(), spec.chunk_tokens)
             _array(group, "hidden_scale", scale.numpy(), spec.chunk_tokens)
         else:
-            _array(group, "hidden", bf16_to_bits(hidden.to(torch.bfloat16)), spec.chunk_tokens)
+            _array(group, "hidden", bf16_to_bits(stored), spec.chunk_tokens)
         _array(group, "target_argmax", argmax_NS, spec.chunk_tokens)
         _array(group, "topk_ids", topk_ids, spec.chunk_tokens)
         _array(group, "topk_logits", np.ascontiguousarray(topk_logits), spec.chunk_tokens)

@@ -13,7 +13,7 @@ from store_factory import FactorySpec, build_store
 
 from common.config import build_config
 from common.fp4 import e2m1_code, e2m1_value, round_features_fp4
-from common.store import dequantize_fp8, quantize_fp8
+from common.store import decode_scaled_hidden, dequantize_fp8, quantize_fp8
 from stage2_train.batch import Batch
 from stage2_train.config import TrainConfig
 from stage2_train.inputs import check_inputs
@@ -114,17 +114,28 @@ def _batch(hidden_TKD: torch.Tensor, scale_TK: torch.Tensor | None) -> Batch:
 
 def test_a_batch_rounds_what_its_store_holds() -> None:
     """bf16 features are rounded as they are; an fp8 store's are decoded first (the features
-    the drafter would otherwise see), and either way the drafter gets bf16 and no scale."""
+    the drafter would otherwise see). mxfp4 gives the drafter bf16 and no scale; nvfp4 the rows
+    and scales an nvfp4 store holds, which the step decodes as it decodes that store's."""
     x = (torch.randn(12, 3, 64, generator=torch.Generator().manual_seed(3)) * 4).to(torch.bfloat16)
+    bits, scale = quantize_fp8(x)
     for kind in ("mxfp4", "nvfp4"):
         plain = _batch(x, None).rounded_as_configured(False, kind)
-        assert plain.hidden_scale_TK is None and plain.hidden_TKD.dtype == torch.bfloat16
-        assert torch.equal(plain.hidden_TKD, round_features_fp4(x, kind).to(torch.bfloat16))
-        bits, scale = quantize_fp8(x)
         from_fp8 = _batch(bits, scale).rounded_as_configured(False, kind)
-        want = round_features_fp4(dequantize_fp8(bits, scale), kind).to(torch.bfloat16)
-        assert from_fp8.hidden_scale_TK is None and torch.equal(from_fp8.hidden_TKD, want)
-        assert not torch.equal(from_fp8.hidden_TKD, x)  # the rounding is visible
+        for batch, source in ((plain, x), (from_fp8, dequantize_fp8(bits, scale))):
+            want = round_features_fp4(source, kind)
+            if kind == "mxfp4":
+                assert batch.hidden_scale_TK is None and batch.hidden_TKD.dtype == torch.bfloat16
+                assert torch.equal(batch.hidden_TKD, want.to(torch.bfloat16))
+            else:
+                assert batch.hidden_TKD.shape == (12, 3, 36) and batch.hidden_scale_TK.shape == (
+                    12,
+                    3,
+                )
+                decoded = decode_scaled_hidden(
+                    batch.hidden_TKD, batch.hidden_scale_TK, 64, torch.float32
+                )
+                assert torch.equal(decoded, want)
+        assert not torch.equal(round_features_fp4(x, kind).to(torch.bfloat16), x)  # visible
     unchanged = _batch(x, None)
     assert unchanged.rounded_as_configured(False, "none") is unchanged
 

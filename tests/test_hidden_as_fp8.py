@@ -18,7 +18,7 @@ import torch
 import zarr
 
 from common.config import build_config
-from common.fp4 import round_features_fp4
+from common.fp4 import dequantize_nvfp4, round_features_fp4
 from common.store import bf16_to_bits, bits_to_bf16
 from common.store_files import record_shard_files
 from common.tiny import EXAMPLE_DATA
@@ -37,7 +37,7 @@ def stores(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     data = work / "data.jsonl"
     data.write_text("\n".join(EXAMPLE_DATA.read_text().splitlines()[:16]) + "\n")
     out = {}
-    for dtype in ("bfloat16", "float8_e4m3fn"):
+    for dtype in ("bfloat16", "float8_e4m3fn", "nvfp4"):
         out[dtype] = work / dtype
         sets = [
             f"target.model={tiny_qwen3}",
@@ -77,13 +77,36 @@ def test_a_bf16_store_rounded_trains_as_the_fp8_store(
     assert train(stores["float8_e4m3fn"], tmp_path / "fp8-again", "data.hidden_as_fp8=true") == fp8
 
 
-@pytest.mark.parametrize("kind", ["mxfp4", "nvfp4"])
+def test_nvfp4_rounding_trains_as_the_nvfp4_store(
+    stores: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    """`data.hidden_as_fp4=nvfp4` on the bf16 store trains, and evaluates held-out, exactly as
+    extract's nvfp4 store of the same text (store.hidden_dtype=nvfp4), whose bytes are the bf16
+    store's features encoded."""
+    nvfp4 = train(stores["nvfp4"], tmp_path / "nvfp4")
+    rounded = train(stores["bfloat16"], tmp_path / "rounded", "data.hidden_as_fp4=nvfp4")
+    assert "features rounded to nvfp4 (data.hidden_as_fp4)" in caplog.text
+    assert len(nvfp4) == 4 and sum("eval_tau" in r for r in nvfp4) == 2
+    assert rounded == nvfp4
+    assert nvfp4 != train(stores["bfloat16"], tmp_path / "plain")  # the rounding is visible
+    for folder in sorted((stores["nvfp4"] / "shards").iterdir()):
+        group = zarr.open_group(folder, mode="r")
+        rows, scale = (
+            torch.from_numpy(group["hidden"][...]),
+            torch.from_numpy(group["hidden_scale"][...]),
+        )
+        bf16_group = zarr.open_group(stores["bfloat16"] / "shards" / folder.name, mode="r")
+        want = round_features_fp4(bits_to_bf16(bf16_group["hidden"][...]), "nvfp4")
+        assert torch.equal(dequantize_nvfp4(rows, scale), want)
+
+
+@pytest.mark.parametrize("kind", ["mxfp4"])
 def test_fp4_rounding_trains_as_a_store_of_the_rounded_features(
     stores: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture, kind: str
 ):
-    """`data.hidden_as_fp4`: the bf16 store rounded in the loader trains, and evaluates
-    held-out, exactly as a copy of that store whose features were rounded on disk (the
-    rounded values are exact in bf16 for mxfp4; nvfp4's get the same one cast)."""
+    """`data.hidden_as_fp4=mxfp4` (no store holds it): the bf16 store rounded in the loader
+    trains, and evaluates held-out, exactly as a copy of that store whose features were
+    rounded on disk (mxfp4's values are exact in bf16)."""
     rounded_store = tmp_path / "rounded-store"
     shutil.copytree(stores["bfloat16"], rounded_store)
     for folder in sorted((rounded_store / "shards").iterdir()):

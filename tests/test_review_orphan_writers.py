@@ -66,7 +66,9 @@ from stage1_extract.writer_pools import LockWatch
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="flock, /proc and memfd")
 
-SHAPE = BufferShape(slots=8, num_tapped=2, hidden_size=4, topk=2, vocab=None, fp8=False)
+SHAPE = BufferShape(
+    slots=8, num_tapped=2, hidden_size=4, topk=2, vocab=None, hidden_dtype="bfloat16"
+)
 DEBUG_CONFIG = Path(__file__).parents[1] / "configs" / "debug.yaml"
 CONTROL_ENV = "DFLASH_TEST_ORPHAN_CONTROL"  # folder of the `reached` and `go` files
 VARIANT_ENV = "DFLASH_TEST_ORPHAN_VARIANT"

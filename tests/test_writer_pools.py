@@ -19,7 +19,9 @@ from stage1_extract.host_buffers import BufferShape, ShardBuffers
 from stage1_extract.writer import ShardLayout, ShardTask, is_disk_full
 from stage1_extract.writer_pools import ProcessPool, _portable
 
-SHAPE = BufferShape(slots=8, num_tapped=2, hidden_size=4, topk=2, vocab=None, fp8=False)
+SHAPE = BufferShape(
+    slots=8, num_tapped=2, hidden_size=4, topk=2, vocab=None, hidden_dtype="bfloat16"
+)
 
 
 class Results:

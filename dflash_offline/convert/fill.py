@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.store import quantize_fp8
+from common.store import encode_hidden
 from dflash_offline.convert.hdf5_input import Hdf5Input
 from stage1_extract.host_buffers import ShardBuffers
 from stage1_extract.packing import PackingPlan, shard_pieces
@@ -37,11 +37,12 @@ class ShardFiller:
         last_layer: int,
         head_VD: torch.Tensor,
         overlong: str,
+        hidden_dtype: str,
     ) -> None:
         self.inp, self.plan, self.per_shard = inp, plan, per_shard
         self.pad_id, self.vocab = int(tokenizer["pad_token_id"]), int(tokenizer["vocab_size"])
         self.verifier, self.topk, self.last_layer = verifier, topk, last_layer
-        self.head_VD, self.overlong = head_VD, overlong
+        self.head_VD, self.overlong, self.hidden_dtype = head_VD, overlong, hidden_dtype
         f = inp.file
         # per-document arrays are small: read once (h5py reads scattered rows slowly)
         self.source = (
@@ -122,12 +123,10 @@ class ShardFiller:
             lo = int(inp.starts[rows[j]] + plan.src_offset[p])
             arrays = self._piece(lo, L, int(rows[j]))
             hidden_LKD = arrays.pop("hidden")
-            if "hidden_scale" in host:
-                host["hidden"][slot : slot + L], host["hidden_scale"][slot : slot + L] = (
-                    quantize_fp8(hidden_LKD)
-                )
-            else:
-                host["hidden"][slot : slot + L] = hidden_LKD.to(torch.bfloat16)
+            stored, scale = encode_hidden(hidden_LKD, self.hidden_dtype)
+            host["hidden"][slot : slot + L] = stored
+            if scale is not None:
+                host["hidden_scale"][slot : slot + L] = scale
             for name, values in arrays.items():
                 host[name][slot : slot + L] = values
             host["position_ids"][slot : slot + L] = torch.arange(L, dtype=torch.int32)

@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from common.config import to_dict
 from common.logging import get_logger
-from common.store import FORMAT_NAME, FORMAT_VERSION, HEAD_FILE
+from common.store import FORMAT_NAME, FORMAT_VERSION, HEAD_FILE, hidden_dtype_problem
 from common.target_config import text_config
 from dflash_offline.convert.fill import ShardFiller
 from dflash_offline.convert.hdf5_input import Hdf5Input, head_tensors, open_input, target_config
@@ -155,6 +155,9 @@ def hdf5_to_store(h5: str | Path, store: str | Path, opts: ImportOptions) -> Pat
     if problems := opts.problems():
         raise ValueError("dflash convert: " + "; ".join(problems))
     inp, store = open_input(h5), Path(store)
+    if problem := hidden_dtype_problem(opts.hidden_dtype, inp.hidden_size):
+        inp.file.close()
+        raise ValueError(f"{inp.path}: {problem.replace('store.hidden_dtype', '--hidden-dtype')}")
     # beside the store until prepare_store has checked or created it (it refuses a folder
     # holding anything but a store)
     head_file = store.parent / f".tmp-{store.name}-{HEAD_FILE}-{os.getpid()}"
@@ -185,7 +188,16 @@ def hdf5_to_store(h5: str | Path, store: str | Path, opts: ImportOptions) -> Pat
         attrs["converted_from"]["verifier"] = verifier
         attrs["content_key"] = content_key(_key(inp, opts, tattrs, verifier))
         fill = ShardFiller(
-            inp, plan, opts.sequences_per_shard, tok, verifier, topk, last, head_VD, opts.overlong
+            inp,
+            plan,
+            opts.sequences_per_shard,
+            tok,
+            verifier,
+            topk,
+            last,
+            head_VD,
+            opts.overlong,
+            opts.hidden_dtype,
         )
         with writer_lock(store):
             done = set(prepare_store(store, attrs, opts.overwrite))
@@ -288,9 +300,9 @@ def _write_shards(
 ) -> None:
     """Every shard not yet committed, one at a time through one reused set of buffers."""
     K, D = len(cfg.target.tapped_layers or []), fill.inp.hidden_size
-    fp8 = cfg.store.hidden_dtype == "float8_e4m3fn"
     slots = cfg.store.sequences_per_shard * cfg.packing.seq_len
-    buffers = ShardBuffers.allocate(BufferShape(slots, K, D, cfg.verifier.topk, None, fp8), False)
+    shape = BufferShape(slots, K, D, cfg.verifier.topk, None, cfg.store.hidden_dtype)
+    buffers = ShardBuffers.allocate(shape, False)
     layout = ShardLayout(
         cfg.packing.seq_len,
         cfg.store.chunk_tokens,

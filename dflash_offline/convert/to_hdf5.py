@@ -40,7 +40,7 @@ from common.store import (
     StoreInfo,
     bits_to_bf16,
     committed_shards,
-    dequantize_fp8,
+    decode_scaled_hidden,
     open_store,
     sequence_array_specs,
     shard_name,
@@ -119,19 +119,26 @@ def _chunks(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...] | None:
     return (1, max(1, min(shape[1], CHUNK_BYTES // max(token, 1))), *shape[2:])
 
 
-def _decode(bits: np.ndarray, scale: np.ndarray | None, hidden_as: str) -> np.ndarray:
-    """Store bits -> floats of `hidden_as` (fp8 with its scales, FORMAT.md's decode)."""
+def _decode(
+    bits: np.ndarray, scale: np.ndarray | None, hidden_as: str, hidden_size: int
+) -> np.ndarray:
+    """Store bits -> floats of `hidden_as` (fp8 bits or nvfp4 rows with their scales: FORMAT.md's
+    decodes)."""
     dtype = getattr(torch, hidden_as)
     if scale is not None:
-        return dequantize_fp8(torch.from_numpy(bits), torch.from_numpy(scale), dtype).numpy()
+        stored, scale_t = torch.from_numpy(bits), torch.from_numpy(scale)
+        return decode_scaled_hidden(stored, scale_t, hidden_size, dtype).numpy()
     return bits_to_bf16(bits).to(dtype).numpy()
 
 
 def _encoding(name: str, info: StoreInfo, hidden_as: str) -> str:
-    fp8 = name == "hidden" and info.hidden_dtype == "float8_e4m3fn"
+    scaled = name == "hidden" and info.hidden_dtype != "bfloat16"
     if hidden_as != "bits":
-        return f"{hidden_as} (decoded from {'float8_e4m3fn and hidden_scale' if fp8 else 'bf16'})"
-    return "float8_e4m3fn-bits" if fp8 else "bfloat16-bits"
+        source = f"{info.hidden_dtype} and hidden_scale" if scaled else "bf16"
+        return f"{hidden_as} (decoded from {source})"
+    if not scaled:
+        return "bfloat16-bits"
+    return "nvfp4-rows" if info.hidden_dtype == "nvfp4" else "float8_e4m3fn-bits"
 
 
 def _shard_meta(info: StoreInfo, index: int) -> dict[str, Any]:
@@ -219,6 +226,8 @@ def store_to_hdf5(
                 if hidden_as != "bits" and name in BITS_ARRAYS:
                     dtype = np.dtype(hidden_as)
                 shape = (int(total), *first[name].shape[1:])
+                if hidden_as != "bits" and name == "hidden":  # decoded: hidden_size values
+                    shape = (*shape[:-1], info.hidden_size)
                 chunks = _chunks(shape, dtype.itemsize)
                 ds = f.create_dataset(
                     name, shape=shape, dtype=dtype, chunks=chunks, **(filters if chunks else {})
@@ -281,7 +290,9 @@ def _copy_shard(
             ds[doc0 : doc0 + array.shape[0]] = read(name, np.s_[...])
             continue
         n, S = array.shape[:2]
-        token_bytes = int(np.prod(array.shape[2:], dtype=np.int64)) * 4  # decoded: up to fp32
+        # decoded: up to fp32 a value (an nvfp4 row of W bytes holds 16 W / 9 values)
+        per_value = 8 if name == "hidden" and info.hidden_dtype == "nvfp4" else 4
+        token_bytes = int(np.prod(array.shape[2:], dtype=np.int64)) * per_value
         # whole sequences per block, or spans of tokens when one sequence is too big (logits)
         rows = max(1, BLOCK_BYTES // (S * token_bytes))
         toks = S if rows > 1 else max(1, min(S, BLOCK_BYTES // token_bytes))
@@ -290,7 +301,7 @@ def _copy_shard(
                 where = np.s_[r : r + rows, t : t + toks]
                 block = read(name, where)
                 if hidden_as != "bits" and name in BITS_ARRAYS:
-                    scaled = name == "hidden" and info.hidden_dtype == "float8_e4m3fn"
+                    scaled = name == "hidden" and info.hidden_dtype != "bfloat16"
                     scale = read("hidden_scale", where) if scaled else None
-                    block = _decode(block, scale, hidden_as)
+                    block = _decode(block, scale, hidden_as, info.hidden_size)
                 ds[seq0 + r : seq0 + r + block.shape[0], t : t + block.shape[1]] = block
