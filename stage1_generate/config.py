@@ -124,6 +124,10 @@ class EndpointConfig:
             out.append(f"concurrency must be >= 1, got {self.concurrency}")
         if self.max_retries < 0:
             out.append(f"max_retries must be >= 0, got {self.max_retries}")
+        # 0 made every request's socket non-blocking (BlockingIOError, retried as an overloaded
+        # server), a negative one failed as "Timeout value out of range", naming no setting
+        if not self.timeout_s > 0:
+            out.append(f"timeout_s must be > 0, got {self.timeout_s}")
         return out
 
 

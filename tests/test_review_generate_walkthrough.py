@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from common.config import build_config
 from common.generated import manifest_path, read_manifest
 from stage1_extract.store_root import content_key
+from stage1_generate.config import GenerateConfig
 from stage1_generate.inputs import REPLY_SPECIALS, REPLY_STOP
 from stage1_generate.openai_backend import OpenAIBackend
 from stage1_generate.run import run_generate
@@ -150,3 +152,14 @@ def test_the_openai_backend_finds_the_stop_id(choice: dict, expected: int | None
     assert one.stop_id == 3  # a single stop id: that one
     cut = dict(answer, choices=[{"text": "ab", "finish_reason": "length"}])
     assert _backend([2, 3], eos_id=2)._parse(json.dumps(cut).encode()).stop_id is None
+
+
+@pytest.mark.parametrize("timeout", ["0", "-1", ".nan"])
+def test_a_request_timeout_that_is_not_positive_is_refused_by_name(timeout: str) -> None:
+    """endpoint.timeout_s 0 made every request's socket non-blocking (BlockingIOError, retried
+    and reported as an overloaded server); -1 failed as "Timeout value out of range", naming no
+    setting; both after the manifest was written (the /models check has its own timeout)."""
+    flags = ["target.model=m", "data.path=d", "output.out=o", "run.backend=openai"]
+    flags += ["endpoint.url=http://127.0.0.1:8000/v1", f"endpoint.timeout_s={timeout}"]
+    with pytest.raises(ValueError, match=r"endpoint: timeout_s must be > 0"):
+        build_config(GenerateConfig, None, "generate", flags)
