@@ -40,6 +40,7 @@ from shapes import QWEN3_8B
 
 from common.config import build_config
 from common.logging import init_logger
+from common.store import HIDDEN_DTYPES, hidden_bytes_per_token
 from common.tiny import build_tokenizer, example_texts
 from stage1_extract.config import ExtractConfig
 from stage1_extract.job import _batches, plan_job, tapped_target
@@ -312,7 +313,7 @@ def main() -> None:
         "each shard (no zarr, no disk), to tell the cost of the copies and host work from that "
         "of the IO",
     )
-    parser.add_argument("--hidden-dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn"])
+    parser.add_argument("--hidden-dtype", default="bfloat16", choices=list(HIDDEN_DTYPES))
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], help="extra config key=value"
     )
@@ -396,11 +397,8 @@ def main() -> None:
     attrs = json.loads((store / "zarr.json").read_text())["attributes"]["dflash"]
     tokens = attrs["counts"]["tokens"]
     on_disk = int(subprocess.check_output(["du", "-sb", str(store)]).split()[0])
-    num_tapped, fp8 = len(attrs["tapped_layers"]), attrs["hidden_dtype"] == "float8_e4m3fn"
-    # fp8: one byte per feature plus one fp32 scale per tapped layer; bf16: two bytes
-    hidden_bytes = num_tapped * attrs["hidden_size"] * (1 if fp8 else 2) + (
-        4 * num_tapped if fp8 else 0
-    )
+    num_tapped = len(attrs["tapped_layers"])
+    hidden_bytes = hidden_bytes_per_token(attrs["hidden_dtype"], num_tapped, attrs["hidden_size"])
     raw_per_token = hidden_bytes + attrs["topk"] * 8 + 21
     # the extraction loop's own time, from run_extract's summary line (setup excluded)
     loop_s = loop_seconds(records)

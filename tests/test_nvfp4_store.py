@@ -165,3 +165,24 @@ def test_import_encodes_the_files_features(tmp_path: Path) -> None:
         assert torch.equal(decoded, want)
     result = CliRunner().invoke(cli, ["inspect", str(stores["nvfp4"])])
     assert result.exit_code == 0 and "stored as nvfp4" in result.output
+
+
+@pytest.mark.slow
+def test_the_compiled_encoder_writes_eagers_bytes() -> None:
+    """Extract's encoder where the head is compiled (a CUDA target's default): one graph for
+    every token count, the same rows and scales as eager (on the CPU), a zero row's included;
+    a row with a NaN has a NaN scale both ways (its codes mean nothing: verify flags the row)."""
+    torch._dynamo.reset()
+    try:
+        for tokens in (37, 300, 5):
+            x = torch.randn(tokens, 3, 128, generator=torch.Generator().manual_seed(tokens)) * 30
+            x[1] = 0.0
+            x[2, 1, 5] = float("nan")
+            got_rows, got_scale = encode_hidden(x, "nvfp4", compiled=True)
+            want_rows, want_scale = encode_hidden(x, "nvfp4")
+            finite = want_scale.isfinite()
+            assert finite.sum() == 3 * tokens - 1 and got_scale[2, 1].isnan()
+            assert torch.equal(got_rows[finite], want_rows[finite])
+            assert torch.equal(got_scale[finite], want_scale[finite])
+    finally:
+        torch._dynamo.reset()
