@@ -77,8 +77,17 @@ def _others(out: Path) -> list[Path]:
     return [p for p in out.iterdir() if p.name != LOCK_FILE] if out.is_dir() else []
 
 
-def check_output_folder(out: Path, overwrite: bool) -> None:
-    """Refuse a file, or a folder of other things (never lock or delete what is not ours)."""
+def check_output_folder(out: Path, overwrite: bool, data: str | None = None) -> None:
+    """Refuse a file, or a folder of other things (never lock or delete what is not ours), or
+    one inside the local data folder `data` (read with its sub-folders: a rerun would read the
+    rows written there as source rows, and fail on their columns)."""
+    source = Path(data).expanduser() if data else None
+    if source is not None and source.is_dir() and out.resolve().is_relative_to(source.resolve()):
+        raise ValueError(
+            f"--out {out} is inside --data {data}, whose files are read with its sub-folders: "
+            "a rerun or resume would read the rows written there as source rows; pick an --out "
+            "outside it"
+        )
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; pass a folder path")
     if _others(out) and read_manifest(out) is None:

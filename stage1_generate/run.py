@@ -205,7 +205,7 @@ def _worker(
                 inputs = read_inputs(cfg, model_name)
                 if ctx.is_main:  # rank 0 holds the lock for the run
                     out = Path(cfg.output.out).expanduser()
-                    check_output_folder(out, cfg.output.overwrite)
+                    check_output_folder(out, cfg.output.overwrite, cfg.data.path)
                     lock.enter_context(output_lock(out))
                     _prepare(cfg, inputs, model_name)
             with failure_shared():  # a rank that finished waits here for the slowest
@@ -295,7 +295,7 @@ def run_generate(cfg: GenerateConfig, model_name: str = "target.model") -> dict[
             _worker(cfg, devices, error_dir, False, None, model_name)
             return read_manifest(Path(cfg.output.out).expanduser())
         out = Path(cfg.output.out).expanduser()
-        check_output_folder(out, cfg.output.overwrite)
+        check_output_folder(out, cfg.output.overwrite, cfg.data.path)
         with output_lock(out):
             # checked and prepared here, so user errors stay ValueErrors of this process
             inputs = read_inputs(cfg, model_name)

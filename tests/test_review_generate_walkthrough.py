@@ -163,3 +163,22 @@ def test_a_request_timeout_that_is_not_positive_is_refused_by_name(timeout: str)
     flags += ["endpoint.url=http://127.0.0.1:8000/v1", f"endpoint.timeout_s={timeout}"]
     with pytest.raises(ValueError, match=r"endpoint: timeout_s must be > 0"):
         build_config(GenerateConfig, None, "generate", flags)
+
+
+@pytest.mark.parametrize("inside", ["gen", ".", "sub/gen"])
+def test_an_out_inside_the_data_folder_is_refused_before_anything_is_written(
+    tiny_qwen3: Path, tmp_path: Path, inside: str
+) -> None:
+    """The data folder is read with its sub-folders: the first run of `--data D --out D/gen`
+    went through, and its rerun (or resume after a kill) read D/gen's rows as source rows and
+    failed on their columns (a `datasets` cast error about the run's own output)."""
+    folder = tmp_path / "data"
+    (folder / "sub").mkdir(parents=True)
+    write_jsonl(folder / "text.jsonl", [{"text": DOC}])
+    out = folder / inside
+    with pytest.raises(ValueError, match=r"--out .* is inside --data .*pick an --out outside"):
+        run_generate(config(tiny_qwen3, folder, out))
+    assert not (out / ".dflash-generate").exists()
+    assert not (out / ".dflash-generate.lock").exists()
+    # an --out beside the data runs as before
+    run_generate(config(tiny_qwen3, folder / "text.jsonl", tmp_path / "gen"))
