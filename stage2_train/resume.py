@@ -38,6 +38,7 @@ FIXED_ON_RESUME = (
 )
 # Where and how the run executes; never what it computes (the store is compared by content).
 FREE_ON_RESUME = (
+    "drafter.init_norm_from_target",  # only the initial weights, which the checkpoint replaces
     "data.dev_store",
     "run.out",
     "run.export_best",
@@ -110,14 +111,28 @@ def check_same_run(
     store_key: str,
     allow_change: bool = False,
     layers: list[int] | None = None,
+    shape: dict[str, Any] | None = None,
 ) -> list[str]:
     """Refuse to resume checkpoint `path` under another config (see the module docstring);
     returns the changes to apply when `allow_change`.
 
     The store is compared by its content key, not its path: a store re-extracted in place with
-    other data is another store, and `./store` vs `/abs/store` is the same one.
+    other data is another store, and `./store` vs `/abs/store` is the same one. The drafter is
+    compared by `shape` (model.DrafterShape as a dict), what its config resolves to against
+    the store, as data.tapped_layers by `layers`.
     """
     fixed, changeable = config_changes(meta["config"], current)
+    saved_shape = meta.get("shape")
+    if shape is not None and saved_shape is not None:
+        # drafter.* spelled another way (a default set to the value the target gives it, or
+        # unset again) is the same drafter; one that resolves otherwise under the same config
+        # (a mask token picked anew) is another, which the config lines alone missed
+        same = [k for k in shape if saved_shape.get(k) == shape[k]]
+        fixed = [line for line in fixed if line.split(":")[0] not in {f"drafter.{k}" for k in same}]
+        named = {line.split(":")[0] for line in fixed}
+        for key in shape:
+            if key not in same and f"drafter.{key}" not in named and key != "num_tapped":
+                fixed.append(f"the drafter's {key}: {saved_shape.get(key)!r} -> {shape[key]!r}")
     if meta.get("store_content_key") != store_key:
         fixed.append("data.store: its content key differs (another extraction)")
     if meta.get("world_size", world) != world:
@@ -174,6 +189,7 @@ def resume_run(
     rank: int,
     device: torch.device,
     layers: list[int] | None = None,
+    shape: dict[str, Any] | None = None,
 ) -> tuple[TrainState, FittedEnd | None] | None:
     """Resume from the newest readable checkpoint of `cfg.run.out`: its train state and the
     schedule's end it had fitted to a time limit (time_fit.restore_fitted puts it back in
@@ -184,7 +200,7 @@ def resume_run(
     def check(meta: dict[str, Any], path: Path) -> None:
         nonlocal changes
         changes = check_same_run(
-            meta, current, world, path, store_key, cfg.run.allow_config_change, layers
+            meta, current, world, path, store_key, cfg.run.allow_config_change, layers, shape
         )
 
     remove_leftovers(cfg.run.out, rank)  # before any rank lists the checkpoints

@@ -268,6 +268,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         rank=ctx.rank,
         device=device,
         layers=layers,
+        shape=dataclasses.asdict(shape),
     ) or (TrainState(step=0, epoch=0, step_in_epoch=0, stream=cfg.data.follow), None)
     check_stream_position(state, plan)
     # an end fitted to an earlier job's time limit holds on (time_fit.py)

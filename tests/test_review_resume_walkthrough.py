@@ -1,0 +1,72 @@
+"""Review (training interrupted and resumed, walked through as a careful user):
+
+- A resume whose `drafter.*` names the values the run already had (an explicit
+  `drafter.mask_token_id` or `hidden_size` equal to what the store resolves, unset again, or
+  `drafter.init_norm_from_target`, which only sets the initial weights) was refused as a
+  change "a resume cannot change"; a drafter that resolves otherwise under the same config (a
+  mask token picked anew) went on silently. The resolved shape is compared now.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from store_factory import FactorySpec, build_store
+
+from common.config import build_config
+from stage2_train.config import TrainConfig
+from stage2_train.resume import check_same_run
+from stage2_train.train import run_train
+
+DEBUG = Path(__file__).parents[1] / "configs" / "debug.yaml"
+SETS = ["optim.max_steps=6", "run.checkpoint_every=2", "run.keep_checkpoints=5"]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_store(tmp_path_factory.mktemp("walk") / "store", FactorySpec(num_sequences=9))
+
+
+def train(store: Path, out: Path, *sets: str) -> list[dict]:
+    base = [f"data.store={store}", f"run.out={out}", "run.progress=false", *SETS]
+    run_train(build_config(TrainConfig, DEBUG, "train", [*base, *sets]))
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def cut_after_step_4(out: Path) -> None:
+    """What a run killed right after step 4's checkpoint leaves (metrics cut on resume)."""
+    for name in ("step-000006", "export"):
+        for path in sorted((out / name).rglob("*"), reverse=True):
+            path.rmdir() if path.is_dir() else path.unlink()
+        (out / name).rmdir()
+
+
+def test_the_same_drafter_spelled_otherwise_resumes_exactly(store: Path, tmp_path: Path) -> None:
+    full = train(store, tmp_path / "full")
+    out = tmp_path / "run"
+    train(store, out)
+    # the store's mask token (3) and the target's width (64), named; the norm's initial value
+    same = ["drafter.mask_token_id=3", "drafter.hidden_size=64", "drafter.head_dim=16"]
+    for sets in (same, ["drafter.init_norm_from_target=false"], []):  # and unset again
+        cut_after_step_4(out)
+        resumed = train(store, out, *sets)
+        assert [r["loss"] for r in resumed] == [r["loss"] for r in full]
+    cut_after_step_4(out)
+    with pytest.raises(ValueError, match=r"cannot change: drafter.mask_token_id: None -> 4;"):
+        train(store, out, "drafter.mask_token_id=4")
+
+
+def test_a_drafter_resolved_otherwise_under_the_same_config_is_refused(tmp_path: Path) -> None:
+    config = {"drafter": {"mask_token_id": None, "num_layers": 2}}
+    shape = {"num_layers": 2, "mask_token_id": 3, "hidden_size": 64, "num_tapped": 2}
+    meta = {"config": config, "store_content_key": "k", "world_size": 1, "shape": shape}
+    assert check_same_run(meta, config, 1, tmp_path, "k", shape=dict(shape)) == []
+    picked_anew = {**shape, "mask_token_id": 5}
+    with pytest.raises(ValueError, match=r"cannot change: the drafter's mask_token_id: 3 -> 5;"):
+        check_same_run(meta, config, 1, tmp_path, "k", shape=picked_anew)
+    # a config line already naming the field is not repeated
+    wider = {"drafter": {"mask_token_id": None, "num_layers": 3}}
+    with pytest.raises(ValueError, match=r"cannot change: drafter.num_layers: 2 -> 3; resume"):
+        check_same_run(meta, wider, 1, tmp_path, "k", shape={**shape, "num_layers": 3})
