@@ -1,12 +1,15 @@
 """Training metrics: `RUN/metrics.jsonl` (one JSON object per optimizer step) and the log line.
 
 On resume the file is cut back to the steps the checkpoint covers, so the file of a resumed run
-reads exactly like the file of an uninterrupted one.
+reads exactly like the file of an uninterrupted one. The cut is written beside it and renamed
+over it: a job killed at its start (a scheduler's SIGTERM or SIGKILL right after a requeue)
+keeps the run's curves.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 from pathlib import Path
@@ -22,7 +25,11 @@ class MetricsWriter:
         self.path, self.enabled = path, enabled
         if enabled and path.exists():
             kept = [r for r in read_records(path) if r["step"] <= keep_until]
-            path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            text = "".join(json.dumps(r) + "\n" for r in kept)
+            if text != path.read_text():  # written in place, a kill mid-write lost the rest
+                tmp = path.with_name(f".tmp-{path.name}")
+                tmp.write_text(text)
+                os.replace(tmp, path)
 
     def write(self, record: dict[str, Any]) -> None:
         if self.enabled:

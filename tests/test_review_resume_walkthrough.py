@@ -5,6 +5,9 @@
   `drafter.init_norm_from_target`, which only sets the initial weights) was refused as a
   change "a resume cannot change"; a drafter that resolves otherwise under the same config (a
   mask token picked anew) went on silently. The resolved shape is compared now.
+- A resume cut metrics.jsonl back to its checkpoint by rewriting it in place: a job killed
+  then (a scheduler's SIGTERM or SIGKILL right after a requeue) lost the run's curves, every
+  step before the checkpoint too. The cut is written beside the file and renamed over it.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from store_factory import FactorySpec, build_store
 
 from common.config import build_config
 from stage2_train.config import TrainConfig
+from stage2_train.metrics import MetricsWriter, read_records
 from stage2_train.resume import check_same_run
 from stage2_train.train import run_train
 
@@ -70,3 +74,28 @@ def test_a_drafter_resolved_otherwise_under_the_same_config_is_refused(tmp_path:
     wider = {"drafter": {"mask_token_id": None, "num_layers": 3}}
     with pytest.raises(ValueError, match=r"cannot change: drafter.num_layers: 2 -> 3; resume"):
         check_same_run(meta, wider, 1, tmp_path, "k", shape={**shape, "num_layers": 3})
+
+
+class Killed(BaseException):
+    """A SIGKILL, as far as the code under test can tell."""
+
+
+def test_a_job_killed_while_cutting_the_metrics_back_keeps_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "metrics.jsonl"
+    records = [{"step": s, "loss": 1.0 / s} for s in range(1, 7)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    def killed_mid_write(self: Path, data: str, *args: object, **kwargs: object) -> int:
+        with open(self, "w") as f:
+            f.write(data[: len(data) // 2])
+        raise Killed
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Path, "write_text", killed_mid_write)
+        with pytest.raises(Killed):
+            MetricsWriter(path, enabled=True, keep_until=4)
+    assert read_records(path) == records  # the rerun cuts them as it should
+    MetricsWriter(path, enabled=True, keep_until=4)
+    assert read_records(path) == records[:4]
