@@ -101,31 +101,37 @@ def expand_paths(cfg: TrainConfig) -> TrainConfig:
 def run_train(cfg: TrainConfig) -> None:
     """Check inputs, then train on every device of `run.devices` (see the module docstring)."""
     cfg = expand_paths(cfg)
-    if cfg.data.follow:  # extract may have just started: its store and first shard come later
-        waiting_since = time.monotonic()
-        wait_for_store(cfg.data)
-        cfg = limit_after_wait(cfg, time.monotonic() - waiting_since)
-    info, _ = check_inputs(cfg)
-    if info.complete:  # (--follow before completion: at each shard's and sequence's read)
-        # a deleted or cut file (it reads as zeros) and a foreign or damaged shard's arrays
-        # (its sizes agree with its own record), in every shard, in one error: now, not each
-        # at its first read hours in. Under torchrun every rank checks alike (JSON and stat
-        # only: ~1 ms a shard), before any process group or model exists
-        check_shards(info, loader_arrays(info.hidden_dtype, cfg.loss.distill_weight > 0))
-    if cfg.data.dev_store:  # now too, not once the model is built
-        open_dev_store(cfg.data.dev_store, info, trained_layers(cfg, info))
-    check_trackers(cfg.run.report_to)  # a missing package fails here, not in a worker
-    check_fp8_installed(cfg.run.fp8_linear)
-    devices = parse_devices(cfg.run.devices)
-    Path(cfg.run.out).mkdir(parents=True, exist_ok=True)
-    with run_lock(Path(cfg.run.out)):
+    with contextlib.ExitStack() as held:
+        if cfg.data.follow:  # extract may have just started: its store and first shard come later
+            # the run folder is this run's before the wait: a second `--follow` run into it is
+            # refused now, not once the store appears (minutes, or data.follow_timeout_s, later)
+            held.enter_context(run_lock(Path(cfg.run.out)))
+            waiting_since = time.monotonic()
+            wait_for_store(cfg.data)
+            cfg = limit_after_wait(cfg, time.monotonic() - waiting_since)
+        info, _ = check_inputs(cfg)
+        if info.complete:  # (--follow before completion: at each shard's and sequence's read)
+            # a deleted or cut file (it reads as zeros) and a foreign or damaged shard's arrays
+            # (its sizes agree with its own record), in every shard, in one error: now, not
+            # each at its first read hours in. Under torchrun every rank checks alike (JSON and
+            # stat only: ~1 ms a shard), before any process group or model exists
+            check_shards(info, loader_arrays(info.hidden_dtype, cfg.loss.distill_weight > 0))
+        if cfg.data.dev_store:  # now too, not once the model is built
+            open_dev_store(cfg.data.dev_store, info, trained_layers(cfg, info))
+        check_trackers(cfg.run.report_to)  # a missing package fails here, not in a worker
+        check_fp8_installed(cfg.run.fp8_linear)
+        devices = parse_devices(cfg.run.devices)
+        if not cfg.data.follow:  # after the checks: a mistaken command makes no run folder
+            held.enter_context(run_lock(Path(cfg.run.out)))
         launch(_worker, devices, cfg, devices)
 
 
 def run_lock(out: Path) -> contextlib.AbstractContextManager:
     """One `dflash train` per run folder: a second one into the same --out would delete the
     first's checkpoint in the making and interleave its metrics. Held by the process that
-    launches the ranks (under torchrun: global rank 0, whose node holds the run folder)."""
+    launches the ranks (under torchrun: global rank 0, whose node holds the run folder).
+    Makes the folder."""
+    out.mkdir(parents=True, exist_ok=True)
     if int(os.environ.get("RANK", "0")) != 0:
         return contextlib.nullcontext()
 

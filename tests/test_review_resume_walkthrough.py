@@ -8,6 +8,9 @@
 - A resume cut metrics.jsonl back to its checkpoint by rewriting it in place: a job killed
   then (a scheduler's SIGTERM or SIGKILL right after a requeue) lost the run's curves, every
   step before the checkpoint too. The cut is written beside the file and renamed over it.
+- A second `dflash train --follow` into a run folder another training holds waited for the
+  store first (until extract created it, or data.follow_timeout_s), and was refused only then;
+  it is refused at once now.
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ import pytest
 from store_factory import FactorySpec, build_store
 
 from common.config import build_config
+from common.locks import exclusive_lock
 from stage2_train.config import TrainConfig
 from stage2_train.metrics import MetricsWriter, read_records
 from stage2_train.resume import check_same_run
-from stage2_train.train import run_train
+from stage2_train.train import RUN_LOCK, run_train
 
 DEBUG = Path(__file__).parents[1] / "configs" / "debug.yaml"
 SETS = ["optim.max_steps=6", "run.checkpoint_every=2", "run.keep_checkpoints=5"]
@@ -99,3 +103,15 @@ def test_a_job_killed_while_cutting_the_metrics_back_keeps_them(
     assert read_records(path) == records  # the rerun cuts them as it should
     MetricsWriter(path, enabled=True, keep_until=4)
     assert read_records(path) == records[:4]
+
+
+def test_a_second_follow_run_into_a_held_run_folder_is_refused_before_waiting(
+    tmp_path: Path,
+) -> None:
+    out, never = tmp_path / "run", tmp_path / "store-not-yet-extracted"
+    sets = [f"data.store={never}", f"run.out={out}", "data.follow=true"]
+    sets += ["data.follow_poll_s=0.01", "data.follow_timeout_s=0.05"]  # it was: the wait's error
+    out.mkdir()
+    refused = pytest.raises(ValueError, match="another `dflash train` is writing this run")
+    with exclusive_lock(out / RUN_LOCK, RuntimeError), refused:  # a first training holds it
+        run_train(build_config(TrainConfig, DEBUG, "train", sets))
