@@ -66,10 +66,10 @@ class _TensorBoard:
         from torch.utils.tensorboard import SummaryWriter
 
         # A resumed run writes a new event file here; purge_step hides the steps past the
-        # checkpoint that the killed run had logged, as metrics.jsonl is cut back to it.
-        self.writer = SummaryWriter(
-            log_dir=str(out / "tensorboard"), purge_step=resumed_step + 1 if resumed_step else None
-        )
+        # checkpoint that the killed run had logged, as metrics.jsonl is cut back to it. From
+        # step 1 when none was saved: a run killed before its first checkpoint logged steps
+        # that the rerun logs again (TensorBoard showed both)
+        self.writer = SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=resumed_step + 1)
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         for tag, value in scalars.items():

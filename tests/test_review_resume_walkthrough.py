@@ -11,6 +11,9 @@
 - A second `dflash train --follow` into a run folder another training holds waited for the
   store first (until extract created it, or data.follow_timeout_s), and was refused only then;
   it is refused at once now.
+- A run killed before its first checkpoint, rerun: metrics.jsonl starts again from step 1,
+  but TensorBoard kept the killed run's steps beside the rerun's (purge_step was set only for
+  a resume from a checkpoint).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from common.locks import exclusive_lock
 from stage2_train.config import TrainConfig
 from stage2_train.metrics import MetricsWriter, read_records
 from stage2_train.resume import check_same_run
+from stage2_train.trackers import Trackers
 from stage2_train.train import RUN_LOCK, run_train
 
 DEBUG = Path(__file__).parents[1] / "configs" / "debug.yaml"
@@ -115,3 +119,27 @@ def test_a_second_follow_run_into_a_held_run_folder_is_refused_before_waiting(
     refused = pytest.raises(ValueError, match="another `dflash train` is writing this run")
     with exclusive_lock(out / RUN_LOCK, RuntimeError), refused:  # a first training holds it
         run_train(build_config(TrainConfig, DEBUG, "train", sets))
+
+
+def test_tensorboard_drops_the_steps_of_a_run_killed_before_its_first_checkpoint(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def job(losses: list[float]) -> Trackers:
+        trackers = Trackers(["tensorboard"], tmp_path, project="p", name=None, config={})
+        for step, loss in enumerate(losses, start=1):
+            trackers.log({"step": step, "loss": loss})
+        return trackers
+
+    job([9.0, 8.0, 7.0])  # killed: no checkpoint, never closed (each step is flushed)
+    job([3.0, 2.0, 1.0, 0.5]).close()  # the rerun starts from step 1
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
+        (1, 3.0),
+        (2, 2.0),
+        (3, 1.0),
+        (4, 0.5),
+    ]
