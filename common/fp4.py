@@ -1,7 +1,7 @@
-"""Hidden states rounded to 4 bits, as a store of e2m1 features would hold them
-(`data.hidden_as_fp4`): what such a store would cost in acceptance, measured from an existing
-store before any store format exists (issue 12: five tapped layers under 12 KB a token at the
-Qwen3-8B width need features under ~0.6 bytes; fp8 takes 1).
+"""Hidden states in 4 bits (e2m1 values under shared scales): the nvfp4 store's encoding
+(`store.hidden_dtype=nvfp4`, FORMAT.md "Hidden states": `quantize_nvfp4`, `dequantize_nvfp4`)
+and the rounding `data.hidden_as_fp4` measures from a finer store (issue 12: five tapped layers
+under 12 KB a token at the Qwen3-8B width need features under ~0.6 bytes; fp8 takes 1).
 
 Two layouts, each a shared scale per block of features along the hidden size:
 - "mxfp4" (OCP microscaling): 32 features a block, a power-of-two scale (one byte, e8m0),
@@ -14,7 +14,7 @@ Values are rounded to the nearest e2m1 value, ties to the even code (IEEE's rule
 hardware's casts do). mxfp4's results are exactly representable in bf16 (at most 2
 significant bits times a power of two); nvfp4's, times an fp32 scale, round once more when
 cast to bf16, as an fp8 store's decode to the model's dtype does (0.2% at most, against
-fp4's ~10%).
+fp4's ~10%). Only nvfp4 has a store format; mxfp4 is measurable through the loader alone.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ def e2m1_code(x: torch.Tensor) -> torch.Tensor:
     magnitude = torch.nan_to_num(x.float().abs(), nan=0.0).clamp(max=E2M1_MAX)
     # e2m1's step is 0.5 below 2, 1 in [2, 4) and 2 from 4: the magnitude in steps, rounded
     # half to even (exact: the steps are powers of two), is the nearest value, and its parity
-    # is the code's, so a tie goes to the even code. Arithmetic, not a search: one fused pass
-    # on a GPU's elementwise kernels, 4x faster than bucketize on the CPU
+    # is the code's, so a tie goes to the even code. Elementwise arithmetic, not a search,
+    # so that a compiled encoder (compiled_quantize_nvfp4) fuses it with the rest
     step = torch.where(magnitude < 2, 0.5, torch.where(magnitude < 4, 1.0, 2.0))
     value = torch.round(magnitude / step) * step
     code = torch.where(value < 2, value * 2, torch.where(value < 4, value + 2, value / 2 + 4))
