@@ -4,8 +4,16 @@ The dev chained tau (`data.dev_store`) is the online tau computed offline, promp
 and a run that overfits its data peaks before its last step (BENCHMARKS.md: pystd-28m flat
 from step 7,500 of 10,000). So each evaluation that beats the best so far exports the drafter
 to RUN/export-best/ (the same files as RUN/export/, which stays the final drafter) and then
-writes best.json there: its step and figure. A resumed run continues from best.json when its
-step is not past the resumed step (a later one belongs to steps the run is about to redo).
+writes best.json there: its step, its figure, and the dev store that figure is of (its path
+and content key).
+
+A resumed run continues from best.json when its step is not past the resumed step (a later
+one belongs to steps the run is about to redo). A figure is compared only with figures of the same dev store (`data.dev_store` may
+change on a resume): a record of another content key starts the comparison afresh, said in
+the log, and the first evaluation on the new store replaces export-best/. A best.json written
+before the dev store was recorded names none; it is taken as the current dev store's (the
+common case: a dev store is rarely swapped mid-run), said in the log with the way out (delete
+best.json to start afresh), rather than let a worse drafter replace it.
 """
 
 from __future__ import annotations
@@ -15,24 +23,76 @@ import math
 import os
 from pathlib import Path
 
+from common.logging import get_logger
+
 BEST_DIR = "export-best"
 BEST_FILE = "best.json"
 
 
-def best_so_far(out: Path, resumed_step: int) -> float:
-    """The dev_chained_tau recorded in RUN/export-best/best.json, or -inf (none yet, unreadable,
-    or from a step after `resumed_step`)."""
-    try:
-        record = json.loads((out / BEST_DIR / BEST_FILE).read_text())
-        step, tau = int(record["step"]), float(record["dev_chained_tau"])
-    except (OSError, ValueError, KeyError, TypeError):
+def best_so_far(out: Path, resumed_step: int, dev_store: str, dev_key: str) -> float:
+    """The dev_chained_tau that RUN/export-best/best.json records for the dev store of content
+    key `dev_key` (at `dev_store`), or -inf: none yet, unreadable, another dev store's, or from
+    a step after `resumed_step`."""
+    path = out / BEST_DIR / BEST_FILE
+    if not path.exists():
         return -math.inf
-    return tau if step <= resumed_step else -math.inf
+    log = get_logger()
+    try:
+        record = json.loads(path.read_text())
+        step, tau = int(record["step"]), float(record["dev_chained_tau"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        log.warning(
+            "export-best: %s is unreadable (%s): the best figure starts afresh, and the first "
+            "evaluation replaces export-best/",
+            path,
+            err,
+        )
+        return -math.inf
+    if step > resumed_step:
+        return -math.inf
+    recorded = record.get("dev_store_content_key")
+    if recorded is None:
+        log.info(
+            "export-best: best.json's dev_chained_tau %.4f (step %d) names no dev store (written "
+            "before that record): taken as data.dev_store %s's; delete %s to start afresh",
+            tau,
+            step,
+            dev_store,
+            path,
+        )
+    elif recorded != dev_key:
+        log.info(
+            "export-best: best.json's dev_chained_tau %.4f (step %d) is of another dev store "
+            "(%s, content key %s), not data.dev_store %s (content key %s): the best figure "
+            "starts afresh on this store, and its first evaluation replaces export-best/",
+            tau,
+            step,
+            record.get("dev_store"),
+            recorded,
+            dev_store,
+            dev_key,
+        )
+        return -math.inf
+    else:
+        log.info(
+            "export-best: the best so far is dev_chained_tau %.4f at step %d (best.json); only "
+            "an evaluation above it replaces export-best/",
+            tau,
+            step,
+        )
+    return tau
 
 
-def record_best(out: Path, step: int, tau: float) -> None:
-    """Write best.json into the freshly exported RUN/export-best/ (atomic: tmp, then rename)."""
+def record_best(out: Path, step: int, tau: float, dev_store: str, dev_key: str) -> None:
+    """Write best.json into the freshly exported RUN/export-best/ (atomic: tmp, then rename):
+    the step, its figure and the dev store (path, content key) that figure is of."""
     path = out / BEST_DIR / BEST_FILE
     tmp = path.with_name(f".tmp-{path.name}")
-    tmp.write_text(json.dumps({"step": step, "dev_chained_tau": tau}) + "\n")
+    record = {
+        "step": step,
+        "dev_chained_tau": tau,
+        "dev_store": dev_store,
+        "dev_store_content_key": dev_key,
+    }
+    tmp.write_text(json.dumps(record) + "\n")
     os.replace(tmp, path)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import os
 import time
 from datetime import timedelta
@@ -373,7 +374,11 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
             target=extra_meta["target"]["trained_for"],
         )
 
-    best_tau = best_so_far(out, state.step)
+    # figures compare only on one dev store (data.dev_store may change on a resume): best.py
+    dev_key = dev_info.attrs["content_key"] if dev_info is not None else None
+    best_tau = -math.inf
+    if cfg.run.export_best and ctx.is_main and dev_info is not None:
+        best_tau = best_so_far(out, state.step, cfg.data.dev_store, dev_key)
 
     def export_if_best(record: dict[str, Any]) -> None:
         """run.export_best: export when this evaluation's dev_chained_tau beats the run's best."""
@@ -386,7 +391,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
             fix="free space, then rerun the same command (it resumes), or set "
             "run.export_best=false",
         )
-        record_best(out, state.step, tau)
+        record_best(out, state.step, tau, cfg.data.dev_store, dev_key)
         best_tau = tau
         record["best_exported"] = True
 

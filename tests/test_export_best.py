@@ -50,7 +50,13 @@ def test_the_best_evaluation_is_exported(
     assert evals == [(4, 1.5), (8, 2.5), (12, 2.0), (16, 3.0), (20, 3.0), (24, 2.8)]
     best_step = 16  # the first of equal bests: a later tie is not better
     record = json.loads((out / BEST_DIR / BEST_FILE).read_text())
-    assert record == {"step": best_step, "dev_chained_tau": 3.0}
+    # and the dev store that figure is of: another one's figures are not compared with it
+    assert record == {
+        "step": best_step,
+        "dev_chained_tau": 3.0,
+        "dev_store": str(store),
+        "dev_store_content_key": "factory-0",
+    }
     assert [r["step"] for r in rows if r.get("best_exported")] == [4, 8, 16]
     # the export holds that step's weights (bf16), as its checkpoint saved them
     weights = torch.load(out / f"step-{best_step:06d}" / "model.pt", weights_only=True)
@@ -69,16 +75,22 @@ def test_off_exports_no_best(store: Path, tmp_path: Path) -> None:
 
 
 def test_a_resumed_run_keeps_only_a_record_it_has_reached(tmp_path: Path) -> None:
-    assert best_so_far(tmp_path, 100) == -math.inf  # none yet
+    dev = ("/data/dev", "key-a")
+    assert best_so_far(tmp_path, 100, *dev) == -math.inf  # none yet
     (tmp_path / BEST_DIR).mkdir()
-    record_best(tmp_path, 40, 3.5)
-    assert best_so_far(tmp_path, 40) == 3.5
-    assert best_so_far(tmp_path, 100) == 3.5
+    record_best(tmp_path, 40, 3.5, *dev)
+    assert best_so_far(tmp_path, 40, *dev) == 3.5
+    assert best_so_far(tmp_path, 100, *dev) == 3.5
     # written at a step the resumed run has not reached (killed before its checkpoint): the
     # run redoes those steps and their evaluations decide again
-    assert best_so_far(tmp_path, 36) == -math.inf
+    assert best_so_far(tmp_path, 36, *dev) == -math.inf
+    # another dev store's figure (the same path re-extracted, or another path): not compared
+    assert best_so_far(tmp_path, 100, "/data/dev", "key-b") == -math.inf
+    # a record from before the dev store was recorded: taken as the current store's
+    (tmp_path / BEST_DIR / BEST_FILE).write_text('{"step": 40, "dev_chained_tau": 3.5}')
+    assert best_so_far(tmp_path, 100, "/data/other", "key-b") == 3.5
     (tmp_path / BEST_DIR / BEST_FILE).write_text("{not json")
-    assert best_so_far(tmp_path, 100) == -math.inf
+    assert best_so_far(tmp_path, 100, *dev) == -math.inf
 
 
 def test_the_real_figure_is_recorded(store: Path, tmp_path: Path) -> None:
