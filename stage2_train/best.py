@@ -7,8 +7,10 @@ to RUN/export-best/ (the same files as RUN/export/, which stays the final drafte
 writes best.json there: its step, its figure, and the dev store that figure is of (its path
 and content key).
 
-A resumed run continues from best.json when its step is not past the resumed step (a later
-one belongs to steps the run is about to redo). A figure is compared only with figures of the same dev store (`data.dev_store` may
+A run, resumed or rerun, starts from best.json as it finds it, whatever its step: a run killed
+after exporting a best and before its next checkpoint redoes those steps, and the drafter on
+disk stays until an evaluation beats it, so export-best/ only ever improves within a run
+folder (checkpoints hold no best: best.json is the one record of it). A figure is compared only with figures of the same dev store (`data.dev_store` may
 change on a resume): a record of another content key starts the comparison afresh, said in
 the log, and the first evaluation on the new store replaces export-best/. A best.json written
 before the dev store was recorded names none; it is taken as the current dev store's (the
@@ -29,10 +31,9 @@ BEST_DIR = "export-best"
 BEST_FILE = "best.json"
 
 
-def best_so_far(out: Path, resumed_step: int, dev_store: str, dev_key: str) -> float:
+def best_so_far(out: Path, dev_store: str, dev_key: str) -> float:
     """The dev_chained_tau that RUN/export-best/best.json records for the dev store of content
-    key `dev_key` (at `dev_store`), or -inf: none yet, unreadable, another dev store's, or from
-    a step after `resumed_step`."""
+    key `dev_key` (at `dev_store`), or -inf: none yet, unreadable, or another dev store's."""
     path = out / BEST_DIR / BEST_FILE
     if not path.exists():
         return -math.inf
@@ -47,8 +48,6 @@ def best_so_far(out: Path, resumed_step: int, dev_store: str, dev_key: str) -> f
             path,
             err,
         )
-        return -math.inf
-    if step > resumed_step:
         return -math.inf
     recorded = record.get("dev_store_content_key")
     if recorded is None:

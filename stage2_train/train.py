@@ -378,7 +378,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
     dev_key = dev_info.attrs["content_key"] if dev_info is not None else None
     best_tau = -math.inf
     if cfg.run.export_best and ctx.is_main and dev_info is not None:
-        best_tau = best_so_far(out, state.step, cfg.data.dev_store, dev_key)
+        best_tau = best_so_far(out, cfg.data.dev_store, dev_key)
 
     def export_if_best(record: dict[str, Any]) -> None:
         """run.export_best: export when this evaluation's dev_chained_tau beats the run's best."""

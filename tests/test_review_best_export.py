@@ -4,6 +4,9 @@
   another `data.dev_store` compared that store's figures against the old store's (a higher
   old figure blocked every later best export for good). best.json now records the dev store's
   content key; another store's record starts the comparison afresh, said in the log.
+- A resumed run dropped a best.json written after its checkpoint (a run killed after
+  exporting a best, before its next checkpoint) and exported at its first evaluation, even a
+  worse drafter over the better one. It compares against best.json whatever its step now.
 """
 
 from __future__ import annotations
@@ -101,3 +104,20 @@ def test_another_dev_store_starts_the_best_afresh(
     }
     said = [line for line in logged if "another dev store" in line]
     assert len(said) == 1 and "factory-0" in said[0] and "factory-1" in said[0], logged
+
+
+def test_a_resumed_run_keeps_a_better_best_exported_after_its_checkpoint(
+    stores: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, _ = stores
+    out = tmp_path / "run"
+    script_figures(monkeypatch, 1.0, 1.5, 3.0, 2.0)  # the best at step 6, after step 4's save
+    train(store, store, out)
+    weights = (out / BEST_DIR / "model.safetensors").read_bytes()
+    remove(out / "step-000008")  # killed after exporting step 6's best, before step 8's save
+    remove(out / "export")
+    script_figures(monkeypatch, 2.5, 2.8)  # the redone steps 6 and 8 read lower this time
+    rows = train(store, store, out)
+    assert exported(rows[4:]) == []
+    assert best_record(out)["step"] == 6 and best_record(out)["dev_chained_tau"] == 3.0
+    assert (out / BEST_DIR / "model.safetensors").read_bytes() == weights
