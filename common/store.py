@@ -49,7 +49,7 @@ SEQUENCE_ARRAYS: dict[str, tuple[str, tuple[str, ...]]] = {
     "loss_mask": ("uint8", ()),
     "position_ids": ("int32", ()),
     "document_ids": ("int32", ()),
-    "hidden": ("uint16", ("num_tapped", "hidden_size")),  # bf16 bits (uint8 fp8 bits: below)
+    "hidden": ("uint16", ("num_tapped", "hidden_size")),  # bf16 bits (uint8: below)
     "target_argmax": ("int32", ()),
     "topk_ids": ("int32", ("topk",)),
     "topk_logits": ("float32", ("topk",)),

@@ -240,8 +240,8 @@ def save_target_head(
 class BatchOutput:
     """Per valid token of a batch, rows in row-major order of the (right-padded) batch."""
 
-    hidden_NKD: torch.Tensor  # bf16, or uint8 float8_e4m3fn bits
-    hidden_scale_NK: torch.Tensor | None  # float32, only with fp8 hidden states
+    hidden_NKD: torch.Tensor  # bf16, or uint8 fp8 bits / nvfp4 rows
+    hidden_scale_NK: torch.Tensor | None  # float32, only with fp8 or nvfp4 hidden states
     argmax_N: torch.Tensor  # int32
     topk_ids_Nk: torch.Tensor  # int32
     topk_logits_Nk: torch.Tensor  # float32

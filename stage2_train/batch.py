@@ -37,13 +37,13 @@ class Batch:
     tokens_T: torch.Tensor
     position_ids_T: torch.Tensor
     document_ids_T: torch.Tensor  # unique per document across the batch, -1 on padding
-    hidden_TKD: torch.Tensor  # bf16, or uint8 float8_e4m3fn bits when hidden_scale_TK is set
+    hidden_TKD: torch.Tensor  # bf16, or uint8 fp8 bits / nvfp4 rows with hidden_scale_TK
     anchors_A: torch.Tensor
     labels_AB: torch.Tensor
     weights_AB: torch.Tensor  # 0/1 validity of each slot's label (0 for padding items)
     topk_ids_ABk: torch.Tensor | None = None  # int32 (the store's), widened where used
     topk_logprobs_ABk: torch.Tensor | None = None
-    hidden_scale_TK: torch.Tensor | None = None  # float32, fp8 stores only
+    hidden_scale_TK: torch.Tensor | None = None  # float32, fp8 and nvfp4 stores only
     mask_tables: MaskTables | None = None  # the attention mask of anchors_A, built by collate
     damaged: tuple[str, ...] = ()  # one line per unreadable sequence, read as a blank item
 

@@ -174,7 +174,7 @@ class StoreSequences(torch.utils.data.Dataset):
         return rows
 
     def read_row(self, index: int) -> dict[str, torch.Tensor]:
-        """Sequence `index` as tensors (hidden as bf16, or fp8 bits beside hidden_scale);
+        """Sequence `index` as tensors (hidden as bf16, or uint8 beside hidden_scale);
         Damaged when its bytes cannot be trusted."""
         arrays = self._chosen_layers(self._read(index))
         hidden = arrays.pop("hidden")
@@ -184,7 +184,7 @@ class StoreSequences(torch.utils.data.Dataset):
 
     def __getitems__(self, keys: list[ItemKey]) -> list[dict[str, Any]]:
         """The items of `keys` (what a loader worker fetches for one batch), each row's hidden
-        states (and fp8 scales) decoded, and its top-k blocks gathered, straight into one
+        states (and fp8 / nvfp4 scales) decoded, and its top-k blocks gathered, straight into one
         buffer of the batch per tensor, in shared memory in a worker: collate takes them whole
         (unless padding anchors must move), and the worker's queue ships them as they are."""
         shapes = {}
