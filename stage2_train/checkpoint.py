@@ -292,8 +292,11 @@ def _read(path: Path, what: str, reader: Callable[[Path], Any]) -> Any:
         raise DamagedCheckpoint(f"{what} is missing")
     try:
         return reader(path)
+    except pickle.UnpicklingError as err:  # torch's weights-only load: a page of advice
+        raise DamagedCheckpoint(f"{what} is unreadable (not a file torch.load reads)") from err
     except _READ_ERRORS as err:
-        raise DamagedCheckpoint(f"{what} is unreadable ({type(err).__name__}: {err})") from err
+        detail = str(err).strip() or "cut short"  # an empty file's EOFError says nothing
+        raise DamagedCheckpoint(f"{what} is unreadable ({type(err).__name__}: {detail})") from err
 
 
 def read_meta(path: Path) -> dict[str, Any]:
@@ -302,6 +305,17 @@ def read_meta(path: Path) -> dict[str, Any]:
     if not isinstance(meta, dict) or not {"train_state", "config"} <= set(meta):
         raise DamagedCheckpoint("meta.json lacks train_state or config")
     return meta
+
+
+def read_model_state(path: Path) -> dict[str, torch.Tensor]:
+    """model.pt of checkpoint `path`, on the CPU (`dflash export`); DamagedCheckpoint when
+    missing or unreadable (truncated, emptied, garbled: torch.load's weights-only unpickler
+    refuses garbage as an UnpicklingError)."""
+    return _read(
+        path / "model.pt",
+        "model.pt",
+        lambda p: torch.load(p, map_location="cpu", weights_only=True),
+    )
 
 
 def load_checkpoint(

@@ -32,6 +32,7 @@ from stage2_train.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     read_meta,
+    read_model_state,
     step_dir,
 )
 from stage2_train.model import DFlashDrafter, DrafterShape, drafter_config_json
@@ -323,6 +324,37 @@ def no_checkpoint_fix(run: str | Path, step: int | None) -> str:
     return "pass the run folder `dflash train --out` wrote, after its first checkpoint"
 
 
+def exportable_steps(run: str | Path, but: Path) -> list[int]:
+    """The kept checkpoints of `run` other than `but` that look whole to `dflash export` (a
+    meta.json that reads, a model.pt that is not empty; its tensors are read only when one is
+    exported: a drafter's may be gigabytes)."""
+    steps = []
+    for path in list_checkpoints(run):
+        try:
+            read_meta(path)
+        except DamagedCheckpoint:
+            continue
+        model = path / "model.pt"
+        if path != but and model.is_file() and model.stat().st_size > 0:
+            steps.append(int(STEP_RE.match(path.name).group(1)))
+    return steps
+
+
+def damaged_fix(run: str | Path, ckpt: Path) -> str:
+    """What to export instead of the damaged checkpoint `ckpt`: the other kept steps, each as
+    its command (newest first), or how to get one when there is none."""
+    steps = exportable_steps(run, ckpt)[::-1]
+    if not steps:
+        return (
+            "no other kept checkpoint of this run looks whole to export; rerun its `dflash "
+            "train` command (it resumes from the newest readable checkpoint, or starts afresh "
+            "when none is) and export after its next checkpoint"
+        )
+    commands = " or ".join(f"`dflash export {run} --step {n}`" for n in steps[:3])
+    more = f" (kept steps: {', '.join(map(str, steps))})" if len(steps) > 3 else ""
+    return f"export another kept checkpoint: {commands}{more}"
+
+
 def export_checkpoint(
     run: str | Path,
     step: int | None = None,
@@ -336,23 +368,29 @@ def export_checkpoint(
         raise ValueError(f"{run}: no checkpoint {which}to export; {no_checkpoint_fix(run, step)}")
     try:
         meta = read_meta(ckpt)
-        if not (ckpt / "model.pt").is_file():
-            raise DamagedCheckpoint("model.pt is missing")
-        state = torch.load(ckpt / "model.pt", map_location="cpu", weights_only=True)
-    except (DamagedCheckpoint, RuntimeError, EOFError, OSError) as err:
-        raise ValueError(
-            f"checkpoint {ckpt} is damaged ({err}); export an older one with --step N"
-        ) from err
-    shape = DrafterShape(**meta["shape"])
-    model = DFlashDrafter(shape)
-    model.to(next(iter(state.values())).dtype).load_state_dict(state)
-    target = meta["target"]
+        state = read_model_state(ckpt)
+        try:
+            shape = DrafterShape(**meta["shape"])
+            target = meta["target"]
+            tapped_layers, target_config = target["tapped_layers"], target["config"]
+        except (KeyError, TypeError) as err:
+            raise DamagedCheckpoint(f"meta.json lacks the drafter's {err}") from err
+        model = DFlashDrafter(shape)
+        try:
+            model.to(next(iter(state.values())).dtype).load_state_dict(state)
+        except (StopIteration, AttributeError, RuntimeError) as err:
+            # load_state_dict's lines name each missing, unexpected or mis-sized tensor
+            what = " ".join(line.strip() for line in str(err).splitlines()) or repr(err)
+            cut = what[:300] + (" ..." if len(what) > 300 else "")
+            raise DamagedCheckpoint(f"model.pt does not hold the drafter ({cut})") from err
+    except DamagedCheckpoint as err:
+        raise ValueError(f"checkpoint {ckpt} is damaged ({err}); {damaged_fix(run, ckpt)}") from err
     out = Path(out or Path(run) / "export")
     return export_drafter(
         model,
         shape,
-        target["tapped_layers"],
-        target["config"],
+        tapped_layers,
+        target_config,
         out,
         dtype=dtype,
         mask_token=checkpoint_mask_token(meta, shape.mask_token_id),

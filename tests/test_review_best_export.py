@@ -7,20 +7,27 @@
 - A resumed run dropped a best.json written after its checkpoint (a run killed after
   exporting a best, before its next checkpoint) and exported at its first evaluation, even a
   worse drafter over the better one. It compares against best.json whatever its step now.
+- `dflash export RUN` with a damaged newest checkpoint said "export an older one with --step
+  N" without naming the steps there are, and a garbled model.pt or a meta.json without the
+  drafter's shape failed as a bug (an unpickling error's page of advice, a KeyError). Each is
+  named as damage now, with the command for each other kept checkpoint that looks whole.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from store_factory import FactorySpec, build_store
 
 import stage2_train.train as train_module
 from common.config import build_config
 from common.logging import get_logger
+from dflash_offline.cli import main as cli
 from stage2_train.best import BEST_DIR, BEST_FILE
 from stage2_train.config import TrainConfig
 from stage2_train.train import run_train
@@ -121,3 +128,48 @@ def test_a_resumed_run_keeps_a_better_best_exported_after_its_checkpoint(
     assert exported(rows[4:]) == []
     assert best_record(out)["step"] == 6 and best_record(out)["dev_chained_tau"] == 3.0
     assert (out / BEST_DIR / "model.safetensors").read_bytes() == weights
+
+
+@pytest.fixture(scope="module")
+def kept(stores: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run folder keeping checkpoints of steps 2, 4, 6 and 8 (copied by each test)."""
+    store, _ = stores
+    out = tmp_path_factory.mktemp("kept") / "run"
+    sets = [f"data.store={store}", f"run.out={out}", "run.progress=false", "optim.max_steps=8"]
+    sets += ["run.checkpoint_every=2", "run.keep_checkpoints=5"]
+    run_train(build_config(TrainConfig, DEBUG, "train", sets))
+    return out
+
+
+@pytest.mark.parametrize("damage", ["garbled", "emptied", "meta without shape", "other tensors"])
+def test_export_of_a_damaged_checkpoint_names_the_steps_to_export(
+    kept: Path, tmp_path: Path, damage: str
+) -> None:
+    out = tmp_path / "run"
+    shutil.copytree(kept, out)
+    newest = out / "step-000008"
+    if damage == "garbled":  # torch.load's weights-only unpickler refuses it
+        (newest / "model.pt").write_bytes(b"\x80\x02garbage" * 64)
+    elif damage == "emptied":
+        (newest / "model.pt").write_bytes(b"")
+    elif damage == "meta without shape":
+        meta = json.loads((newest / "meta.json").read_text())
+        (newest / "meta.json").write_text(json.dumps({k: meta[k] for k in meta if k != "shape"}))
+    else:
+        (newest / "model.pt").write_bytes((out / "step-000002" / "optimizer.pt").read_bytes())
+    (out / "step-000002" / "meta.json").write_text("{")  # damaged too: not offered
+    result = CliRunner().invoke(cli, ["export", str(out), "--out", str(tmp_path / "x")])
+    lines = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    what = {
+        "garbled": "model.pt is unreadable (not a file torch.load reads)",
+        "emptied": "model.pt is unreadable (EOFError: cut short)",
+        "meta without shape": "meta.json lacks the drafter's 'shape'",
+        "other tensors": "model.pt does not hold the drafter (",
+    }[damage]
+    assert lines[0].startswith(f"error: checkpoint {newest} is damaged ({what}"), lines[0]
+    commands = f"`dflash export {out} --step 6` or `dflash export {out} --step 4`"
+    assert lines[0].endswith(f"; export another kept checkpoint: {commands}"), lines[0]
+    again = ["export", str(out), "--step", "6", "--out", str(tmp_path / "x")]
+    assert CliRunner().invoke(cli, again).exit_code == 0
+    assert (tmp_path / "x" / "model.safetensors").is_file()
