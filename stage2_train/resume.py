@@ -22,7 +22,14 @@ from typing import Any
 import torch
 
 from common.logging import get_logger
-from stage2_train.checkpoint import TrainState, fitted_end, remove_leftovers, resume_latest
+from stage2_train.checkpoint import (
+    STEP_RE,
+    TrainState,
+    fitted_end,
+    list_checkpoints,
+    remove_leftovers,
+    resume_latest,
+)
 from stage2_train.config import OptimConfig, TrainConfig
 from stage2_train.schedule import FittedEnd, refresh_lr
 
@@ -223,3 +230,33 @@ def resume_run(
             log.info("resume: config change applied from step %d: %s", state.step, line)
     log.info("resumed from %s (step %d, epoch %d)", path, state.step, state.epoch)
     return state, fitted_end(meta["train_state"])
+
+
+def say_nothing_to_train(out: str | Path, step: int, last: int) -> None:
+    """Log what a run resumed at `step`, at or past its `last` step, does: it trains nothing
+    and exports the resumed drafter to RUN/export. Past it (optim.max_steps or optim.epochs
+    lowered with --allow-config-change), that drafter is step `step`'s, not step `last`'s: the
+    steps past the new end are not undone, so the warning names the kept checkpoints to
+    export instead."""
+    log = get_logger()
+    if step == last:
+        log.info("the run is complete at step %d: nothing to train; exporting it again", step)
+        return
+    kept = [int(STEP_RE.match(p.name).group(1)) for p in list_checkpoints(out)]
+    kept = [n for n in kept if n <= last]
+    earlier = (
+        f"`dflash export {out} --step {kept[-1]} --out FOLDER` exports the newest kept one "
+        f"up to it (kept: {', '.join(map(str, kept))})"
+        if kept
+        else f"no checkpoint up to step {last} is kept"
+    )
+    log.warning(
+        "nothing to train: resumed at step %d, past the run's last step %d (optim.max_steps / "
+        "optim.epochs as now set); the steps past it are not undone: %s/export gets step %d's "
+        "drafter, as it is; %s",
+        step,
+        last,
+        out,
+        step,
+        earlier,
+    )

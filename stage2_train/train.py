@@ -69,7 +69,7 @@ from stage2_train.model import DFlashDrafter
 from stage2_train.plan import EpochPlan, HoldoutSampler, PlanSampler, split_store
 from stage2_train.plots import draw_plots_safely
 from stage2_train.prefetch import DevicePrefetcher
-from stage2_train.resume import resume_run
+from stage2_train.resume import resume_run, say_nothing_to_train
 from stage2_train.step import load_frozen_head
 from stage2_train.stop import RANK_FAILED, TIME_LIMIT_EXIT, StopRequests, stopped
 from stage2_train.time_fit import TimeFit, restore_fitted
@@ -428,6 +428,8 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         backend,
         time.perf_counter() - setting_up,
     )
+    if state.step and state.step >= total_steps:  # only the export below
+        say_nothing_to_train(out, state.step, total_steps)
     bar = tqdm(
         total=total_steps,
         initial=state.step,
@@ -616,4 +618,4 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
                 fix="free space, then rerun the same command (it only exports: the checkpoints "
                 f"are whole), or `dflash export {out} --out FOLDER`",
             )
-            log.info("exported the drafter to %s", path)
+            log.info("exported the drafter of step %d to %s", state.step, path)

@@ -11,6 +11,9 @@
   N" without naming the steps there are, and a garbled model.pt or a meta.json without the
   drafter's shape failed as a bug (an unpickling error's page of advice, a KeyError). Each is
   named as damage now, with the command for each other kept checkpoint that looks whole.
+- A resume past `optim.max_steps` (lowered with --allow-config-change) re-exported the
+  checkpoint's drafter without a word (the log said "4 steps", then exported step 8's). A
+  warning now says what it exports and names the `--step` of a kept step up to the new end.
 """
 
 from __future__ import annotations
@@ -173,3 +176,19 @@ def test_export_of_a_damaged_checkpoint_names_the_steps_to_export(
     again = ["export", str(out), "--step", "6", "--out", str(tmp_path / "x")]
     assert CliRunner().invoke(cli, again).exit_code == 0
     assert (tmp_path / "x" / "model.safetensors").is_file()
+
+
+def test_a_resume_past_its_lowered_last_step_says_what_it_exports(
+    kept: Path, tmp_path: Path, logged: list[str]
+) -> None:
+    out = tmp_path / "run"
+    shutil.copytree(kept, out)
+    sets = [f"run.out={out}", "optim.max_steps=5", "run.allow_config_change=true"]
+    store = json.loads((out / "step-000008" / "meta.json").read_text())["store"]
+    sets += [f"data.store={store}", "run.progress=false", "run.checkpoint_every=2"]
+    run_train(build_config(TrainConfig, DEBUG, "train", [*sets, "run.keep_checkpoints=5"]))
+    [said] = [line for line in logged if line.startswith("nothing to train")]
+    assert "resumed at step 8, past the run's last step 5" in said
+    assert f"{out}/export gets step 8's drafter" in said
+    assert f"`dflash export {out} --step 4 --out FOLDER`" in said and "(kept: 2, 4)" in said
+    assert f"exported the drafter of step 8 to {out / 'export'}" in logged
