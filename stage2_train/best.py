@@ -3,9 +3,9 @@
 The dev chained tau (`data.dev_store`) is the online tau computed offline, prompt by prompt,
 and a run that overfits its data peaks before its last step (BENCHMARKS.md: pystd-28m flat
 from step 7,500 of 10,000). So each evaluation that beats the best so far exports the drafter
-to RUN/export-best/ (the same files as RUN/export/, which stays the final drafter) and then
-writes best.json there: its step, its figure, and the dev store that figure is of (its path
-and content key).
+to RUN/export-best/ (the same files as RUN/export/, which stays the final drafter) with
+best.json beside them, in the same rename: its step, its figure, and the dev store that figure
+is of (its path and content key).
 
 A run, resumed or rerun, starts from best.json as it finds it, whatever its step: a run killed
 after exporting a best and before its next checkpoint redoes those steps, and the drafter on
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 from common.logging import get_logger
@@ -82,16 +81,15 @@ def best_so_far(out: Path, dev_store: str, dev_key: str) -> float:
     return tau
 
 
-def record_best(out: Path, step: int, tau: float, dev_store: str, dev_key: str) -> None:
-    """Write best.json into the freshly exported RUN/export-best/ (atomic: tmp, then rename):
-    the step, its figure and the dev store (path, content key) that figure is of."""
-    path = out / BEST_DIR / BEST_FILE
-    tmp = path.with_name(f".tmp-{path.name}")
+def best_record(step: int, tau: float, dev_store: str, dev_key: str) -> str:
+    """best.json's text: the step, its figure and the dev store (path, content key) that figure
+    is of. Written into export-best/ with the drafter, in the export's one rename
+    (`export_drafter`'s extra_files): a kill between the two left a drafter without its record,
+    which the next run took for no best and replaced at its first evaluation, a worse one too."""
     record = {
         "step": step,
         "dev_chained_tau": tau,
         "dev_store": dev_store,
         "dev_store_content_key": dev_key,
     }
-    tmp.write_text(json.dumps(record) + "\n")
-    os.replace(tmp, path)
+    return json.dumps(record) + "\n"

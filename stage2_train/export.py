@@ -135,10 +135,13 @@ def export_drafter(
     mask_token: str | None = None,
     fix: str = "free space or pass another --out, then export again",
     target: dict[str, Any] | None = None,
+    extra_files: dict[str, str] | None = None,
 ) -> Path:
     """Write config.json, model.safetensors (in `dtype`) and modeling_dflash.py of `model` into
     `out_dir` (replacing it); `fix` ends the message of a disk-full error. `target`
-    (`trained_for`): the target whose store trained it, recorded for evaluate's check."""
+    (`trained_for`): the target whose store trained it, recorded for evaluate's check.
+    `extra_files`: name -> text written beside them, in the same rename (export-best's
+    best.json: a folder never holds the drafter without its record)."""
     out_dir = Path(out_dir)
     dtype = EXPORT_DTYPES[dtype] if isinstance(dtype, str) else dtype
     state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
@@ -162,6 +165,8 @@ def export_drafter(
             (tmp / "config.json").write_text(json.dumps(config, indent=2))
             save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
             shutil.copyfile(MODEL_FILE, tmp / MODEL_FILE.name)
+            for name, text in (extra_files or {}).items():
+                (tmp / name).write_text(text)
             for path in tmp.iterdir():
                 path.chmod(FILE_MODE)
             tmp.chmod(FOLDER_MODE)

@@ -49,7 +49,7 @@ from evaluation.heldout import evaluate
 from evaluation.offline import OfflineEvalConfig
 from stage2_train.anchors import training_slot_weights
 from stage2_train.batch import rounding_note
-from stage2_train.best import BEST_DIR, best_so_far, record_best
+from stage2_train.best import BEST_DIR, BEST_FILE, best_record, best_so_far
 from stage2_train.checkpoint import TrainState, save_checkpoint, step_dir
 from stage2_train.config import TrainConfig, with_compile_defaults
 from stage2_train.data import StoreSequences, loader_arrays, make_loader
@@ -361,7 +361,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         else None,
     }
 
-    def export_to(folder: Path, fix: str) -> Path:
+    def export_to(folder: Path, fix: str, extra_files: dict[str, str] | None = None) -> Path:
         """The drafter as served (plain layers, the training parameters) into `folder`."""
         return export_drafter(
             served,
@@ -372,6 +372,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
             mask_token=extra_meta["mask_token"],
             fix=fix,
             target=extra_meta["target"]["trained_for"],
+            extra_files=extra_files,
         )
 
     # figures compare only on one dev store (data.dev_store may change on a resume): best.py
@@ -390,8 +391,8 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
             out / BEST_DIR,
             fix="free space, then rerun the same command (it resumes), or set "
             "run.export_best=false",
+            extra_files={BEST_FILE: best_record(state.step, tau, cfg.data.dev_store, dev_key)},
         )
-        record_best(out, state.step, tau, cfg.data.dev_store, dev_key)
         best_tau = tau
         record["best_exported"] = True
 

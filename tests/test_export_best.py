@@ -13,7 +13,7 @@ from store_factory import FactorySpec, build_store
 
 import stage2_train.train as train_module
 from common.config import build_config
-from stage2_train.best import BEST_DIR, BEST_FILE, best_so_far, record_best
+from stage2_train.best import BEST_DIR, BEST_FILE, best_record, best_so_far
 from stage2_train.checkpoint import latest_checkpoint, read_meta
 from stage2_train.config import TrainConfig
 from stage2_train.export import load_export
@@ -78,7 +78,7 @@ def test_a_resumed_run_keeps_the_record_whatever_its_step(tmp_path: Path) -> Non
     dev = ("/data/dev", "key-a")
     assert best_so_far(tmp_path, *dev) == -math.inf  # none yet
     (tmp_path / BEST_DIR).mkdir()
-    record_best(tmp_path, 40, 3.5, *dev)
+    (tmp_path / BEST_DIR / BEST_FILE).write_text(best_record(40, 3.5, *dev))
     # whatever step the run resumes from: one killed after exporting its best and before its
     # next checkpoint redoes those steps, and export-best/ is replaced only by a better one
     assert best_so_far(tmp_path, *dev) == 3.5

@@ -7,6 +7,10 @@
 - A resumed run dropped a best.json written after its checkpoint (a run killed after
   exporting a best, before its next checkpoint) and exported at its first evaluation, even a
   worse drafter over the better one. It compares against best.json whatever its step now.
+- export-best/ was exported, then best.json written after it: a kill between the two (the old
+  export's removal lies between) left the drafter without its record, which the next run took
+  for no best, replacing it at its first evaluation. best.json is written in the export's
+  temporary folder now, committed by the same rename.
 - `dflash export RUN` with a damaged newest checkpoint said "export an older one with --step
   N" without naming the steps there are, and a garbled model.pt or a meta.json without the
   drafter's shape failed as a bug (an unpickling error's page of advice, a KeyError). Each is
@@ -27,6 +31,7 @@ import pytest
 from click.testing import CliRunner
 from store_factory import FactorySpec, build_store
 
+import stage2_train.export as export_module
 import stage2_train.train as train_module
 from common.config import build_config
 from common.logging import get_logger
@@ -131,6 +136,35 @@ def test_a_resumed_run_keeps_a_better_best_exported_after_its_checkpoint(
     assert exported(rows[4:]) == []
     assert best_record(out)["step"] == 6 and best_record(out)["dev_chained_tau"] == 3.0
     assert (out / BEST_DIR / "model.safetensors").read_bytes() == weights
+
+
+class Killed(Exception):
+    """A kill at a chosen moment (the run stops there, nothing after it runs)."""
+
+
+def test_a_kill_right_after_the_best_export_keeps_its_record(
+    stores: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, _ = stores
+    out = tmp_path / "run"
+    real = export_module.replace_folder
+    commits = []
+
+    def killed_after_the_third_best(tmp: Path, final: Path) -> None:
+        real(tmp, final)
+        commits.append(final)
+        if final.name == BEST_DIR and len(commits) == 3:
+            raise Killed  # right after the rename: the folder is there, nothing else ran
+
+    monkeypatch.setattr(export_module, "replace_folder", killed_after_the_third_best)
+    script_figures(monkeypatch, 1.0, 1.5, 3.0)  # the third best at step 6, after step 4's save
+    with pytest.raises(Killed):
+        train(store, store, out)
+    assert best_record(out)["step"] == 6 and best_record(out)["dev_chained_tau"] == 3.0
+    monkeypatch.setattr(export_module, "replace_folder", real)
+    script_figures(monkeypatch, 2.5, 2.8)  # the redone steps 6 and 8 read lower this time
+    rows = train(store, store, out)
+    assert exported(rows[4:]) == [] and best_record(out)["step"] == 6
 
 
 @pytest.fixture(scope="module")
