@@ -19,6 +19,12 @@ Character spans become token masks through the fast
 tokenizer's offsets on the full text: a token is a loss token when it overlaps a span.
 Templates with `{% generation %}` tags use transformers' own `return_assistant_tokens_mask`.
 
+A turn the target did not end with the template's end of turn (a `dflash generate` reply cut
+at its token limit, or ended by another stop token such as its `<|endoftext|>`; the row's
+`wrote_end_of_turn`, one boolean per assistant message) trains on its content alone: the
+end-of-turn text the template writes after it gets no loss (the target would have gone on
+writing, or wrote another token there), in all three ways of finding the turns.
+
 An assistant turn with empty content stays in the conversation (the turns around it still
 train) but has no loss tokens: there is nothing of the target's to predict in it, and its
 end-of-turn token alone would teach the drafter to stop right after a header. A conversation
@@ -50,6 +56,9 @@ ROLE_ALIASES = {
 GENERATION_TAG_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # stands for an assistant's content when probing a template for its end-of-turn text
 SENTINEL = "\u2063dflash-sentinel\u2063"
+# the row field (chat rows; `dflash generate` writes it) with one boolean per assistant message,
+# in order: false where the target did not write the template's end of turn after the reply
+WROTE_END_OF_TURN = "wrote_end_of_turn"
 
 
 class InvalidRow(Exception):
@@ -200,14 +209,50 @@ def _locate_turn(
     return (start, stop + len(closing)) if stop >= 0 else None
 
 
+def _closing_text(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    i: int,
+    template_kwargs: dict[str, Any] | None = None,
+) -> str:
+    """The end-of-turn text the template writes after assistant message i (e.g. `<|im_end|>`),
+    learned from a turn whose content the template cannot rewrite; empty when it writes none or
+    refuses the probe."""
+    message = messages[i]
+    probe = _render(
+        tokenizer,
+        # without its calls: the closing is what follows a turn's text, not the calls
+        [
+            *messages[:i],
+            {**{k: v for k, v in message.items() if k != "tool_calls"}, "content": SENTINEL},
+        ],
+        gen=False,
+        template_kwargs=template_kwargs,
+    )
+    if probe is None or SENTINEL not in probe:
+        return ""
+    return probe[probe.index(SENTINEL) + len(SENTINEL) :].rstrip()
+
+
+def _without_closing(full: str, span: tuple[int, int], closing: str) -> tuple[int, int]:
+    """`span` without the end-of-turn text `closing` that ends it (a turn the target did not
+    end: that text is the template's, not the target's)."""
+    start, end = span
+    if closing and end - len(closing) >= start and full.startswith(closing, end - len(closing)):
+        return start, end - len(closing)
+    return span
+
+
 def assistant_char_spans(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[dict[str, Any]],
     full: str,
     template_kwargs: dict[str, Any] | None = None,
+    unended: frozenset[int] = frozenset(),
 ) -> list[tuple[int, int]]:
     """[start, end) character spans in `full` (the rendered conversation) of each assistant
-    turn: content plus the end-of-turn text, without the header or trailing whitespace."""
+    turn: content plus the end-of-turn text, without the header or trailing whitespace; for
+    the messages in `unended` (turns the target did not end), without the end-of-turn text."""
     kw = template_kwargs
     spans: list[tuple[int, int]] = []
     after = 0
@@ -223,7 +268,10 @@ def assistant_char_spans(
         if head is not None and turn is not None:
             end = len(turn.rstrip())
             if full.startswith(turn) and turn.startswith(head) and after <= len(head) < end:
-                spans.append((len(head), end))
+                span = (len(head), end)
+                if i in unended:
+                    span = _without_closing(full, span, _closing_text(tokenizer, messages, i, kw))
+                spans.append(span)
                 after = end
                 continue
         # fallback: the template renders this turn differently once later turns follow it
@@ -243,20 +291,7 @@ def assistant_char_spans(
         header = (
             head[len(before) :] if head and before is not None and head.startswith(before) else ""
         )
-        # the end-of-turn text, learned from a turn whose content the template cannot rewrite
-        probe = _render(
-            tokenizer,
-            # without its calls: the closing is what follows a turn's text, not the calls
-            [
-                *messages[:i],
-                {**{k: v for k, v in message.items() if k != "tool_calls"}, "content": SENTINEL},
-            ],
-            gen=False,
-            template_kwargs=kw,
-        )
-        closing = ""
-        if probe is not None and SENTINEL in probe:
-            closing = probe[probe.index(SENTINEL) + len(SENTINEL) :].rstrip()
+        closing = _closing_text(tokenizer, messages, i, kw)
         calls = bool(message.get("tool_calls"))
         span = _locate_turn(full, message["content"], header, closing, after, calls)
         if span is None:
@@ -264,8 +299,8 @@ def assistant_char_spans(
                 "template_mismatch",
                 f"assistant message {i} was not found in the rendered chat template text",
             )
-        spans.append(span)
         after = span[1]
+        spans.append(_without_closing(full, span, closing) if i in unended else span)
     return spans
 
 
@@ -299,15 +334,40 @@ def spans_to_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarr
     return mask.astype(np.uint8)
 
 
+def _unmask_closing(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    i: int,
+    ids: list[int],
+    mask: list[int],
+    template_kwargs: dict[str, Any],
+) -> None:
+    """No loss on the end-of-turn tokens of assistant message i in `mask` (a template's
+    `{% generation %}` mask): the last run of the closing's ids inside the turn's tokens."""
+    closing = _closing_text(tokenizer, messages, i, template_kwargs)
+    closing_ids = tokenizer(closing, add_special_tokens=False)["input_ids"] if closing else []
+    if not closing_ids:
+        return
+    start, end = _turn_token_range(tokenizer, messages, i, template_kwargs)
+    for at in range(min(end, len(ids)) - len(closing_ids), start - 1, -1):
+        if ids[at : at + len(closing_ids)] == closing_ids:
+            mask[at : at + len(closing_ids)] = [0] * len(closing_ids)
+            return
+
+
 def tokenize_conversations(
     tokenizer: PreTrainedTokenizerBase,
     conversations: list[list[dict[str, Any]]],
     template_kwargs: dict[str, Any] | None = None,
+    unended: list[frozenset[int]] | None = None,
 ) -> list[tuple[list[int], list[int]] | InvalidRow]:
     """(input_ids, loss_mask) of each normalised conversation, or the InvalidRow it raised.
-    `template_kwargs` go to every render (e.g. {"enable_thinking": False} for Qwen3)."""
+    `template_kwargs` go to every render (e.g. {"enable_thinking": False} for Qwen3).
+    `unended`: per conversation, the assistant messages the target did not end (no loss on the
+    end-of-turn text the template writes after them)."""
     kw = template_kwargs or {}
     results: list[Any] = [None] * len(conversations)
+    unended = unended or [frozenset()] * len(conversations)
     if has_generation_tags(tokenizer):
         for k, messages in enumerate(conversations):
             try:
@@ -321,12 +381,14 @@ def tokenize_conversations(
             except Exception as err:  # the template's own raise_exception, or a Jinja error
                 results[k] = InvalidRow("template_error", f"the chat template failed: {err}")
                 continue
-            mask = list(enc["assistant_masks"])
+            ids, mask = list(enc["input_ids"]), list(enc["assistant_masks"])
             for i, message in enumerate(messages):
                 if is_empty_turn(message):
                     start, end = _turn_token_range(tokenizer, messages, i, kw)
                     mask[start:end] = [0] * len(mask[start:end])
-            results[k] = (list(enc["input_ids"]), mask)
+                elif i in unended[k]:
+                    _unmask_closing(tokenizer, messages, i, ids, mask, kw)
+            results[k] = (ids, mask)
         return results
 
     texts: dict[int, str] = {}
@@ -337,7 +399,7 @@ def tokenize_conversations(
             results[k] = InvalidRow("template_error", "the chat template refused this conversation")
             continue
         try:
-            spans[k] = assistant_char_spans(tokenizer, messages, full, kw)
+            spans[k] = assistant_char_spans(tokenizer, messages, full, kw, unended[k])
         except InvalidRow as err:
             results[k] = err
             continue

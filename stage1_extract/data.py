@@ -3,8 +3,9 @@
 Accepted inputs: a local .json/.jsonl/.jsonl.gz/.parquet file or a folder of them, a
 `datasets.save_to_disk` folder, or a hub dataset name (needs network). Accepted rows: `messages`
 [{role, content}], ShareGPT `conversations` [{from, value}] (both rendered by the tokenizer's
-own chat template, loss on assistant turns; see `stage1_extract/chat.py`), plain `text` (loss on
-every token) or `prompt` + `completion` (loss on the completion). A text or prompt gets what the
+own chat template, loss on assistant turns; see `stage1_extract/chat.py`; a `wrote_end_of_turn`
+column, as `dflash generate` writes, says which turns' end of turn to leave without loss), plain
+`text` (loss on every token) or `prompt` + `completion` (loss on the completion). A text or prompt gets what the
 tokenizer puts before a text by default (Llama's BOS: the target was trained to see it), never
 what it appends (an EOS, for a tokenizer set to add one): that says the document ended there,
 which a text row does not say and a prompt contradicts; an end the data holds is written in it
@@ -29,6 +30,7 @@ import pyarrow as pa
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from stage1_extract.chat import (
+    WROTE_END_OF_TURN,
     InvalidRow,
     is_empty_turn,
     normalize_conversation,
@@ -158,9 +160,12 @@ def _tokenize_batch(
     suffix: list[int] | None = None,
     content_parts: str | None = None,
     tool_calls: str | None = None,
+    turn_ends: str | None = None,
 ) -> dict[str, list[Any]] | pa.Table:
     """One `datasets.map` batch; module-level with plain arguments so its fingerprint is stable.
     `suffix`: the tokenizer's default suffix, left out of text rows and prompts.
+    `turn_ends`: the column saying which assistant turns the target ended (`_unended`); its
+    name also keys the map's cache, whose masks of versions before trained every end of turn.
     `tool_calls`: not read; keys the map's cache of messages that carry tool calls, whose
     turns versions before trained nothing (a cache of those masks would stay).
     `content_parts`: not read; keys the map's cache of rows whose contents may be lists of
@@ -178,14 +183,20 @@ def _tokenize_batch(
                 tokenizer, prompt, completion, column, completion_column, suffix
             )
     else:
+        unended: dict[int, frozenset[int]] = {}
         for k, raw in enumerate(rows):
             try:
                 chats[k] = normalize_conversation(raw, fmt)
+                ends = batch[turn_ends][k] if turn_ends else None
+                unended[k] = _unended(chats[k], ends, turn_ends or "")
             except InvalidRow as err:
+                chats.pop(k, None)
                 results[k] = err
         for k, out in zip(
             chats,
-            tokenize_conversations(tokenizer, list(chats.values()), template_kwargs),
+            tokenize_conversations(
+                tokenizer, list(chats.values()), template_kwargs, [unended[k] for k in chats]
+            ),
             strict=True,
         ):
             results[k] = out
@@ -212,6 +223,26 @@ def _tokenize_batch(
         messages = [] if reason else chats.get(k, [])
         out["empty_turns"].append(sum(is_empty_turn(m) for m in messages))
     return out
+
+
+def _unended(messages: list[dict[str, Any]], ends: Any, column: str) -> frozenset[int]:
+    """The assistant messages whose end of turn the target did not write, from `ends` (the
+    row's `column`: one boolean per assistant message, in order; None when the row has none:
+    every turn ended)."""
+    if ends is None:
+        return frozenset()
+    assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not (
+        isinstance(ends, list)
+        and len(ends) == len(assistants)
+        and all(isinstance(e, bool) for e in ends)
+    ):
+        raise InvalidRow(
+            "bad_turn_ends",
+            f"{column!r} must hold one true/false per assistant message ({len(assistants)}), "
+            f"got {ends!r:.80}",
+        )
+    return frozenset(i for i, ended in zip(assistants, ends, strict=True) if not ended)
 
 
 def _no_loss_tokens() -> InvalidRow:
@@ -399,6 +430,13 @@ def prepare_documents(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Pr
             **(
                 {"tool_calls": "trained"}
                 if chat and "tool_calls" in _message_keys(raw.features[column])
+                else {}
+            ),
+            # likewise: rows that say which turns the target did not end (cut at the token
+            # limit), whose end of turn earlier versions trained
+            **(
+                {"turn_ends": WROTE_END_OF_TURN}
+                if chat and WROTE_END_OF_TURN in raw.column_names
                 else {}
             ),
         },

@@ -22,6 +22,10 @@ REPLY_SPECIALS = "reply_special_tokens"
 # the content key that says a text or completion row's reply ends with the text of the stop
 # token that ended it (versions before left it out: extract stored no stop for such rows)
 REPLY_STOP = "reply_stop_token"
+# the content key that says a chat row records which assistant turns the target ended with the
+# template's end of turn (`wrote_end_of_turn`; versions before did not, and extract trained on
+# the end of turn after a reply cut at the token limit)
+TURN_ENDS = "chat_turn_ends"
 
 
 def load_tokenizer(
@@ -102,6 +106,8 @@ def build_manifest(
         # versions before it wrote these replies without the stop token that ended them (chat
         # rows get the template's end of turn; past the end of text nothing stops)
         content[REPLY_STOP] = "written"
+    if fmt in ("messages", "sharegpt"):
+        content[TURN_ENDS] = "recorded"
     if fmt == "completion" and suffix:
         # versions before it fed the target each prompt followed by that suffix (an EOS): its
         # key refuses to resume such a folder, and extract refuses a finished one

@@ -27,7 +27,7 @@ from common.durable import fsync_path
 from common.generated import META_DIR, manifest_path, read_manifest
 from common.locks import exclusive_lock
 from stage1_extract.store_root import content_key
-from stage1_generate.inputs import REPLY_SPECIALS, REPLY_STOP
+from stage1_generate.inputs import REPLY_SPECIALS, REPLY_STOP, TURN_ENDS
 
 LOCK_FILE = ".dflash-generate.lock"  # hidden: extract's data loader skips it
 
@@ -58,6 +58,8 @@ OLDER_ROWS = {
     REPLY_SPECIALS: "the special tokens a target writes inside a reply (e.g. <|python_tag|>, a "
     "tool-call marker)",
     REPLY_STOP: "the stop token that ended a text or completion reply (e.g. <|endoftext|>)",
+    TURN_ENDS: "the record of which chat replies the target did not end (cut at the token "
+    "limit), without which extract trains on the end of turn after them",
 }
 
 

@@ -3,7 +3,11 @@
 - Chat rows (`messages` or ShareGPT `conversations`): every assistant turn is rewritten by the
   target from the conversation so far, rendered by its own chat template with the generation
   prompt, turn by turn: the reply to turn 2 is written after the target's own reply to turn 1.
-  System and user turns are kept verbatim. The output row is `messages` [{role, content}].
+  System and user turns are kept verbatim. The output row is `messages` [{role, content}], and
+  `wrote_end_of_turn`, one boolean per assistant turn: false where the target did not end its
+  reply with the template's end of turn (cut at sampling.max_new_tokens, or ended by another stop
+  token such as its `<|endoftext|>`), so extract trains on the reply but not on the end of turn
+  the template writes after it (the target would have gone on, or wrote another token there).
 - Completion rows (`prompt`, `completion`): the target writes a new completion of the prompt.
 - Text rows: continuation windows. For every `stride` tokens of a document, the `prompt_tokens`
   tokens there are a prompt and the target writes `new_tokens` after them; the output row's
@@ -25,7 +29,7 @@ from typing import Any, Protocol
 
 from transformers import PreTrainedTokenizerBase
 
-from stage1_extract.chat import SENTINEL, InvalidRow, normalize_conversation
+from stage1_extract.chat import SENTINEL, WROTE_END_OF_TURN, InvalidRow, normalize_conversation
 from stage1_extract.data import special_affixes, without_suffix
 from stage1_generate.config import GenerateConfig
 from stage1_generate.local_backend import Completion
@@ -89,6 +93,19 @@ def end_of_turn_text(tokenizer: PreTrainedTokenizerBase, template_kwargs: dict[s
     return probe[probe.index(SENTINEL) + len(SENTINEL) :].strip() if SENTINEL in probe else ""
 
 
+def end_of_turn_id(
+    tokenizer: PreTrainedTokenizerBase, template_kwargs: dict[str, Any]
+) -> int | None:
+    """The first token of the chat template's end-of-turn text when it is a special token (the
+    stop id a target writes to end its turn, e.g. `<|im_end|>`); None when there is none."""
+    if not tokenizer.chat_template:
+        return None
+    end = end_of_turn_text(tokenizer, template_kwargs)
+    end_ids = tokenizer(end, add_special_tokens=False)["input_ids"] if end else []
+    specials = tokenizer.all_special_ids + list(tokenizer.added_tokens_decoder)
+    return end_ids[0] if end_ids and end_ids[0] in specials else None
+
+
 def stop_token_ids(
     tokenizer: PreTrainedTokenizerBase, generation_eos: Any, template_kwargs: dict[str, Any]
 ) -> list[int]:
@@ -97,13 +114,8 @@ def stop_token_ids(
     ids: list[int] = []
     for value in (tokenizer.eos_token_id, generation_eos):
         ids += value if isinstance(value, list) else [] if value is None else [value]
-    if tokenizer.chat_template:
-        end = end_of_turn_text(tokenizer, template_kwargs)
-        end_ids = tokenizer(end, add_special_tokens=False)["input_ids"] if end else []
-        if end_ids and end_ids[0] in tokenizer.all_special_ids + list(
-            tokenizer.added_tokens_decoder
-        ):
-            ids.append(end_ids[0])
+    if (end := end_of_turn_id(tokenizer, template_kwargs)) is not None:
+        ids.append(end)
     if not ids:
         raise ValueError(
             f"tokenizer {tokenizer.name_or_path}: no end-of-sequence token and no chat template "
@@ -186,6 +198,7 @@ def generate_chat(
     check_settings(cfg, fmt, backend.max_positions, backend.max_positions_source, 0)
     result = ChunkResult()
     kwargs = cfg.data.chat_template_kwargs
+    end_of_turn = end_of_turn_id(tokenizer, kwargs)
     convs: dict[int, list[dict[str, Any]]] = {}
     turns: dict[int, list[int]] = {}
     for k, raw in enumerate(raw_rows):
@@ -205,6 +218,7 @@ def generate_chat(
             continue
         convs[k], turns[k] = messages, positions
     truncated: Counter = Counter()
+    ends: dict[int, list[bool]] = {k: [] for k in convs}
     for r in range(max((len(t) for t in turns.values()), default=0)):
         active, prompts = [], []
         for k in list(convs):
@@ -226,6 +240,7 @@ def generate_chat(
             # longer belong to it
             convs[k][turns[k][r]] = {"role": "assistant", "content": completion.text}
             truncated[k] += not completion.finished
+            ends[k].append(wrote_end_of_turn(completion, end_of_turn))
     for k, messages in convs.items():
         result.rows.append(
             {
@@ -233,9 +248,19 @@ def generate_chat(
                 "source_index": indices[k],
                 "generated_turns": len(turns[k]),
                 "truncated_turns": truncated[k],
+                WROTE_END_OF_TURN: ends[k],
             }
         )
     return result
+
+
+def wrote_end_of_turn(completion: Completion, end_of_turn: int | None) -> bool:
+    """Whether the target ended a chat reply with the template's end of turn (`end_of_turn_id`),
+    the token the template writes after the reply: not when the reply was cut at the token
+    limit, nor when another stop id ended it (the target's `<|endoftext|>` where the template
+    closes with `<|im_end|>`). A stop that a server did not name counts as the end of turn, the
+    usual end of a chat reply."""
+    return completion.finished and completion.stop_id in (None, end_of_turn)
 
 
 def text_windows(ids: list[int], prompt_tokens: int, stride: int) -> list[int]:
