@@ -9,13 +9,14 @@ is of (its path and content key).
 
 A run, resumed or rerun, starts from best.json as it finds it, whatever its step: a run killed
 after exporting a best and before its next checkpoint redoes those steps, and the drafter on
-disk stays until an evaluation beats it, so export-best/ only ever improves within a run
-folder (checkpoints hold no best: best.json is the one record of it). A figure is compared only with figures of the same dev store (`data.dev_store` may
-change on a resume): a record of another content key starts the comparison afresh, said in
-the log, and the first evaluation on the new store replaces export-best/. A best.json written
-before the dev store was recorded names none; it is taken as the current dev store's (the
-common case: a dev store is rarely swapped mid-run), said in the log with the way out (delete
-best.json to start afresh), rather than let a worse drafter replace it.
+disk stays until an evaluation beats it, so export-best/ only ever improves within a run folder
+(checkpoints hold no best: best.json is the one record of it). A figure is compared only with
+figures of the same dev store (`data.dev_store` may change on a resume): a record of another
+content key starts the comparison afresh, said in the log, and the first evaluation on the new
+store replaces export-best/. A best.json written before the dev store was recorded names none;
+it is taken as the current dev store's (the common case: a dev store is rarely swapped
+mid-run), said in the log with the way out (delete best.json to start afresh), rather than let
+a worse drafter replace it.
 """
 
 from __future__ import annotations
