@@ -10,11 +10,19 @@ drafter forward over all active chains of the batch, and a slot is accepted whil
 the stored argmax. A response's tau is the mean over its steps of min(accepted + 1, tokens
 left), averaged over responses as `dflash evaluate` averages prompts.
 
-A reply that ended at the end of sequence is stored without it when the store's rows are
-{prompt, completion} or text (`dflash generate` writes the reply's text, extract tokenizes text),
-while online decoding (`--stop-at-eos`) writes that token, keeps it and counts it. The stored
-argmax of the reply's last token is that stop token, so the chain goes one token past what the
-store holds, labelled with it (a chat store holds its template's end-of-turn token already).
+Online decoding (`--stop-at-eos`) writes the stop token that ends a reply, keeps it and counts
+it; a store may hold it or not. A text or completion reply that the target ended holds it where
+`dflash generate` wrote its text after the reply (its manifest's `reply_stop_token`): extract
+stores it with loss, as the reply's last token, and a run ending in a stop token is not
+extended (`stops_after` is false at a stop token). Such rows of other data, of generate
+versions before, or whose stop generate did not write (one that would not tokenize back to its
+id, or that a server did not name) end without it: the stored argmax of the reply's last token
+is then that stop token, so the chain goes one token past what the store holds, labelled with
+it. A chat store holds its template's end-of-turn token, with loss where the target ended the
+turn with it; after a reply cut at the token limit (or ended by another stop) it has no loss,
+the run ends at the reply's last token, and nothing extends it (stop ids are looked for in text
+and completion stores only): online, a cut reply goes on, and one ended by another stop counts
+that stop (one token this figure leaves out).
 
 Legend: T context tokens of the batch, A chains (one block each per step), B block size,
 Q = A*B query tokens, K tapped layers, D hidden size.
@@ -35,13 +43,14 @@ from stage2_train.anchors import block_labels, next_token_source
 from stage2_train.data import Batch, StoreSequences
 from stage2_train.step import FrozenHead, forward_batch, greedy_predictions
 
-# dataset formats whose documents hold a reply without the stop token that ended it
+# dataset formats whose documents may hold a reply without the stop token that ended it (chat
+# rows end in the template's end of turn)
 STOPLESS_FORMATS = ("completion", "text")
 
 
 def unstored_stop_ids(attrs: dict[str, Any]) -> frozenset[int]:
     """The end-of-sequence ids a store records (its tokenizer's and its target config's) when its
-    replies do not hold the one that ended them (STOPLESS_FORMATS); empty otherwise."""
+    replies may not hold the one that ended them (STOPLESS_FORMATS); empty otherwise."""
     if attrs.get("dataset", {}).get("format") not in STOPLESS_FORMATS:
         return frozenset()
     ids: list[int] = []
