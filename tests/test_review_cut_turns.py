@@ -164,7 +164,7 @@ def test_generate_records_which_turns_the_target_ended(tiny_qwen3: Path, tmp_pat
     ended, its end trained; cut at the limit, or ended by another stop (<|endoftext|>): not,
     its end left without loss; the reply's own tokens train either way."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
-    end, eot = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    end, endoftext = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     messages = [
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": ""},
@@ -175,7 +175,7 @@ def test_generate_records_which_turns_the_target_ended(tiny_qwen3: Path, tmp_pat
         {"role": "user", "content": "Last"},
         {"role": "assistant", "content": ""},
     ]
-    replies = [(" one", True, end), (" two", False, None), (" three", True, eot)]
+    replies = [(" one", True, end), (" two", False, None), (" three", True, endoftext)]
     replies.append((" four", True, None))
     cfg = config(tiny_qwen3, tmp_path / "unused.jsonl", tmp_path / "out")
     result = generate_chat(
@@ -186,9 +186,8 @@ def test_generate_records_which_turns_the_target_ended(tiny_qwen3: Path, tmp_pat
     assert row["truncated_turns"] == 1
     prepared = prepare(write_jsonl(tmp_path / "gen.jsonl", result.rows), tokenizer)
     (doc,) = prepared.dataset
-    expected = expected_from_pieces(
-        tokenizer, chatml_pieces(row["messages"], row["wrote_end_of_turn"])
-    )
+    pieces = chatml_pieces(row["messages"], [True, False, False, True])
+    expected = expected_from_pieces(tokenizer, pieces)
     assert (doc["input_ids"], doc["loss_mask"]) == expected
 
 
