@@ -252,8 +252,8 @@ class TrainRunConfig:
     export_best: bool = doc(
         True,
         "with data.dev_store: export the drafter at its best dev_chained_tau so far to "
-        "RUN/export-best/ (best.json: step and figure) as training reaches it; export/ stays "
-        "the final drafter",
+        "RUN/export-best/ (best.json: step, figure and the dev store it was measured on) as "
+        "training reaches it; export/ stays the final drafter",
     )
     devices: str = doc("2,3", "GPU ids for data parallel (one process each), or 'cpu'")
     dtype: Literal["bfloat16", "float32", "mixed"] = doc(
