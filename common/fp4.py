@@ -100,7 +100,7 @@ def encode_fp4(hidden_ND: torch.Tensor, kind: Fp4Kind) -> Fp4Features:
         scale = e4m3.float() * per_row
         stored = [e4m3.view(torch.uint8), per_row]
     # a block whose scale is zero (an e4m3 scale that underflowed) holds zeros, as it decodes
-    codes = e2m1_code(torch.where(scale == 0, 0.0, blocks / scale.clamp(min=1e-38)))
+    codes = e2m1_code(torch.where(scale == 0, 0.0, blocks / torch.where(scale == 0, 1.0, scale)))
     return Fp4Features(codes, scale, stored)
 
 
