@@ -33,7 +33,14 @@ from tqdm import tqdm
 
 from common.config import to_dict
 from common.logging import get_logger
-from common.store import FORMAT_NAME, FORMAT_VERSION, HEAD_FILE, hidden_dtype_problem
+from common.store import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    HEAD_FILE,
+    StoreError,
+    hidden_dtype_problem,
+    open_store,
+)
 from common.target_config import text_config
 from dflash_offline.convert.fill import ShardFiller
 from dflash_offline.convert.hdf5_input import Hdf5Input, head_tensors, open_input, target_config
@@ -200,6 +207,8 @@ def hdf5_to_store(h5: str | Path, store: str | Path, opts: ImportOptions) -> Pat
             opts.hidden_dtype,
         )
         with writer_lock(store):
+            if not opts.overwrite:
+                _check_resumable(store, attrs)
             done = set(prepare_store(store, attrs, opts.overwrite))
             os.replace(head_file, store / HEAD_FILE)
             _write_shards(store, cfg, fill, attrs["num_shards"], done)
@@ -281,6 +290,49 @@ def _root_attrs(
         "extract_config": to_dict(cfg),
         "converted_from": {"hdf5": _canonical_path(str(inp.path))},
     }
+
+
+# the options an import records in its `extract_config`: flag -> (section, field)
+_FLAGS = {
+    "--hidden-dtype": ("store", "hidden_dtype"),
+    "--seq-len": ("packing", "seq_len"),
+    "--sequences-per-shard": ("store", "sequences_per_shard"),
+    "--packing": ("packing", "strategy"),
+    "--overlong": ("packing", "overlong"),
+}
+
+
+def _check_resumable(store: Path, attrs: dict[str, Any]) -> None:
+    """Refuse a store imported otherwise in convert's own terms: extract's refusal
+    (prepare_store) names `--set` keys and `--out`, which convert has not."""
+    if not (store / "zarr.json").is_file():
+        return
+    old = open_store(store).attrs
+    if old.get("content_key") == attrs["content_key"]:
+        return
+    if "converted_from" not in old:
+        raise StoreError(
+            f"store {store} was written by `dflash extract`, not imported: to replace it, "
+            "rerun with --overwrite, or import into another folder"
+        )
+    config, now = old["extract_config"], attrs["extract_config"]
+    differ = [
+        (flag, config[section][field])
+        for flag, (section, field) in _FLAGS.items()
+        if config[section][field] != now[section][field]
+    ]
+    what = [f"{flag}: {value} there" for flag, value in differ]
+    if _canonical_path(old["converted_from"]["hdf5"]) != _canonical_path(attrs["dataset"]["path"]):
+        what.append(f"the input file: {old['converted_from']['hdf5']} there")
+    elif not differ:
+        what.append("the input file's contents, its --topk or --target")
+    resume = ""
+    if len(what) == len(differ):  # options alone: naming the store's values back resumes it
+        resume = "; to resume it, rerun with " + " ".join(f"{f} {v}" for f, v in differ)
+    raise StoreError(
+        f"store {store} was imported with other options or data ({'; '.join(what)}){resume}; "
+        "to replace it, rerun with --overwrite, or import into another folder"
+    )
 
 
 def _key(
