@@ -93,7 +93,7 @@ def build_manifest(
         "data": data,
         "data_fingerprint": raw._fingerprint,
         "format": fmt,
-        "sampling": config["sampling"],
+        "sampling": decisive_sampling(config["sampling"], fmt),
         "text": text if fmt == "text" else None,
         "rows_per_chunk": cfg.output.rows_per_chunk,
     }
@@ -124,6 +124,23 @@ def build_manifest(
         "num_chunks": -(-len(raw) // cfg.output.rows_per_chunk),
         "complete": False,
     }
+
+
+def decisive_sampling(sampling: dict[str, Any], fmt: str) -> dict[str, Any]:
+    """The sampling settings that decide the rows of format `fmt`: text windows write
+    text.new_tokens (sampling.max_new_tokens is never read for them), and a greedy run
+    (temperature 0) takes the target's argmax, which no seed or top-p changes. Left out of the
+    content only there, so a rerun that changes them resumes; the content of a folder begun
+    before (which named them) is read through this too, so it resumes with its same settings."""
+    unused = {"max_new_tokens"} if fmt == "text" else set()
+    if sampling.get("temperature") == 0:
+        unused |= {"seed", "top_p"}
+    return {k: v for k, v in sampling.items() if k not in unused}
+
+
+def decisive_content(content: dict[str, Any]) -> dict[str, Any]:
+    """`content` with only its decisive sampling settings (`decisive_sampling`)."""
+    return {**content, "sampling": decisive_sampling(content["sampling"], content["format"])}
 
 
 class Inputs(NamedTuple):

@@ -27,7 +27,7 @@ from common.durable import fsync_path
 from common.generated import META_DIR, manifest_path, read_manifest
 from common.locks import exclusive_lock
 from stage1_extract.store_root import content_key
-from stage1_generate.inputs import REPLY_SPECIALS, REPLY_STOP, TURN_ENDS
+from stage1_generate.inputs import REPLY_SPECIALS, REPLY_STOP, TURN_ENDS, decisive_content
 
 LOCK_FILE = ".dflash-generate.lock"  # hidden: extract's data loader skips it
 
@@ -72,6 +72,17 @@ def _older_version_of(old: dict[str, Any], manifest: dict[str, Any]) -> list[str
         return []
     earlier = {k: v for k, v in content.items() if k not in missing}
     return [OLDER_ROWS[k] for k in missing] if old["key"] == content_key(earlier) else []
+
+
+def _as_decided_now(old: dict[str, Any]) -> dict[str, Any]:
+    """`old` with the content and key this version gives its settings: a folder begun before
+    `decisive_sampling` named sampling settings its rows do not depend on (text rows'
+    max_new_tokens, a greedy run's seed and top-p); its stored key stands where none is left
+    out."""
+    content = decisive_content(old["content"])
+    if content == old["content"]:
+        return old
+    return {**old, "content": content, "key": content_key(content)}
 
 
 def _others(out: Path) -> list[Path]:
@@ -126,6 +137,7 @@ def prepare_output(out: Path, manifest: dict[str, Any], overwrite: bool) -> None
         leftover.unlink()
     old = read_manifest(out) if out.exists() else None
     if old is not None:
+        old = _as_decided_now(old)
         left_out = _older_version_of(old, manifest) if old["key"] != manifest["key"] else []
         if left_out:
             if old.get("complete"):
