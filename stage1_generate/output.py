@@ -127,7 +127,8 @@ def output_lock(out: Path) -> Iterator[None]:
 
 def prepare_output(out: Path, manifest: dict[str, Any], overwrite: bool) -> None:
     """Create the folder with `manifest`, or check that an existing one was made by the same
-    settings (then the run resumes it). The caller holds `output_lock(out)`."""
+    settings (then the run resumes it, under its manifest; `manifest` replaces that one while no
+    chunk is committed). The caller holds `output_lock(out)`."""
     check_output_folder(out, overwrite)
     if overwrite:
         for path in _others(out):  # the held lock file stays
@@ -154,7 +155,10 @@ def prepare_output(out: Path, manifest: dict[str, Any], overwrite: bool) -> None
                 f"--out {out} was generated with other settings ({'; '.join(changed)}); rerun "
                 "with the same settings to resume, pick another --out, or --overwrite"
             )
-        return
+        if done_chunks(out):
+            return  # the manifest names the run that wrote the first chunk
+        # the runs before wrote no chunk (e.g. one given a wrong --endpoint port): nothing of
+        # theirs stays, so this run's manifest (its endpoint, its start) replaces theirs
     (out / META_DIR).mkdir(parents=True, exist_ok=True)
     _write_atomic(manifest_path(out), json.dumps(manifest, indent=2).encode())
 

@@ -162,9 +162,10 @@ def _generate_chunks(
                 result = generate_completion(rows, indices, cfg, tokenizer, backend, on_batch)
             else:
                 result = generate_chat(rows, indices, fmt, cfg, tokenizer, backend, on_batch)
-            write_chunk(
-                out, chunk, result.rows, {"chunk": chunk, "rows_in": hi - lo, **result.stats()}
-            )
+            stats = {"chunk": chunk, "rows_in": hi - lo, **result.stats()}
+            if cfg.run.backend == "openai":  # which server wrote it: a resume may use another
+                stats["endpoint"] = cfg.endpoint.url
+            write_chunk(out, chunk, result.rows, stats)
             bar.update(hi - lo)
             finished += 1
     finally:
@@ -232,7 +233,7 @@ def summarize(out: Path, num_chunks: int) -> dict[str, Any]:
     totals: Counter = Counter()
     for s in stats:
         skipped.update(s["skipped"])
-        totals.update({k: v for k, v in s.items() if k not in ("chunk", "skipped")})
+        totals.update({k: v for k, v in s.items() if k not in ("chunk", "skipped", "endpoint")})
     return {**dict(totals), "skipped": dict(skipped)}
 
 
