@@ -9,6 +9,7 @@ keeps the run's curves.
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import sys
@@ -35,6 +36,26 @@ class MetricsWriter:
         if self.enabled:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
+
+
+def check_finite_step(record: dict[str, Any], saved_step: int, store: str) -> None:
+    """ValueError when a step's loss or gradient norm is NaN/Inf (every rank reads the same
+    all-reduced figures, so every rank stops): the optimizer has already written non-finite
+    weights, so nothing after it may be checkpointed, and the message says where it came from
+    (a step that went on read as 'replicas diverged: [nan, nan]' at the next checkpoint, the
+    store's NaN never named)."""
+    loss, grad_norm = record["loss"], record["grad_norm"]
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return
+    kept = f"the newest checkpoint (step {saved_step}) is intact" if saved_step else "none saved"
+    raise ValueError(
+        f"step {record['step']}: loss {loss}, gradient norm {grad_norm}: the drafter's weights "
+        f"are no longer finite, so training stops without saving them ({kept}). Its sequences "
+        f"(store rows) were {record['seqs']}. A store holding NaN/Inf features or logits trains "
+        f"so: `dflash inspect verify {store}` names them (delete those shards and rerun the same "
+        f"`dflash extract`); a clean store means the run diverged: lower optim.lr "
+        f"({record['lr']:.3g}) or set optim.grad_clip"
+    )
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:

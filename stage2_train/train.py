@@ -64,7 +64,7 @@ from stage2_train.follow import (
 from stage2_train.fp8 import check_fp8_installed, convert_to_fp8, plain_twin
 from stage2_train.gc_schedule import ScheduledGC
 from stage2_train.inputs import check_inputs, open_dev_store, trained_layers
-from stage2_train.metrics import MetricsWriter, format_line, memory_gb
+from stage2_train.metrics import MetricsWriter, check_finite_step, format_line, memory_gb
 from stage2_train.model import DFlashDrafter
 from stage2_train.plan import EpochPlan, HoldoutSampler, PlanSampler, split_store
 from stage2_train.plots import draw_plots_safely
@@ -398,6 +398,11 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
 
     def checkpoint() -> None:
         fingerprints = replica_fingerprint(model, ctx.world_size)
+        if not all(map(math.isfinite, fingerprints)):  # NaN never equals itself: not a split
+            raise ValueError(
+                f"step {state.step}: the drafter's weights are not finite (NaN/Inf); nothing "
+                "is saved: `dflash inspect verify` on the store, or a lower optim.lr"
+            )
         if any(f != fingerprints[0] for f in fingerprints[::2]):
             raise RuntimeError(f"data-parallel replicas diverged: {fingerprints}")
         extra_meta["replica_fingerprints"] = fingerprints
@@ -472,6 +477,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         its start to `ended` (the next step's start, for a line read late; else now)."""
         nonlocal skipped_damaged
         record = pending.read()
+        check_finite_step(record | fields, saved_step, cfg.data.store)
         state.tokens_seen += record.pop("labelled_tokens")
         skipped_damaged += record.get("skipped_damaged", 0)
         record.update(fields, mem_gb=memory_gb(device))
