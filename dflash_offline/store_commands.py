@@ -103,7 +103,7 @@ def plot(run: str) -> None:
 @click.option(
     "--hidden-as",
     type=click.Choice(["bits", "float32", "float16"]),
-    help="export: bf16/fp8 arrays (hidden, logits, target head) as their bits with an "
+    help="export: bf16 / fp8 / nvfp4 arrays (hidden, logits, target head) as stored, with an "
     "`encoding` attribute, or decoded to floats [default: bits]",
 )
 @click.option("--target", help="import: target model folder (config, tokenizer, LM head)")
