@@ -44,7 +44,26 @@ def read_manifest(folder: str | Path) -> dict[str, Any] | None:
     return manifest
 
 
+def eos_ids(*values: Any) -> list[int]:
+    """The ids of end-of-sequence settings as tokenizers and configs give them (an id, a list
+    of ids, or None), in order."""
+    ids: list[int] = []
+    for value in values:
+        ids += value if isinstance(value, list) else [] if value is None else [value]
+    return ids
+
+
 def provenance(manifest: dict[str, Any]) -> dict[str, Any]:
     """What a store records of the generated data it was extracted from."""
-    keys = ("key", "content", "target", "source", "backend", "counts", "complete", "created")
+    keys = (
+        "key",
+        "content",
+        "target",
+        "source",
+        "backend",
+        "stop_ids",
+        "counts",
+        "complete",
+        "created",
+    )
     return {k: manifest[k] for k in keys if k in manifest}

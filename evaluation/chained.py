@@ -18,11 +18,14 @@ extended (`stops_after` is false at a stop token). Such rows of other data, of g
 versions before, or whose stop generate did not write (one that would not tokenize back to its
 id, or that a server did not name) end without it: the stored argmax of the reply's last token
 is then that stop token, so the chain goes one token past what the store holds, labelled with
-it. A chat store holds its template's end-of-turn token, with loss where the target ended the
-turn with it; after a reply cut at the token limit (or ended by another stop) it has no loss,
-the run ends at the reply's last token, and nothing extends it (stop ids are looked for in text
-and completion stores only): online, a cut reply goes on, and one ended by another stop counts
-that stop (one token this figure leaves out).
+it. The stop ids are those online decoding stops at, as `dflash generate` recorded them (its
+generation config's end of sequence too, e.g. Qwen3's `<|endoftext|>`); a store of other data
+(or of generate versions before) gives only its tokenizer's and target config's. A chat store
+holds its template's end-of-turn token, with loss where the target ended the turn with it;
+after a reply cut at the token limit (or ended by another stop) it has no loss, the run ends at
+the reply's last token, and nothing extends it (stop ids are looked for in text and completion
+stores only): online, a cut reply goes on, and one ended by another stop counts that stop (one
+token this figure leaves out).
 
 Legend: T context tokens of the batch, A chains (one block each per step), B block size,
 Q = A*B query tokens, K tapped layers, D hidden size.
@@ -37,6 +40,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from common.generated import eos_ids
 from common.store import StoreInfo
 from evaluation.heldout import block_acceptance
 from stage2_train.anchors import block_labels, next_token_source
@@ -49,15 +53,19 @@ STOPLESS_FORMATS = ("completion", "text")
 
 
 def unstored_stop_ids(attrs: dict[str, Any]) -> frozenset[int]:
-    """The end-of-sequence ids a store records (its tokenizer's and its target config's) when its
-    replies may not hold the one that ended them (STOPLESS_FORMATS); empty otherwise."""
+    """The ids online decoding stops at, for a store whose replies may not hold the one that
+    ended them (STOPLESS_FORMATS; empty otherwise): those `dflash generate` recorded
+    (`generation.stop_ids`: the tokenizer's and the generation config's end of sequence and the
+    chat template's end of turn, the ids `dflash evaluate` stops at), else the end-of-sequence
+    ids the store records (its tokenizer's and its target config's: the generation config's
+    others, e.g. Qwen3's `<|endoftext|>`, are unknown to such a store)."""
     if attrs.get("dataset", {}).get("format") not in STOPLESS_FORMATS:
         return frozenset()
-    ids: list[int] = []
+    recorded = attrs.get("generation", {}).get("stop_ids")
+    if recorded is not None:
+        return frozenset(recorded)
     config = attrs.get("target", {}).get("config", {})
-    for value in (attrs["tokenizer"].get("eos_token_id"), config.get("eos_token_id")):
-        ids += value if isinstance(value, list) else [] if value is None else [value]
-    return frozenset(ids)
+    return frozenset(eos_ids(attrs["tokenizer"].get("eos_token_id"), config.get("eos_token_id")))
 
 
 def stops_after(

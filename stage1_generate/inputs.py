@@ -64,10 +64,16 @@ def check_inputs(
 
 
 def build_manifest(
-    cfg: GenerateConfig, raw: datasets.Dataset, fmt: str, suffix: list[int]
+    cfg: GenerateConfig,
+    raw: datasets.Dataset,
+    fmt: str,
+    suffix: list[int],
+    stop_ids: list[int] | None = None,
 ) -> dict[str, Any]:
     """Provenance and the settings that decide the rows (hashed into `key`); `suffix`: the ids
-    the tokenizer appends to a text by default (`special_affixes`)."""
+    the tokenizer appends to a text by default (`special_affixes`); `stop_ids`: the ids that
+    end the target's replies (`stop_token_ids` with its generation config's end of sequence),
+    recorded for `chained_tau`, which counts a reply's stop token as `dflash evaluate` does."""
     config = to_dict(cfg)
     # a chunk finished under on_invalid=error holds the same rows it would under skip
     data = {k: v for k, v in config["data"].items() if k not in ("num_proc", "on_invalid")}
@@ -120,6 +126,7 @@ def build_manifest(
         "target": content["target"],
         "source": {"path": cfg.data.path, "format": fmt, "num_rows": len(raw)},
         "backend": {"kind": backend, "endpoint": cfg.endpoint.url if backend == "openai" else None},
+        "stop_ids": stop_ids,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "num_chunks": -(-len(raw) // cfg.output.rows_per_chunk),
         "complete": False,

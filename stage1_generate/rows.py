@@ -27,9 +27,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from transformers import PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedTokenizerBase
 
+from common.generated import eos_ids
 from stage1_extract.chat import SENTINEL, WROTE_END_OF_TURN, InvalidRow, normalize_conversation
+from stage1_extract.config import TargetConfig
 from stage1_extract.data import special_affixes, without_suffix
 from stage1_generate.config import GenerateConfig
 from stage1_generate.local_backend import Completion
@@ -111,9 +113,7 @@ def stop_token_ids(
 ) -> list[int]:
     """Ids that end a reply: the tokenizer's and the generation config's end of sequence, and
     the first token of the chat template's end-of-turn text when it is a special token."""
-    ids: list[int] = []
-    for value in (tokenizer.eos_token_id, generation_eos):
-        ids += value if isinstance(value, list) else [] if value is None else [value]
+    ids = eos_ids(tokenizer.eos_token_id, generation_eos)
     if (end := end_of_turn_id(tokenizer, template_kwargs)) is not None:
         ids.append(end)
     if not ids:
@@ -123,6 +123,20 @@ def stop_token_ids(
             "tokenizer_config.json"
         )
     return sorted(set(ids))
+
+
+def generation_eos(target: TargetConfig) -> Any:
+    """The end-of-sequence id(s) of the target's generation config, read from its files as
+    transformers reads them when it loads the model (`model.generation_config.eos_token_id`:
+    generation_config.json, else its config's), without loading the weights. Qwen3's lists
+    its `<|endoftext|>` besides the tokenizer's `<|im_end|>`."""
+    from stage1_extract.target import load_target_config
+
+    try:
+        found = GenerationConfig.from_pretrained(target.model, revision=target.revision)
+    except OSError:  # no generation_config.json
+        found = GenerationConfig.from_model_config(load_target_config(target))
+    return found.eos_token_id
 
 
 def _render(

@@ -61,6 +61,7 @@ from stage1_generate.rows import (
     generate_chat,
     generate_completion,
     generate_text,
+    generation_eos,
     special_prefix,
     stop_token_ids,
 )
@@ -254,7 +255,9 @@ def _check_positions(cfg: GenerateConfig, inputs: Inputs, model_name: str) -> No
 def _prepare(cfg: GenerateConfig, inputs: Inputs, model_name: str) -> None:
     _check_positions(cfg, inputs, model_name)
     suffix = special_affixes(inputs.tokenizer)[1]
-    manifest = build_manifest(cfg, inputs.raw, inputs.fmt, suffix)
+    eos = generation_eos(cfg.target.as_target_config())
+    stops = stop_token_ids(inputs.tokenizer, eos, cfg.data.chat_template_kwargs)
+    manifest = build_manifest(cfg, inputs.raw, inputs.fmt, suffix, stops)
     prepare_output(Path(cfg.output.out).expanduser(), manifest, cfg.output.overwrite)
 
 
