@@ -120,15 +120,30 @@ def _chunks(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...] | None:
 
 
 def _decode(
-    bits: np.ndarray, scale: np.ndarray | None, hidden_as: str, hidden_size: int
+    bits: np.ndarray, scale: np.ndarray | None, hidden_as: str, hidden_size: int, what: str
 ) -> np.ndarray:
     """Store bits -> floats of `hidden_as` (fp8 bits or nvfp4 rows with their scales: FORMAT.md's
-    decodes)."""
-    dtype = getattr(torch, hidden_as)
+    decodes); `what` names the block in an error."""
     if scale is not None:
         stored, scale_t = torch.from_numpy(bits), torch.from_numpy(scale)
-        return decode_scaled_hidden(stored, scale_t, hidden_size, dtype).numpy()
-    return bits_to_bf16(bits).to(dtype).numpy()
+        values = decode_scaled_hidden(stored, scale_t, hidden_size, torch.float32)
+    else:
+        values = bits_to_bf16(bits).float()
+    return _as_floats(values, hidden_as, what)
+
+
+def _as_floats(values: torch.Tensor, hidden_as: str, what: str) -> np.ndarray:
+    """`values` as `hidden_as`; ValueError when float16 would turn finite values into inf
+    (bf16 and scaled fp8 reach far past its 65504: a file of infs, silently, otherwise)."""
+    out = values.to(getattr(torch, hidden_as))
+    if hidden_as == "float16" and (overflow := out.isinf() & values.isfinite()).any():
+        largest = float(values[overflow].abs().max())
+        raise ValueError(
+            f"--hidden-as float16: {what} holds {int(overflow.sum())} values beyond float16's "
+            f"range (+-65504; the largest {largest:.4g}); export with --hidden-as float32, or "
+            "bits"
+        )
+    return out.numpy()
 
 
 def _encoding(name: str, info: StoreInfo, hidden_as: str) -> str:
@@ -156,7 +171,7 @@ def _write_head(f: h5py.File, info: StoreInfo, hidden_as: str, filters: dict[str
             if hidden_as == "bits":
                 data = tensor.contiguous().view(torch.int16).numpy().view(np.uint16)
             else:
-                data = tensor.to(getattr(torch, hidden_as)).numpy()
+                data = _as_floats(tensor.float(), hidden_as, f"{HEAD}/{key}")
             ds = group.create_dataset(
                 key, data=data, chunks=_chunks(data.shape, data.itemsize), **filters
             )
@@ -303,5 +318,6 @@ def _copy_shard(
                 if hidden_as != "bits" and name in BITS_ARRAYS:
                     scaled = name == "hidden" and info.hidden_dtype != "bfloat16"
                     scale = read("hidden_scale", where) if scaled else None
-                    block = _decode(block, scale, hidden_as, info.hidden_size)
+                    what = f"{shard_name(shard)} array {name}"
+                    block = _decode(block, scale, hidden_as, info.hidden_size, what)
                 ds[seq0 + r : seq0 + r + block.shape[0], t : t + block.shape[1]] = block
