@@ -48,6 +48,7 @@ NOT_CONFIG_KEYS = {
     "dflash_config.mask_token": "a field of the exported config.json (README)",
     "attributes.dflash": "where the store's root attributes sit in zarr.json (FORMAT.md)",
     "content.text": "a field of a generated folder's provenance (FORMAT.md)",
+    "content.sampling": "a field of a generated folder's provenance (FORMAT.md)",
     "dataset.format": "a store root attribute, the data's provenance (FORMAT.md)",
     "bits.astype": "numpy, decoding bf16 bits of an HDF5 export (FORMAT.md)",
     "embed_tokens.weight": "a tensor of the target head file (FORMAT.md)",
