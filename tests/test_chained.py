@@ -253,6 +253,45 @@ def test_prompt_lookup_chain_counts_the_stop_token_as_online(
         assert offline == [(sum(gains), len(gains))]
 
 
+def oracle_chains(
+    target: torch.nn.Module,
+    prompt: list[int],
+    written: list[int],
+    row: dict,
+    block_size: int,
+    stop_ids: frozenset[int],
+    offline_stop_ids: frozenset[int] | None = None,
+) -> tuple[list[tuple[int, int]], list[int]]:
+    """(offline chained figure of `row`, online gains) of a drafter that always drafts the
+    target's own tokens (`written` after `prompt`, then anything): online under `stop_ids`,
+    offline under `offline_stop_ids` (default the same). The caller has made the offline
+    block's predictions its labels (forward_batch and greedy_predictions patched)."""
+    from types import SimpleNamespace
+
+    from evaluation import chained
+
+    truth = [*prompt, *written] + [0] * block_size
+
+    def oracle(tokens: list[int], _f: torch.Tensor | None) -> list[int]:
+        return truth[len(tokens) : len(tokens) + block_size - 1]
+
+    _, gains, _ = speculative_generate(
+        CachedTarget(target, None), prompt, oracle, 64, stop_ids=stop_ids
+    )
+    offline = chained.chained_acceptance(
+        None,
+        SimpleNamespace(lm_head_VD=None),
+        [row],
+        block_size=block_size,
+        mask_token_id=0,
+        backend="sdpa",
+        chunk_tokens=64,
+        device=torch.device("cpu"),
+        stop_ids=stop_ids if offline_stop_ids is None else offline_stop_ids,
+    )
+    return offline, gains
+
+
 def test_drafter_chain_counts_the_stop_token_as_online(
     replies_ending_at_a_stop: list, target: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -260,34 +299,13 @@ def test_drafter_chain_counts_the_stop_token_as_online(
     (the stop token, then anything, included): online it gains the reply and its stop token;
     offline the block slot at the stop token, one past what the store holds, must be labelled
     with it and count."""
-    from types import SimpleNamespace
-
     from evaluation import chained
 
     # the oracle offline: the block's predictions are its labels
     monkeypatch.setattr(chained, "forward_batch", lambda m, h, batch, **k: batch.labels_AB)
     monkeypatch.setattr(chained, "greedy_predictions", lambda hidden, head, chunk: hidden)
-    block_size = 4
     for prompt, reply, stop, row in replies_ending_at_a_stop:
-        truth = [*prompt, *reply, stop] + [0] * block_size
-
-        def oracle(tokens: list[int], _f: torch.Tensor | None, truth=truth) -> list[int]:
-            return truth[len(tokens) : len(tokens) + block_size - 1]
-
-        _, gains, _ = speculative_generate(
-            CachedTarget(target, None), prompt, oracle, 64, stop_ids=frozenset([stop])
-        )
-        offline = chained.chained_acceptance(
-            None,
-            SimpleNamespace(lm_head_VD=None),
-            [row],
-            block_size=block_size,
-            mask_token_id=0,
-            backend="sdpa",
-            chunk_tokens=64,
-            device=torch.device("cpu"),
-            stop_ids=frozenset([stop]),
-        )
+        offline, gains = oracle_chains(target, prompt, [*reply, stop], row, 4, frozenset([stop]))
         assert offline == [(sum(gains), len(gains))]
         assert sum(gains) == len(reply)  # every token after the first, the stop included
 

@@ -6,8 +6,6 @@ a run ending in a stop token is not extended past it."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -15,6 +13,7 @@ from evaluation import chained
 from evaluation.acceptance import CachedTarget, prompt_lookup_draft, speculative_generate
 from tests.test_chained import (  # noqa: F401 (the fixtures)
     _stored_row,
+    oracle_chains,
     replies_ending_at_a_stop,
     target,
 )
@@ -55,25 +54,7 @@ def test_drafter_chain_counts_a_stored_stop_once(
 ) -> None:
     monkeypatch.setattr(chained, "forward_batch", lambda m, h, batch, **k: batch.labels_AB)
     monkeypatch.setattr(chained, "greedy_predictions", lambda hidden, head, chunk: hidden)
-    block_size = 4
     for prompt, reply, stop, _ in replies_ending_at_a_stop:
-        truth = [*prompt, *reply, stop] + [0] * block_size
-
-        def oracle(tokens: list[int], _f: torch.Tensor | None, truth=truth) -> list[int]:
-            return truth[len(tokens) : len(tokens) + block_size - 1]
-
-        _, gains, _ = speculative_generate(
-            CachedTarget(target, None), prompt, oracle, 64, stop_ids=frozenset([stop])
-        )
-        offline = chained.chained_acceptance(
-            None,
-            SimpleNamespace(lm_head_VD=None),
-            [_row_with_its_stop(target, prompt, reply, stop)],
-            block_size=block_size,
-            mask_token_id=0,
-            backend="sdpa",
-            chunk_tokens=64,
-            device=torch.device("cpu"),
-            stop_ids=frozenset([stop]),
-        )
+        row = _row_with_its_stop(target, prompt, reply, stop)
+        offline, gains = oracle_chains(target, prompt, [*reply, stop], row, 4, frozenset([stop]))
         assert offline == [(sum(gains), len(gains))]

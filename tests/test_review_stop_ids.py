@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ from evaluation.acceptance import CachedTarget, prompt_lookup_draft, speculative
 from evaluation.online import reply_stop_ids
 from stage1_extract.run import run_extract
 from stage1_generate.run import run_generate
-from tests.test_chained import PROMPTS, _stored_row
+from tests.test_chained import PROMPTS, _stored_row, oracle_chains
 from tests.test_generate import config, extract_config, write_jsonl
 
 
@@ -109,24 +108,8 @@ def test_chained_counts_a_stop_only_the_generation_config_names_as_online(
         offline = chained.prompt_lookup_chains([row], block_size - 1, stop_ids=offline_stops)
         assert offline == [(sum(gains), len(gains))]
 
-        truth = [*prompt, *generated] + [0] * block_size
-
-        def oracle(tokens: list[int], _f: torch.Tensor | None, truth=truth) -> list[int]:
-            return truth[len(tokens) : len(tokens) + block_size - 1]
-
-        _, gains, _ = speculative_generate(
-            CachedTarget(target, None), prompt, oracle, 64, stop_ids=online_stops
-        )
-        offline = chained.chained_acceptance(
-            None,
-            SimpleNamespace(lm_head_VD=None),
-            [row],
-            block_size=block_size,
-            mask_token_id=0,
-            backend="sdpa",
-            chunk_tokens=64,
-            device=torch.device("cpu"),
-            stop_ids=offline_stops,
+        offline, gains = oracle_chains(
+            target, prompt, generated, row, block_size, online_stops, offline_stops
         )
         assert offline == [(sum(gains), len(gains))]
         assert sum(gains) == len(reply)  # every token after the first, the stop included
