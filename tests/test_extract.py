@@ -18,11 +18,12 @@ import pytest
 import torch
 import zarr
 from click.testing import CliRunner
+from log_capture import dflash_messages
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from common.config import build_config
-from common.logging import LOGGER_NAME, get_logger
+from common.logging import LOGGER_NAME
 from common.store import HEAD_FILE, bits_to_bf16, committed_shards, open_store
 from common.tiny import EXAMPLE_DATA
 from dflash_offline.cli import main as cli
@@ -667,14 +668,8 @@ def test_padding_of_one_length_documents_is_named_before_extraction(
     extract says how much would be padding and which seq_len packs them tight."""
     data = tmp_path / "rows.jsonl"
     data.write_text((json.dumps({"text": "one two three four five six seven eight"}) + "\n") * 12)
-    seen: list[str] = []  # the dflash logger does not propagate to pytest's caplog
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: seen.append(record.getMessage())
-    get_logger().addHandler(handler)
-    try:
+    with dflash_messages(logging.WARNING) as seen:
         run_extract(make_config(tiny_qwen3, data, tmp_path / "store", "packing.seq_len=64"))
-    finally:
-        get_logger().removeHandler(handler)
     lines = [line for line in seen if "would be padding" in line]
     assert len(lines) == 1 and "100% of the documents are" in lines[0], seen
     assert "--set packing.seq_len=" in lines[0] and "would pad 0.0%" in lines[0]

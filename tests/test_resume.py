@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from log_capture import dflash_messages
 from store_factory import FactorySpec, build_store
 
 from common.config import build_config
@@ -34,12 +35,8 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def warnings() -> list[str]:
     """The dflash logger's warnings (it does not propagate to pytest's caplog)."""
-    seen: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: seen.append(record.getMessage())
-    get_logger().addHandler(handler)
-    yield seen
-    get_logger().removeHandler(handler)
+    with dflash_messages(logging.WARNING) as seen:
+        yield seen
 
 
 def train(store: Path, out: Path, *sets: str) -> list[dict]:
@@ -171,14 +168,8 @@ def test_leftover_checkpoint_folders_are_removed_when_a_run_resumes(
     for name in leftovers:
         (out / name).mkdir()
         (out / name / "model.pt").write_bytes(b"half")
-    logged: list[str] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: logged.append(record.getMessage())
-    get_logger().addHandler(handler)
-    try:
+    with dflash_messages(logging.INFO) as logged:
         train(store, out)
-    finally:
-        get_logger().removeHandler(handler)
     assert not list(out.glob(".tmp-*"))
     steps = sorted(p.name for p in out.glob("step-*"))
     assert steps == ["step-000002", "step-000004", "step-000006"]

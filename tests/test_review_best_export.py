@@ -29,12 +29,12 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from log_capture import dflash_messages
 from store_factory import FactorySpec, build_store
 
 import stage2_train.export as export_module
 import stage2_train.train as train_module
 from common.config import build_config
-from common.logging import get_logger
 from dflash_offline.cli import main as cli
 from stage2_train.best import BEST_DIR, BEST_FILE
 from stage2_train.config import TrainConfig
@@ -54,12 +54,8 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.fixture
 def logged() -> list[str]:
     """The dflash logger's messages (it does not propagate to pytest's caplog)."""
-    seen: list[str] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: seen.append(record.getMessage())
-    get_logger().addHandler(handler)
-    yield seen
-    get_logger().removeHandler(handler)
+    with dflash_messages(logging.INFO) as seen:
+        yield seen
 
 
 def script_figures(monkeypatch: pytest.MonkeyPatch, *figures: float) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Literal
 import pytest
 import torch
 from click.testing import CliRunner
+from log_capture import dflash_messages
 from store_factory import FactorySpec, build_store
 
 from common.config import build_config, describe, doc
@@ -157,15 +157,8 @@ def test_a_line_cut_mid_write_is_dropped_by_plot_and_resume(tmp_path: Path) -> N
 
 def test_a_plotting_error_is_a_warning(tmp_path: Path) -> None:
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')  # no loss: the plot fails
-    seen: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("dflash")
-    logger.addHandler(handler)
-    try:
+    with dflash_messages() as seen:
         draw_plots_safely(tmp_path)
-    finally:
-        logger.removeHandler(handler)
     assert any("could not draw the plots" in m for m in seen), seen
 
 
