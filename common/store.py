@@ -151,9 +151,15 @@ def dequantize_fp8(
     return (bits.view(torch.float8_e4m3fn).float() * scale[..., None].float()).to(dtype)
 
 
+def hidden_row_width(hidden_dtype: str, hidden_size: int) -> int:
+    """Elements of one token's row of one tapped layer in `hidden`: `hidden_size` values (bf16,
+    fp8), or an nvfp4 row's bytes."""
+    return nvfp4_row_bytes(hidden_size) if hidden_dtype == "nvfp4" else hidden_size
+
+
 def hidden_bytes_per_token(hidden_dtype: str, num_tapped: int, hidden_size: int) -> int:
     """Uncompressed bytes of one token's `hidden` and `hidden_scale` rows in such a store."""
-    width = nvfp4_row_bytes(hidden_size) if hidden_dtype == "nvfp4" else hidden_size
+    width = hidden_row_width(hidden_dtype, hidden_size)
     if HIDDEN_DTYPES[hidden_dtype][1]:  # one byte a value (a row), one fp32 scale a layer
         return num_tapped * (width + 4)
     return num_tapped * hidden_size * 2
@@ -258,7 +264,7 @@ class StoreInfo:
         if name == "num_tapped":
             return len(self.tapped_layers)
         if name == "nvfp4_row_bytes":
-            return nvfp4_row_bytes(self.hidden_size)
+            return hidden_row_width("nvfp4", self.hidden_size)
         return int(self.attrs[name])
 
 

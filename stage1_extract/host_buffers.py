@@ -20,8 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.fp4 import nvfp4_row_bytes
-from common.store import HIDDEN_DTYPES, bf16_to_bits
+from common.store import HIDDEN_DTYPES, bf16_to_bits, hidden_row_width
 
 ALIGN = 4096  # every array starts on its own page
 
@@ -98,7 +97,7 @@ class BufferShape:
     def arrays(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         M, K, D, k = self.slots, self.num_tapped, self.hidden_size, self.topk
         scaled = HIDDEN_DTYPES[self.hidden_dtype][1]
-        width = nvfp4_row_bytes(D) if self.hidden_dtype == "nvfp4" else D
+        width = hidden_row_width(self.hidden_dtype, D)
         out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
             "hidden": ((M, K, width), torch.uint8 if scaled else torch.bfloat16),
         }

@@ -27,8 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from common.config import runs_tf32
 from common.durable import fsync_path
-from common.fp4 import nvfp4_row_bytes
-from common.store import HIDDEN_DTYPES, encode_hidden
+from common.store import HIDDEN_DTYPES, encode_hidden, hidden_row_width
 from common.target_config import text_config
 from stage1_extract.config import TargetConfig
 from stage1_extract.head_stats import head_chunk_stats
@@ -324,7 +323,7 @@ class TappedTarget:
             self.device, non_blocking=True
         )
         K, scaled = len(self.tapped), HIDDEN_DTYPES[self.hidden_dtype][1]
-        width = nvfp4_row_bytes(D) if self.hidden_dtype == "nvfp4" else D
+        width = hidden_row_width(self.hidden_dtype, D)
         stored = torch.uint8 if scaled else torch.bfloat16
         self._hidden_NKD = torch.empty(num_valid, K, width, dtype=stored, device=self.device)
         if scaled:
