@@ -16,7 +16,7 @@
 # ones (RUN/export).
 # The job runs from a snapshot (bench/, configs/, .carry/ and the package installed into
 # $WORK/background/site), since the device replaces the working tree and the carried folders at
-# each call. Settings as bench/recipe_pystd.sh (VARIANTS, GEN_SETS, EXTRACT_SETS, DEVICE, ...).
+# each call. Settings as bench/recipe_pystd.sh (VARIANTS, GEN_SETS, EXTRACT_SETS, STORES, DEVICE, ...).
 set -uo pipefail
 started=$(date +%s)
 CALL_S=${CALL_S:-570}

@@ -12,6 +12,10 @@
 #       on GPU k mod the count of TRAIN_GPUS (e.g. TRAIN_GPUS=0,1; DEVICE=0,1 runs generate and
 #       extract data parallel). STAGES=train,evaluate reuses $WORK's gen/ and store/.
 #   FOLLOW=1 bash bench/recipe_pystd.sh              train while extract writes the store
+#   STORES="nv|--set store.hidden_dtype=nvfp4" VARIANTS="T5|;NV5||nv" bash bench/recipe_pystd.sh
+#       also extract the generated text into $WORK/store-nv (EXTRACT_SETS, then its own sets),
+#       after the main store; a variant's third field names the store it trains from (two
+#       stores of one text side by side: the fp8 and the nvfp4 store of the same features)
 set -uo pipefail
 OUT=${OUT:-runs/recipe}
 WORK=${WORK:-/tmp/recipe}
@@ -103,8 +107,8 @@ warm_compile() {
 if [ -z "${VARIANTS:-}" ]; then
   WARM_SETS=("$@")
 else
-  first=${VARIANTS%%;*}
-  read -ra WARM_SETS <<< "${first#*|}"
+  IFS='|' read -r _ first_sets _ <<< "${VARIANTS%%;*}"
+  read -ra WARM_SETS <<< "$first_sets"
 fi
 dev_pid=
 if has dev; then
@@ -127,13 +131,27 @@ if has generate; then
     || failed+=(generate)
   stamp generate "$t"
 fi
+# STORES="NAME|sets;NAME2|sets": further stores of the same generated text, $WORK/store-NAME,
+# extracted after the main one with EXTRACT_SETS then their own sets (the tapped layers stay
+# the main store's unless a store's sets say otherwise)
+extra_stores=()
+IFS=';' read -ra extra_stores <<< "${STORES:-}"
 extract_stage() {  # a failure is a file: with FOLLOW=1 this runs as a background job
-  local t; t=$(date +%s)
+  local t spec name sets; t=$(date +%s)
   rm -f "$WORK/extract.failed"
   dflash extract --config "$CFG" --model $M --data "$WORK/gen" --out "$WORK/store" \
     --devices "$DEVICE" --set run.progress=false "${EXTRACT_SETS[@]}" 2>&1 | tee "$OUT/extract.log" | tail -2 \
     || touch "$WORK/extract.failed"
   stamp extract "$t"
+  for spec in "${extra_stores[@]}"; do
+    [ -n "$spec" ] || continue
+    t=$(date +%s) name=${spec%%|*}
+    read -ra sets <<< "${spec#*|}"
+    dflash extract --config "$CFG" --model $M --data "$WORK/gen" --out "$WORK/store-$name" \
+      --devices "$DEVICE" --set run.progress=false "${EXTRACT_SETS[@]}" "${sets[@]}" 2>&1 \
+      | tee "$OUT/extract-$name.log" | tail -2 || touch "$WORK/extract.failed"
+    stamp "extract-$name" "$t"
+  done
 }
 # the store's summary and what one loader worker spends per batch on this machine's cores
 # (sizes data.num_workers): ~20 s of diagnostics, beside the trainer's start instead of
@@ -141,6 +159,12 @@ extract_stage() {  # a failure is a file: with FOLLOW=1 this runs as a backgroun
 diagnostics() {
   rm -f "$WORK/inspect.failed"
   dflash inspect "$WORK/store" > "$OUT/inspect.txt" || touch "$WORK/inspect.failed"
+  local spec
+  for spec in "${extra_stores[@]}"; do
+    [ -n "$spec" ] || continue
+    dflash inspect "$WORK/store-${spec%%|*}" > "$OUT/inspect-${spec%%|*}.txt" \
+      || touch "$WORK/inspect.failed"
+  done
   python3 bench/loader_cost.py --store "$WORK/store" --sequences 8 16 > "$OUT/loader_cost.jsonl" 2>&1
 }
 # FOLLOW=1: the variants train while extract writes the store (`dflash train --follow`, the
@@ -167,8 +191,8 @@ if has extract; then
     diagnostics_pid=$!
   fi
 fi
-variant() {  # $1 = name, $2 = GPU, the rest: train --set arguments
-  local name=$1 gpu=$2; shift 2
+variant() {  # $1 = name, $2 = GPU, $3 = its store (a folder in $WORK), the rest: train --set arguments
+  local name=$1 gpu=$2 store=$3; shift 3
   local eval_device; eval_device=$([ "$gpu" = cpu ] && echo cpu || echo "cuda:$gpu")
   local t; t=$(date +%s)
   if has train; then
@@ -185,7 +209,7 @@ variant() {  # $1 = name, $2 = GPU, the rest: train --set arguments
     local own_limit=$(( limit - ${TRAIN_MARGIN_S:-150} ))
     (( own_limit < 60 )) && own_limit=60
     # shellcheck disable=SC2068
-    timeout "$limit" dflash train --config "$CFG" --store "$WORK/store" \
+    timeout "$limit" dflash train --config "$CFG" --store "$WORK/$store" \
       --out "$WORK/run-$name" --devices "$gpu" --set run.progress=false \
       --set run.time_limit_s="$own_limit" --set data.dev_store="$WORK/dev-store" \
       "${FOLLOW_ARGS[@]}" $@ \
@@ -267,19 +291,29 @@ EOF
 
 wait_dev
 if [ -z "${VARIANTS:-}" ]; then
-  variant recipe "${TRAIN_GPUS[0]}" "$@"
+  variant recipe "${TRAIN_GPUS[0]}" store "$@"
 else
   IFS=';' read -ra specs <<< "$VARIANTS"
   variant_pids=()
   for k in "${!specs[@]}"; do
-    spec=${specs[$k]}
+    # NAME|train sets[|STORE]: STORE one of STORES' names (default: the main store)
+    spec=${specs[$k]} store=store
+    IFS='|' read -r name sets store_name <<< "$spec"
+    if [ -n "${store_name:-}" ]; then
+      if [[ ";${STORES:-};" != *";$store_name|"* ]]; then
+        echo "variant $name: no store $store_name in STORES=\"${STORES:-}\"" >&2
+        failed+=("$name")
+        continue
+      fi
+      store=store-$store_name
+    fi
     # shellcheck disable=SC2086
-    variant "${spec%%|*}" "${TRAIN_GPUS[$(( k % ${#TRAIN_GPUS[@]} ))]}" ${spec#*|} &
+    variant "$name" "${TRAIN_GPUS[$(( k % ${#TRAIN_GPUS[@]} ))]}" "$store" $sets &
     variant_pids+=($!)
   done
   # the variants by pid: a bare `wait` would also reap the diagnostics job, whose own wait
   # below then fails ("not a child of this shell")
-  wait "${variant_pids[@]}"
+  (( ${#variant_pids[@]} )) && wait "${variant_pids[@]}"
 fi
 if [ -n "${diagnostics_pid:-}" ]; then
   wait "$diagnostics_pid"

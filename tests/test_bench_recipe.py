@@ -317,3 +317,41 @@ def test_recipe_follow_reports_a_failed_extract(tmp_path: Path) -> None:
     done, _ = _stubbed_recipe(tmp_path, stub, STAGES="extract,train", FOLLOW="1")
     assert done.returncode == 1, done.stdout + done.stderr
     assert "failed: extract (" in done.stdout, done.stdout
+
+
+def test_recipe_extra_store_is_extracted_and_trained_from_by_name(tmp_path: Path) -> None:
+    """STORES extracts the generated text again into $WORK/store-NAME (EXTRACT_SETS, then its own
+    sets), after the main store, and inspects it; a variant's third field trains from it, the
+    others from the main store. A variant naming a store STORES lacks fails the script, named,
+    while the others still run. The stages' commands are stubbed: the script's own control flow."""
+    calls = tmp_path / "calls.log"
+    stub = f'echo "$*" >> {calls}\n'
+    work = tmp_path / "work"
+    done, out = _stubbed_recipe(
+        tmp_path,
+        stub,
+        STAGES="extract,train",
+        EXTRACT_SETS="--set target.tapped_layers=[1,2]",
+        STORES="nv|--set store.hidden_dtype=nvfp4",
+        VARIANTS="T5|--set x=1;NV5||nv;bad||nope",
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "failed: bad (" in done.stdout and "no store nope" in done.stderr
+    lines = calls.read_text().splitlines()
+    extracts = [line for line in lines if line.startswith("extract ")]
+    assert len(extracts) == 2, extracts
+    assert f"--out {work}/store " in extracts[0] + " " and "nvfp4" not in extracts[0]
+    assert f"--out {work}/store-nv " in extracts[1]
+    assert extracts[1].endswith(
+        "--set target.tapped_layers=[1,2] --set store.hidden_dtype=nvfp4"
+    ), extracts[1]
+    trains = {
+        line.split("--out ")[1].split()[0]: line for line in lines if line.startswith("train ")
+    }
+    assert (
+        f"--store {work}/store " in trains[f"{work}/run-T5"] and "x=1" in trains[f"{work}/run-T5"]
+    )
+    assert f"--store {work}/store-nv " in trains[f"{work}/run-NV5"]
+    assert f"{work}/run-bad" not in trains
+    assert any(line == f"inspect {work}/store-nv" for line in lines), lines
+    assert '"extract-nv_s"' in (out / "timings.txt").read_text()
