@@ -36,6 +36,7 @@ from common.store_files import file_problems
 CHUNK_BYTES = 64 << 20  # bytes read at once per block; bounds memory on stores of any size
 SHARD_KEYS = ("index", "num_sequences", "num_documents", "num_tokens", "num_loss_tokens")
 BF16_EXPONENT = 0x7F80  # a bf16 is NaN or Inf exactly when all 8 exponent bits are set
+SIGN_BIT = 0x80  # of a float8_e4m3fn byte (an nvfp4 row's block scale)
 BITS_ARRAYS = ("hidden", "logits")  # big arrays of float bits, streamed in slabs
 
 
@@ -214,8 +215,8 @@ def _check_bits(
     encoding: str = "bfloat16",
 ) -> None:
     """NaN/Inf in an array of bf16 bits (or, as `hidden` of an fp8 or nvfp4 store, of fp8 bits /
-    nvfp4 rows) over sequences [r0, r1), read in slabs of <= chunk_bytes (counted decoded, for
-    one-byte encodings)."""
+    nvfp4 rows, whose block scales must not be negative either) over sequences [r0, r1), read in
+    slabs of <= chunk_bytes (counted decoded, for one-byte encodings)."""
     seq_len = array.shape[1]
     scaled = encoding != "bfloat16"
     per_token = math.prod(array.shape[2:]) * (4 if scaled else array.dtype.itemsize)
@@ -230,6 +231,12 @@ def _check_bits(
                     bits[..., nvfp4_codes_bytes(bits.shape[-1]) :] if encoding == "nvfp4" else bits
                 )
                 bad = torch.from_numpy(fp8_bits).view(torch.float8_e4m3fn).float().isnan().numpy()
+                if encoding == "nvfp4":
+                    # a block scale is amax / 6 / scale, never negative (nor -0.0): one with its
+                    # sign bit set flips its block's 16 values, which decode as finite as ever
+                    signed = (fp8_bits & SIGN_BIT).astype(bool) & ~bad
+                    what = "negative block scales (sign bit set; the encoder writes none)"
+                    tally.add(name, what, signed.reshape(*signed.shape[:2], -1).any(-1), a, t)
             else:
                 bad = (bits & BF16_EXPONENT) == BF16_EXPONENT
             tally.add(name, "NaN/Inf values", bad.reshape(*bad.shape[:2], -1).any(-1), a, t)
