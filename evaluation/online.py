@@ -303,7 +303,10 @@ def _evaluate(
         "num_prompts": len(prompts),
         "new_tokens": cfg.new_tokens,
         "num_draft": num_draft,
-        "stop_at_eos": sorted(stop_ids) if cfg.stop_at_eos else False,
+        # a boolean, and the ids in their own field ([] when off): one field of two types
+        # (the ids, or False) had readers test its truth where they meant either
+        "stop_at_eos": cfg.stop_at_eos,
+        "stop_ids": sorted(stop_ids),
     }
 
     def lookup_draft(tokens: list[int], _feats: torch.Tensor | None) -> list[int]:

@@ -295,14 +295,16 @@ def test_evaluate_command_reports_both_methods(tiny_qwen3: Path, tmp_path: Path)
     assert result.exit_code == 0, result.output
     figures = json.loads(out.read_text())
     assert figures["num_prompts"] == 2 and figures["num_draft"] == 3  # the drafter's block - 1
-    assert figures["stop_at_eos"] and all(isinstance(i, int) for i in figures["stop_at_eos"])
+    assert figures["stop_at_eos"] is True
+    assert figures["stop_ids"] and all(isinstance(i, int) for i in figures["stop_ids"])
     past_end = CliRunner().invoke(
         main,
         ["evaluate", "--target", str(tiny_qwen3), "--data", str(data), "--num-prompts", "1"]
         + ["--new-tokens", "4", "--no-stop-at-eos"],
     )
     assert past_end.exit_code == 0, past_end.output
-    assert json.loads(past_end.stdout)["stop_at_eos"] is False
+    past_figures = json.loads(past_end.stdout)
+    assert past_figures["stop_at_eos"] is False and past_figures["stop_ids"] == []
     bad = CliRunner().invoke(
         main, ["evaluate", "--target", "t", "--data", "d", "--chat-template-kwargs", "[1]"]
     )
