@@ -10,7 +10,9 @@ is of (its path and content key).
 A run, resumed or rerun, starts from best.json as it finds it, whatever its step: a run killed
 after exporting a best and before its next checkpoint redoes those steps, and the drafter on
 disk stays until an evaluation beats it, so export-best/ only ever improves within a run folder
-(checkpoints hold no best: best.json is the one record of it). A figure is compared only with
+(checkpoints hold no best: best.json is the one record of it). An export-best/ that a kill left
+only as `.tmp-old-export-best` (between the two renames of a replace that could not swap the
+folders, common/durable.py) is renamed back first, not taken for no best. A figure is compared only with
 figures of the same dev store (`data.dev_store` may change on a resume): a record of another
 content key starts the comparison afresh, said in the log, and the first evaluation on the new
 store replaces export-best/. A best.json written before the dev store was recorded names none;
@@ -25,6 +27,7 @@ import json
 import math
 from pathlib import Path
 
+from common.durable import aside_name, recover_aside
 from common.logging import get_logger
 
 BEST_DIR = "export-best"
@@ -35,9 +38,16 @@ def best_so_far(out: Path, dev_store: str, dev_key: str) -> float:
     """The dev_chained_tau that RUN/export-best/best.json records for the dev store of content
     key `dev_key` (at `dev_store`), or -inf: none yet, unreadable, or another dev store's."""
     path = out / BEST_DIR / BEST_FILE
+    log = get_logger()
+    # (the run folder's lock is held: no export-best/ is being replaced under us)
+    if recover_aside(path.parent):
+        log.info(
+            "export-best: renamed %s back to %s (a killed export had moved it aside)",
+            aside_name(path.parent).name,
+            path.parent,
+        )
     if not path.exists():
         return -math.inf
-    log = get_logger()
     try:
         record = json.loads(path.read_text())
         step, tau = int(record["step"]), float(record["dev_chained_tau"])
