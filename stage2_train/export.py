@@ -155,6 +155,7 @@ def export_drafter(
     if target is not None:
         # servers read dflash_config and the model keys; this one is for dflash evaluate
         config[TRAINED_FOR_KEY] = target
+    warn_last_layer_tapped(tapped_layers, config["num_target_layers"])
     check_export_target(out_dir)
     tmp = out_dir.with_name(f".tmp-{out_dir.name}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -175,6 +176,28 @@ def export_drafter(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def warn_last_layer_tapped(tapped_layers: list[int], num_target_layers: int | None) -> None:
+    """Warn when the drafter reads the target's last layer: training (and transformers,
+    modeling_dflash.py, z-lab's code) took it as hidden_states[N], after the final norm, while
+    vLLM and SGLang tap layer i as the residual stream entering layer i + 1, which for the last
+    layer they give before the final norm or not at all. Other layers read the same everywhere."""
+    if num_target_layers is None or num_target_layers - 1 not in tapped_layers:
+        return
+    get_logger().warning(
+        "export: the drafter reads the target's last layer (%d of target_layer_ids %s), which "
+        "it trained on after the target's final norm (transformers' hidden_states[%d]); vLLM "
+        "and SGLang give that layer before the final norm, or not at all, so there it drafts "
+        "from other features than it learned. Serve it with transformers "
+        "(modeling_dflash.py), or for vLLM and SGLang train on layers below %d only "
+        "(data.tapped_layers=%s reads those of the store)",
+        num_target_layers - 1,
+        list(tapped_layers),
+        num_target_layers,
+        num_target_layers - 1,
+        [i for i in tapped_layers if i < num_target_layers - 1],
+    )
 
 
 def trained_for(store_attrs: dict[str, Any]) -> dict[str, Any]:
