@@ -225,11 +225,12 @@ def trained_layers(cfg: TrainConfig, info: StoreInfo) -> list[int]:
 
 def open_dev_store(path: str, train_info: StoreInfo, layers: list[int]) -> StoreInfo:
     """The store `data.dev_store` names, checked against the training store: the same target
-    (sizes, vocabulary and weights) and tokenizer, the `layers` the drafter reads
-    (`trained_layers`: all the training store's, or `data.tapped_layers`; a dev store may hold
-    more, as `dflash evaluate-offline`'s store may), and every shard whole (what chained tau
-    reads); else an error naming data.dev_store and the fix. run_train calls it with the other
-    input checks: at its first use (after the model is built) it came minutes late."""
+    (sizes, vocabulary and weights) and tokenizer (`_tokenizer_differences`), the `layers` the
+    drafter reads (`trained_layers`: all the training store's, or `data.tapped_layers`; a dev
+    store may hold more, as `dflash evaluate-offline`'s store may), and every shard whole (what
+    chained tau reads); else an error naming data.dev_store, the training store and the fix.
+    run_train calls it with the other input checks: at its first use (after the model is
+    built) it came minutes late."""
     try:
         info = open_store(path, require_complete=True)
     except StoreError as err:
@@ -259,19 +260,47 @@ def open_dev_store(path: str, train_info: StoreInfo, layers: list[int]) -> Store
         # would score this drafter on another target's argmax
         names = [a["target"]["name_or_path"] for a in (info.attrs, train_info.attrs)]
         differ.append(f"target {names[0]} vs {names[1]} ({dev[0]} differ)")
-    tokenizers = [a["tokenizer"].get("vocab_size") for a in (info.attrs, train_info.attrs)]
-    if tokenizers[0] != tokenizers[1]:
-        differ.append(f"tokenizer of {tokenizers[0]} vs {tokenizers[1]} tokens")
+    differ += _tokenizer_differences(info.attrs["tokenizer"], train_info.attrs["tokenizer"])
     if differ:
+        target, tokenizer = (train_info.attrs[k]["name_or_path"] for k in ("target", "tokenizer"))
         raise ValueError(
-            f"data.dev_store {path} does not match the training store ({'; '.join(differ)}): "
-            "extract it with the same target, tokenizer and target.tapped_layers"
+            f"data.dev_store {path} does not match the training store {train_info.path} "
+            f"({'; '.join(differ)}): extract it with the same target, tokenizer and "
+            f"target.tapped_layers as the training store (target {target}, tokenizer "
+            f"{tokenizer}), or leave data.dev_store unset"
         )
     try:
         check_shards(info, loader_arrays(info.hidden_dtype, False))  # chained tau's arrays
     except StoreError as err:
         raise StoreError(f"data.dev_store: {err}") from None
     return info
+
+
+# what a store records of its tokenizer besides its size (FORMAT.md `tokenizer`)
+TOKENIZER_RECORD = ("eos_token_id", "pad_token_id", "mask_token_id", "reserved_token_id")
+
+
+def _tokenizer_differences(dev: dict[str, Any], train: dict[str, Any]) -> list[str]:
+    """How the dev store's tokenizer record differs from the training store's: its size, and
+    where both stores name their tokenizer, its special ids and chat template (the same size
+    held other tokenizers: a base model's beside its instruct twin's, which differ in end of
+    sequence and template). A store that names none (converted from HDF5 without a tokenizer:
+    ids as the file gave them, no template) is compared by size alone, as is an id that one
+    store does not record (reserved_token_id, missing in older stores)."""
+    if dev.get("vocab_size") != train.get("vocab_size"):
+        return [f"tokenizer of {dev.get('vocab_size')} vs {train.get('vocab_size')} tokens"]
+    if not (dev.get("name_or_path") and train.get("name_or_path")):
+        return []
+    what = [
+        f"{key} {dev[key]} vs {train[key]}"
+        for key in TOKENIZER_RECORD
+        if key in dev and key in train and dev[key] != train[key]
+    ]
+    if dev.get("chat_template") != train.get("chat_template"):
+        what.append("chat templates differ")
+    if not what:
+        return []
+    return [f"tokenizer {dev['name_or_path']} vs {train['name_or_path']} ({', '.join(what)})"]
 
 
 def _target_weights(attrs: dict[str, Any]) -> tuple[str, str] | None:

@@ -130,9 +130,11 @@ def test_train_dev_store_of_another_target_is_refused_with_the_inputs(
     train_store = _with_root(store, tmp_path / "store", edit_train) if edit_train else store
     result = _train(train_store, dev, tmp_path / "r")
     assert result.exit_code == 2, result.output
+    target = open_store(train_store).attrs["target"]["name_or_path"]
     assert error_line(result) == (
-        f"error: data.dev_store {dev} does not match the training store ({named}): extract it "
-        "with the same target, tokenizer and target.tapped_layers"
+        f"error: data.dev_store {dev} does not match the training store {train_store} "
+        f"({named}): extract it with the same target, tokenizer and target.tapped_layers as the "
+        f"training store (target {target}, tokenizer factory), or leave data.dev_store unset"
     )
 
 
