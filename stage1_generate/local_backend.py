@@ -49,7 +49,9 @@ GENERATION_KEPT = (
 class Completion:
     """One reply: its text, its token ids when the backend knows them, whether it ended at a
     stop id (False: cut at the token limit), and which stop id ended it (None when cut, or
-    when a server did not say which). Neither text, ids nor num_tokens hold the stop id."""
+    when a server did not say which). Neither text, ids nor num_tokens hold the stop id; a
+    reply cut inside a character is stored without it (`rows.whole_characters`: text and ids),
+    num_tokens still counting its tokens."""
 
     text: str
     num_tokens: int

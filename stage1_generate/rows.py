@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from transformers import GenerationConfig, PreTrainedTokenizerBase
@@ -139,6 +139,56 @@ def generation_eos(target: TargetConfig) -> Any:
     return found.eos_token_id
 
 
+def _replies(
+    backend: Backend,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    on_batch: Callable[[int, int], None] | None = None,
+    stop: bool = True,
+) -> list[Completion]:
+    """The backend's replies to `prompts`, each cut at the token limit kept to whole
+    characters (`whole_characters`)."""
+    completions = backend.generate(prompts, max_new_tokens, on_batch, stop=stop)
+    return [whole_characters(tokenizer, c) for c in completions]
+
+
+def whole_characters(tokenizer: PreTrainedTokenizerBase, completion: Completion) -> Completion:
+    """A reply cut at the token limit inside a character (byte-level BPE splits a character's
+    bytes over tokens) without that character's first bytes: its text would end in a U+FFFD,
+    which extract's tokenizer reads as tokens the target never wrote (and the drafter would
+    learn to predict them); so the reply is a prefix of the target's. The tokens dropped are the
+    fewest whose text holds the final U+FFFD (at most UTF8_MAX_BYTES - 1: a character's first
+    bytes); a U+FFFD the target wrote there goes too, which keeps the reply a prefix. A server
+    that gives the text alone (SGLang) ends it in the U+FFFD of the cut bytes: that one goes;
+    vLLM's text leaves the cut bytes out already, its ids not. `num_tokens` stays what the
+    target wrote (so with every backend). A reply that ended at a stop id is kept whole."""
+    if completion.finished:
+        return completion
+    if completion.token_ids is None:
+        if not completion.text.endswith(REPLACEMENT):
+            return completion
+        return replace(completion, text=completion.text[: -len(REPLACEMENT)])
+    ids = completion.token_ids
+    whole = tokenizer.decode(ids, skip_special_tokens=False)
+    if not whole.endswith(REPLACEMENT):
+        return completion
+    for kept in range(len(ids) - 1, max(len(ids) - UTF8_MAX_BYTES, -1), -1):
+        head = tokenizer.decode(ids[:kept], skip_special_tokens=False)
+        if whole[: -len(REPLACEMENT)].startswith(head):
+            break
+    else:
+        return completion  # no token boundary before that U+FFFD: a tokenizer of other bytes
+    # the local backend's text is its ids decoded; a server's is its own (vLLM's ends before
+    # the cut bytes already): less the dropped tokens' text where it ends with it
+    text, dropped = completion.text, tokenizer.decode(ids[kept:], skip_special_tokens=False)
+    if text == whole:
+        text = head
+    elif text.endswith(dropped):
+        text = text[: -len(dropped)]
+    return replace(completion, text=text, token_ids=ids[:kept])
+
+
 def _render(
     tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], kwargs: dict[str, Any]
 ) -> list[int]:
@@ -247,7 +297,7 @@ def generate_chat(
                 del convs[k]
                 continue
             active.append(k)
-        completions = backend.generate(prompts, cfg.sampling.max_new_tokens, on_batch)
+        completions = _replies(backend, tokenizer, prompts, cfg.sampling.max_new_tokens, on_batch)
         result.count(completions)
         for k, completion in zip(active, completions, strict=True):
             # only role and content: a rewritten turn's old tool calls or reasoning no
@@ -335,7 +385,7 @@ def generate_text(
                 windows.append((indices[k], start, prefix + ids[start:end]))
     stop = cfg.text.stop_at_eos
     prompts = [w[2] for w in windows]
-    completions = backend.generate(prompts, cfg.text.new_tokens, on_batch, stop=stop)
+    completions = _replies(backend, tokenizer, prompts, cfg.text.new_tokens, on_batch, stop)
     result.count(completions)
     for (index, start, prompt), completion in zip(windows, completions, strict=True):
         if not completion.text.strip():
@@ -423,7 +473,7 @@ def generate_completion(
             continue
         keep.append(k)
         prompts.append(ids)
-    completions = backend.generate(prompts, cfg.sampling.max_new_tokens, on_batch)
+    completions = _replies(backend, tokenizer, prompts, cfg.sampling.max_new_tokens, on_batch)
     result.count(completions)
     for k, prompt, completion in zip(keep, prompts, completions, strict=True):
         if not completion.text.strip():

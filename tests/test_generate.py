@@ -27,9 +27,9 @@ from stage1_extract.run import run_extract
 from stage1_generate import gqa_decode
 from stage1_generate import run as generate_run
 from stage1_generate.config import GenerateConfig, SamplingConfig
-from stage1_generate.local_backend import LocalBackend
+from stage1_generate.local_backend import Completion, LocalBackend
 from stage1_generate.output import output_lock
-from stage1_generate.rows import stop_token_ids, text_windows
+from stage1_generate.rows import stop_token_ids, text_windows, whole_characters
 from stage1_generate.run import run_generate
 
 CONVERSATIONS = [
@@ -101,21 +101,28 @@ def digests(folder: Path) -> dict[str, str]:
 
 
 def greedy_reply(
-    model_dir: Path, prompt_ids: list[int], max_new: int, stop: bool = True
+    model_dir: Path, prompt_ids: list[int], max_new: int, stop: bool = True, stored: bool = True
 ) -> list[int]:
     """The target's greedy continuation, one token at a time without a cache (the reference);
-    `stop` false: on past the stop ids."""
+    `stop` false: on past the stop ids; `stored`: as a row stores it (cut at `max_new` inside a
+    character: without that character's first bytes, `whole_characters`)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     stops = set(stop_token_ids(tokenizer, None, {})) if stop else set()
     ids = list(prompt_ids)
+    finished = False
     with torch.no_grad():
         for _ in range(max_new):
             token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
             if token in stops:
+                finished = True
                 break
             ids.append(token)
-    return ids[len(prompt_ids) :]
+    reply = ids[len(prompt_ids) :]
+    if not stored:
+        return reply
+    completion = Completion(tokenizer.decode(reply), len(reply), finished, reply)
+    return whole_characters(tokenizer, completion).token_ids
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +210,7 @@ def test_text_windows(tiny_qwen3: Path, tmp_path: Path) -> None:
         ids = tokenizer(TEXTS[row["source_index"]], add_special_tokens=False)["input_ids"]
         prompt = ids[row["window_start"] : row["window_start"] + 12]
         reply = greedy_reply(tiny_qwen3, prompt, 5)
-        assert row["new_tokens"] == len(reply)
+        assert row["new_tokens"] == len(greedy_reply(tiny_qwen3, prompt, 5, stored=False))
         assert row["prompt"] == tokenizer.decode(prompt, skip_special_tokens=False)
         whole = tokenizer.decode(prompt + reply, skip_special_tokens=False)
         assert row["prompt"] + row["completion"] == whole
@@ -569,7 +576,7 @@ def test_static_kv_cache_writes_the_same_rows(
     for row in written["static", "text"]:
         ids = tokenizer(TEXTS[row["source_index"]], add_special_tokens=False)["input_ids"]
         prompt = ids[row["window_start"] : row["window_start"] + 12]
-        assert row["new_tokens"] == len(greedy_reply(model, prompt, 5))
+        assert row["new_tokens"] == len(greedy_reply(model, prompt, 5, stored=False))
 
 
 @pytest.mark.parametrize("target", ["tiny_qwen3", "tiny_llama"])
@@ -704,7 +711,7 @@ def test_the_targets_generation_config_does_not_shape_the_rows(
     prompts = [[5, 17, 9, 23, 5, 17], [40, 41, 40, 41], [7] * 9]
     backend = LocalBackend(model, tokenizer, SamplingConfig(), stops, 2, 1 << 20, "dynamic")
     got = [c.token_ids for c in backend.generate(prompts, 10)]
-    assert got == [greedy_reply(tiny_qwen3, p, 10) for p in prompts]
+    assert got == [greedy_reply(tiny_qwen3, p, 10, stored=False) for p in prompts]
     assert model.generation_config.repetition_penalty in (None, 1.0)  # unset (transformers 5)
     assert model.generation_config.no_repeat_ngram_size in (None, 0)
     assert model.generation_config.pad_token_id == own.pad_token_id is not None
@@ -723,7 +730,6 @@ def test_a_chunk_of_empty_text_rows_is_skipped_not_a_crash(
 def test_a_window_cut_inside_a_character_keeps_the_whole_text(tiny_qwen3: Path) -> None:
     """A prompt window that ends inside a character of several byte tokens: the row's prompt
     ends before that character, and prompt + completion is the whole text at every cut."""
-    from stage1_generate.local_backend import Completion
     from stage1_generate.rows import _split_row
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)

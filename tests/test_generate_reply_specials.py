@@ -44,9 +44,15 @@ LENGTHS = ("sampling.max_new_tokens=16", "text.new_tokens=16", "output.rows_per_
 
 @pytest.fixture(scope="module")
 def scripted(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
-    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
-    script = ids(tokenizer, SCRIPT)
+    return scripted_target(tiny_qwen3, SCRIPT, tmp_path_factory.mktemp("scripted"))
+
+
+def scripted_target(tiny: Path, text: str, out: Path) -> Path:
+    """`tiny` (tiny_qwen3) saved to `out` as a target that writes `text` (its tokens, each once)
+    then `<|im_end|>` after CHAT[0]'s chat prompt or DOC."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    script = ids(tokenizer, text)
     chat_prompt = tokenizer.apply_chat_template(
         CHAT[0][:1], add_generation_prompt=True, tokenize=False
     )
@@ -66,7 +72,6 @@ def scripted(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
         for dim, (token, following) in enumerate(pairwise(chain), start=1):
             embed[token, dim] = 1.0
             head[following, dim] = 1.0
-    out = tmp_path_factory.mktemp("scripted")
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

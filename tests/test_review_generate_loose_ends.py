@@ -1,0 +1,74 @@
+"""`dflash generate`'s loose ends (review): a reply cut at the token limit inside a character
+is kept to whole characters, so the stored text tokenizes back to a prefix of the target's
+tokens (local backend, and a server that returns the reply's ids or its text alone)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from stage1_generate.run import run_generate
+from tests.openai_server import OpenAIServer
+from tests.test_generate import config, read_rows
+from tests.test_generate_reply_specials import DOC, data, ids, scripted_target
+
+# the scripted reply: a 4-byte character whose bytes are 4 tokens, then more text
+CUT_SCRIPT = " ok \U0001f600 fine"
+
+
+@pytest.fixture(scope="module")
+def cut_target(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return scripted_target(tiny_qwen3, CUT_SCRIPT, tmp_path_factory.mktemp("cut-target"))
+
+
+def _reply(shape: str, row: dict) -> str:
+    if shape == "chat":
+        return row["messages"][1]["content"]
+    return row["completion"] if "completion" in row else row["text"][len(DOC) :]
+
+
+@pytest.mark.parametrize("backend", ["local", "ids", "no_ids"])
+@pytest.mark.parametrize("shape", ["chat", "text", "completion"])
+def test_a_reply_cut_inside_a_character_keeps_whole_characters(
+    cut_target: Path, tmp_path: Path, shape: str, backend: str
+) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(cut_target)
+    script = ids(tokenizer, CUT_SCRIPT)
+    emoji = script.index(ids(tokenizer, " ok ")[-1]) + 1  # the emoji's first byte token
+    assert tokenizer.decode(script[emoji : emoji + 4]) == "\U0001f600"
+    limit = emoji + 2  # cut after two of its four bytes
+    extra = [f"sampling.max_new_tokens={limit}", f"text.new_tokens={limit}", "run.batch_size=1"]
+    out = tmp_path / "out"
+    if backend == "local":
+        manifest = run_generate(config(cut_target, data(tmp_path, shape), out, *extra))
+    else:
+        with OpenAIServer(cut_target, return_ids=backend == "ids") as server:
+            remote = [f"endpoint.url={server.url}", "run.backend=openai"]
+            manifest = run_generate(config(cut_target, data(tmp_path, shape), out, *extra, *remote))
+    assert manifest["counts"]["truncated"] >= 1
+    rows = read_rows(out)
+    assert rows
+    for row in rows:
+        reply = _reply(shape, row)
+        assert reply == " ok "  # the cut character's bytes are left out, not a U+FFFD
+        assert ids(tokenizer, reply) == script[:emoji]  # a prefix of what the target wrote
+        if "new_tokens" in row:  # the tokens the target wrote, with every backend
+            assert row["new_tokens"] == limit
+
+
+def test_a_servers_text_without_the_cut_bytes_keeps_its_ids_to_it(cut_target: Path) -> None:
+    """vLLM's text leaves a cut character's bytes out while its ids hold them: the ids go (the
+    text rows decode them), the text stays; a reply that ended at a stop id is kept whole."""
+    from stage1_generate.local_backend import Completion
+    from stage1_generate.rows import whole_characters
+
+    tokenizer = AutoTokenizer.from_pretrained(cut_target)
+    script = ids(tokenizer, CUT_SCRIPT)
+    emoji = script.index(ids(tokenizer, " ok ")[-1]) + 1
+    cut = script[: emoji + 3]
+    vllm = whole_characters(tokenizer, Completion(" ok ", len(cut), False, cut))
+    assert (vllm.text, vllm.token_ids, vllm.num_tokens) == (" ok ", script[:emoji], len(cut))
+    ended = Completion(tokenizer.decode(cut), len(cut), True, cut, stop_id=0)
+    assert whole_characters(tokenizer, ended) is ended
