@@ -26,6 +26,7 @@ from typing import Any
 from common.durable import fsync_path
 from common.generated import META_DIR, manifest_path, read_manifest
 from common.locks import exclusive_lock
+from common.logging import get_logger
 from stage1_extract.store_root import content_key
 from stage1_generate.inputs import REPLY_SPECIALS, REPLY_STOP, TURN_ENDS, decisive_content
 
@@ -127,8 +128,8 @@ def output_lock(out: Path) -> Iterator[None]:
 
 def prepare_output(out: Path, manifest: dict[str, Any], overwrite: bool) -> None:
     """Create the folder with `manifest`, or check that an existing one was made by the same
-    settings (then the run resumes it, under its manifest; `manifest` replaces that one while no
-    chunk is committed). The caller holds `output_lock(out)`."""
+    settings (then the run resumes it, under its manifest); `manifest` replaces one under which
+    no chunk is committed, whatever its settings. The caller holds `output_lock(out)`."""
     check_output_folder(out, overwrite)
     if overwrite:
         for path in _others(out):  # the held lock file stays
@@ -137,6 +138,20 @@ def prepare_output(out: Path, manifest: dict[str, Any], overwrite: bool) -> None
     for leftover in [*out.glob(".tmp-*"), *(out / META_DIR).glob(".tmp-*")]:
         leftover.unlink()
     old = read_manifest(out) if out.exists() else None
+    if old is not None and not done_chunks(out):
+        # the runs before committed no chunk (one given a wrong --endpoint port, one that failed
+        # in its first chunk): nothing of theirs stays, whatever their settings, so this run's
+        # manifest (its settings, endpoint and start) replaces theirs, and their rows of a
+        # chunk written but never committed go
+        if _as_decided_now(old)["key"] != manifest["key"]:
+            changed = _differences(_as_decided_now(old)["content"], manifest["content"])
+            get_logger().info(
+                f"--out {out}: the runs before committed no chunk; starting afresh with these "
+                f"settings ({'; '.join(changed)})"
+            )
+        for part in out.glob("part-*.jsonl.gz"):
+            part.unlink()
+        old = None
     if old is not None:
         old = _as_decided_now(old)
         left_out = _older_version_of(old, manifest) if old["key"] != manifest["key"] else []
@@ -155,10 +170,7 @@ def prepare_output(out: Path, manifest: dict[str, Any], overwrite: bool) -> None
                 f"--out {out} was generated with other settings ({'; '.join(changed)}); rerun "
                 "with the same settings to resume, pick another --out, or --overwrite"
             )
-        if done_chunks(out):
-            return  # the manifest names the run that wrote the first chunk
-        # the runs before wrote no chunk (e.g. one given a wrong --endpoint port): nothing of
-        # theirs stays, so this run's manifest (its endpoint, its start) replaces theirs
+        return  # the manifest names the run that wrote the first chunk
     (out / META_DIR).mkdir(parents=True, exist_ok=True)
     _write_atomic(manifest_path(out), json.dumps(manifest, indent=2).encode())
 

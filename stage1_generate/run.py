@@ -208,8 +208,9 @@ def _worker(
                 if ctx.is_main:  # rank 0 holds the lock for the run
                     out = Path(cfg.output.out).expanduser()
                     check_output_folder(out, cfg.output.overwrite, cfg.data.path)
+                    manifest = _manifest(cfg, inputs, model_name)
                     lock.enter_context(output_lock(out))
-                    _prepare(cfg, inputs, model_name)
+                    prepare_output(out, manifest, cfg.output.overwrite)
             with failure_shared():  # a rank that finished waits here for the slowest
                 _generate_chunks(cfg, ctx, devices, inputs)
             with failure_shared():  # the others return the finalized manifest
@@ -252,13 +253,14 @@ def _check_positions(cfg: GenerateConfig, inputs: Inputs, model_name: str) -> No
         check_settings(cfg, inputs.fmt, found.limit, f"the target's {found.source}", prefix)
 
 
-def _prepare(cfg: GenerateConfig, inputs: Inputs, model_name: str) -> None:
+def _manifest(cfg: GenerateConfig, inputs: Inputs, model_name: str) -> dict[str, Any]:
+    """The run's manifest, its settings checked: before the output folder is made, so a run
+    refused for its inputs leaves nothing in --out."""
     _check_positions(cfg, inputs, model_name)
     suffix = special_affixes(inputs.tokenizer)[1]
     eos = generation_eos(cfg.target.as_target_config())
     stops = stop_token_ids(inputs.tokenizer, eos, cfg.data.chat_template_kwargs)
-    manifest = build_manifest(cfg, inputs.raw, inputs.fmt, suffix, stops)
-    prepare_output(Path(cfg.output.out).expanduser(), manifest, cfg.output.overwrite)
+    return build_manifest(cfg, inputs.raw, inputs.fmt, suffix, stops)
 
 
 def _finalize(cfg: GenerateConfig) -> dict[str, Any]:
@@ -300,10 +302,11 @@ def run_generate(cfg: GenerateConfig, model_name: str = "target.model") -> dict[
             return read_manifest(Path(cfg.output.out).expanduser())
         out = Path(cfg.output.out).expanduser()
         check_output_folder(out, cfg.output.overwrite, cfg.data.path)
+        # checked and prepared here, so user errors stay ValueErrors of this process
+        inputs = read_inputs(cfg, model_name)
+        manifest = _manifest(cfg, inputs, model_name)
         with output_lock(out):
-            # checked and prepared here, so user errors stay ValueErrors of this process
-            inputs = read_inputs(cfg, model_name)
-            _prepare(cfg, inputs, model_name)
+            prepare_output(out, manifest, cfg.output.overwrite)
             try:
                 if len(devices) == 1:  # in this process: the inputs are read once
                     _worker(cfg, devices, error_dir, True, inputs, model_name)

@@ -1,17 +1,23 @@
 """`dflash generate`'s loose ends (review): a reply cut at the token limit inside a character
 is kept to whole characters, so the stored text tokenizes back to a prefix of the target's
-tokens (local backend, and a server that returns the reply's ids or its text alone)."""
+tokens (local backend, and a server that returns the reply's ids or its text alone); a run
+refused for its inputs leaves nothing in --out, and one that failed before committing a chunk
+does not hold a rerun to its settings."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from transformers import AutoTokenizer
 
+from common.generated import read_manifest
+from dflash_offline.cli import main as cli
+from stage1_generate import run as generate_run
 from stage1_generate.run import run_generate
 from tests.openai_server import OpenAIServer
-from tests.test_generate import config, read_rows
+from tests.test_generate import chat_rows, config, read_rows, write_jsonl
 from tests.test_generate_reply_specials import DOC, data, ids, scripted_target
 
 # the scripted reply: a 4-byte character whose bytes are 4 tokens, then more text
@@ -72,3 +78,39 @@ def test_a_servers_text_without_the_cut_bytes_keeps_its_ids_to_it(cut_target: Pa
     assert (vllm.text, vllm.token_ids, vllm.num_tokens) == (" ok ", script[:emoji], len(cut))
     ended = Completion(tokenizer.decode(cut), len(cut), True, cut, stop_id=0)
     assert whole_characters(tokenizer, ended) is ended
+
+
+def test_a_run_refused_for_its_inputs_leaves_no_folder(tiny_qwen3: Path, tmp_path: Path) -> None:
+    """A wrong --model or --data is refused before --out is made: no empty folder holding a lock
+    file is left for the user to wonder about."""
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows())
+    for model, source in ((tmp_path / "no-model", data), (tiny_qwen3, tmp_path / "none.jsonl")):
+        args = ["generate", "--model", str(model), "--data", str(source), "--devices", "cpu"]
+        result = CliRunner().invoke(cli, [*args, "--out", str(tmp_path / "out")])
+        assert result.exit_code != 0, result.output
+        assert not (tmp_path / "out").exists()
+
+
+def test_a_run_that_failed_before_any_chunk_does_not_bind_the_rerun(
+    tiny_qwen3: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first run that failed in its first chunk committed nothing: a rerun with other settings
+    (the fix of what failed) starts afresh, and a chunk's rows written but never committed by
+    it (a kill between the rows and their counts) are not left for extract to read."""
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows())
+    out = tmp_path / "out"
+
+    def crash(*args: object) -> None:
+        raise RuntimeError("CUDA out of memory")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(generate_run, "_make_backend", crash)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            run_generate(config(tiny_qwen3, data, out))
+    assert read_manifest(out)["complete"] is False
+    (out / "part-000002.jsonl.gz").write_bytes(b"rows of a chunk never committed")
+    manifest = run_generate(config(tiny_qwen3, data, out, "data.max_samples=2"))
+    assert manifest["complete"] and manifest["num_chunks"] == 1
+    assert manifest["content"]["data"]["max_samples"] == 2
+    assert [p.name for p in out.glob("part-*")] == ["part-000000.jsonl.gz"]
+    assert [r["source_index"] for r in read_rows(out)] == [0, 1]
