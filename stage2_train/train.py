@@ -44,12 +44,12 @@ from common.locks import exclusive_lock
 from common.logging import get_logger, init_logger
 from common.store import StoreError
 from common.store_check import check_shards
-from evaluation.chained import chained_tau_on_store
+from evaluation.chained import chained_tau_on_store, unstored_stop_ids
 from evaluation.heldout import evaluate
 from evaluation.offline import OfflineEvalConfig
 from stage2_train.anchors import training_slot_weights
 from stage2_train.batch import rounding_note
-from stage2_train.best import BEST_DIR, BEST_FILE, best_record, best_so_far
+from stage2_train.best import BEST_DIR, BEST_FILE, best_record, best_so_far, dev_definition
 from stage2_train.checkpoint import TrainState, save_checkpoint, step_dir
 from stage2_train.config import TrainConfig, with_compile_defaults
 from stage2_train.data import StoreSequences, loader_arrays, make_loader
@@ -375,11 +375,13 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
             extra_files=extra_files,
         )
 
-    # figures compare only on one dev store (data.dev_store may change on a resume): best.py
+    # figures compare only on one dev store (data.dev_store may change on a resume) and under
+    # one definition of the figure: best.py
     dev_key = dev_info.attrs["content_key"] if dev_info is not None else None
+    definition = dev_definition(B, unstored_stop_ids(dev_info.attrs)) if dev_info else None
     best_tau = -math.inf
     if cfg.run.export_best and ctx.is_main and dev_info is not None:
-        best_tau = best_so_far(out, cfg.data.dev_store, dev_key)
+        best_tau = best_so_far(out, cfg.data.dev_store, dev_key, definition)
 
     def export_if_best(record: dict[str, Any]) -> None:
         """run.export_best: export when this evaluation's dev_chained_tau beats the run's best."""
@@ -391,7 +393,9 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
             out / BEST_DIR,
             fix="free space, then rerun the same command (it resumes), or set "
             "run.export_best=false",
-            extra_files={BEST_FILE: best_record(state.step, tau, cfg.data.dev_store, dev_key)},
+            extra_files={
+                BEST_FILE: best_record(state.step, tau, cfg.data.dev_store, dev_key, definition)
+            },
         )
         best_tau = tau
         record["best_exported"] = True

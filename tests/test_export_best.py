@@ -13,7 +13,7 @@ from store_factory import FactorySpec, build_store
 
 import stage2_train.train as train_module
 from common.config import build_config
-from stage2_train.best import BEST_DIR, BEST_FILE, best_record, best_so_far
+from stage2_train.best import BEST_DIR, BEST_FILE, best_record, best_so_far, dev_definition
 from stage2_train.checkpoint import latest_checkpoint, read_meta
 from stage2_train.config import TrainConfig
 from stage2_train.export import load_export
@@ -56,6 +56,8 @@ def test_the_best_evaluation_is_exported(
         "dev_chained_tau": 3.0,
         "dev_store": str(store),
         "dev_store_content_key": "factory-0",
+        # and how it is defined: debug.yaml's block of 8, the factory tokenizer's eos
+        "definition": dev_definition(8, [2]),
     }
     assert [r["step"] for r in rows if r.get("best_exported")] == [4, 8, 16]
     # the export holds that step's weights (bf16), as its checkpoint saved them
@@ -76,19 +78,20 @@ def test_off_exports_no_best(store: Path, tmp_path: Path) -> None:
 
 def test_a_resumed_run_keeps_the_record_whatever_its_step(tmp_path: Path) -> None:
     dev = ("/data/dev", "key-a")
-    assert best_so_far(tmp_path, *dev) == -math.inf  # none yet
+    definition = dev_definition(16, [2])
+    assert best_so_far(tmp_path, *dev, definition) == -math.inf  # none yet
     (tmp_path / BEST_DIR).mkdir()
-    (tmp_path / BEST_DIR / BEST_FILE).write_text(best_record(40, 3.5, *dev))
+    (tmp_path / BEST_DIR / BEST_FILE).write_text(best_record(40, 3.5, *dev, definition))
     # whatever step the run resumes from: one killed after exporting its best and before its
     # next checkpoint redoes those steps, and export-best/ is replaced only by a better one
-    assert best_so_far(tmp_path, *dev) == 3.5
+    assert best_so_far(tmp_path, *dev, definition) == 3.5
     # another dev store's figure (the same path re-extracted, or another path): not compared
-    assert best_so_far(tmp_path, "/data/dev", "key-b") == -math.inf
+    assert best_so_far(tmp_path, "/data/dev", "key-b", definition) == -math.inf
     # a record from before the dev store was recorded: taken as the current store's
     (tmp_path / BEST_DIR / BEST_FILE).write_text('{"step": 40, "dev_chained_tau": 3.5}')
-    assert best_so_far(tmp_path, "/data/other", "key-b") == 3.5
+    assert best_so_far(tmp_path, "/data/other", "key-b", definition) == 3.5
     (tmp_path / BEST_DIR / BEST_FILE).write_text("{not json")
-    assert best_so_far(tmp_path, *dev) == -math.inf
+    assert best_so_far(tmp_path, *dev, definition) == -math.inf
 
 
 def test_the_real_figure_is_recorded(store: Path, tmp_path: Path) -> None:

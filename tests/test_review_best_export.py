@@ -36,7 +36,7 @@ import stage2_train.export as export_module
 import stage2_train.train as train_module
 from common.config import build_config
 from dflash_offline.cli import main as cli
-from stage2_train.best import BEST_DIR, BEST_FILE
+from stage2_train.best import BEST_DIR, BEST_FILE, dev_definition
 from stage2_train.config import TrainConfig
 from stage2_train.train import run_train
 
@@ -100,6 +100,7 @@ def test_another_dev_store_starts_the_best_afresh(
         "dev_chained_tau": 3.0,
         "dev_store": str(store),
         "dev_store_content_key": "factory-0",
+        "definition": dev_definition(8, [2]),  # debug.yaml's block, the factory's eos
     }
     remove(out / "step-000008")  # killed after step 4's checkpoint
     remove(out / "export")
@@ -112,6 +113,7 @@ def test_another_dev_store_starts_the_best_afresh(
         "dev_chained_tau": 1.5,
         "dev_store": str(dev2),
         "dev_store_content_key": "factory-1",
+        "definition": dev_definition(8, [2]),  # debug.yaml's block, the factory's eos
     }
     said = [line for line in logged if "another dev store" in line]
     assert len(said) == 1 and "factory-0" in said[0] and "factory-1" in said[0], logged

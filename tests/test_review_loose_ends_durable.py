@@ -17,7 +17,7 @@ import pytest
 
 import common.durable as durable
 from common.durable import aside_name, recover_aside, replace_folder
-from stage2_train.best import BEST_DIR, BEST_FILE, best_record, best_so_far
+from stage2_train.best import BEST_DIR, BEST_FILE, best_record, best_so_far, dev_definition
 
 
 def _folder(path: Path, text: str) -> Path:
@@ -62,9 +62,10 @@ def test_export_best_reader_renames_the_best_back(tmp_path: Path) -> None:
     from none (which let its first evaluation export a worse drafter over it)."""
     best = tmp_path / BEST_DIR
     best.mkdir()
-    (best / BEST_FILE).write_text(best_record(300, 2.5, "/dev-store", "key"))
+    definition = dev_definition(16, [2])
+    (best / BEST_FILE).write_text(best_record(300, 2.5, "/dev-store", "key", definition))
     os.rename(best, aside_name(best))
-    assert best_so_far(tmp_path, "/dev-store", "key") == 2.5
+    assert best_so_far(tmp_path, "/dev-store", "key", definition) == 2.5
     assert json.loads((best / BEST_FILE).read_text())["step"] == 300
     assert not aside_name(best).exists()
-    assert best_so_far(tmp_path / "none", "/dev-store", "key") == -math.inf
+    assert best_so_far(tmp_path / "none", "/dev-store", "key", definition) == -math.inf
