@@ -67,6 +67,9 @@ class ChunkResult:
     truncated: int = 0  # replies cut at the token limit instead of ending by themselves
     empty: int = 0  # replies with no text (the target ended at once); text and completion
     # rows with an empty reply are not written (no loss tokens), chat turns stay (no loss)
+    # chat replies ended by a stop id other than the template's end of turn (its
+    # `<|endoftext|>`): with `truncated`, the replies a row records as not `wrote_end_of_turn`
+    other_stops: int = 0
 
     def count(self, completions: list[Completion]) -> None:
         self.prompts += len(completions)
@@ -82,6 +85,7 @@ class ChunkResult:
             "new_tokens": self.new_tokens,
             "truncated": self.truncated,
             "empty_replies": self.empty,
+            "other_stops": self.other_stops,
         }
 
 
@@ -305,6 +309,7 @@ def generate_chat(
             convs[k][turns[k][r]] = {"role": "assistant", "content": completion.text}
             truncated[k] += not completion.finished
             ends[k].append(wrote_end_of_turn(completion, end_of_turn))
+            result.other_stops += completion.finished and not ends[k][-1]
     for k, messages in convs.items():
         result.rows.append(
             {

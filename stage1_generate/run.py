@@ -20,6 +20,8 @@ through the launcher, which ends the others as soon as one exits.
 
 from __future__ import annotations
 
+import gzip
+import json
 import tempfile
 import time
 from collections import Counter
@@ -43,11 +45,13 @@ from common.distributed import (
 )
 from common.generated import read_manifest
 from common.logging import get_logger, init_logger
+from stage1_extract.chat import WROTE_END_OF_TURN
 from stage1_extract.data import special_affixes
 from stage1_generate.config import GenerateConfig
 from stage1_generate.inputs import Inputs, build_manifest, read_inputs
 from stage1_generate.output import (
     check_output_folder,
+    chunk_file,
     chunk_stats,
     done_chunks,
     finalize_output,
@@ -223,8 +227,9 @@ def _worker(
         finish_worker()
 
 
-def summarize(out: Path, num_chunks: int) -> dict[str, Any]:
-    """Totals over the committed chunks' counts."""
+def summarize(out: Path, num_chunks: int, chat: bool = False) -> dict[str, Any]:
+    """Totals over the committed chunks' counts; `chat`: of chat rows, which count the replies
+    ended by another stop than the template's end of turn (`other_stops`)."""
     stats = chunk_stats(out)
     missing = sorted(set(range(num_chunks)) - {s["chunk"] for s in stats})
     if missing:
@@ -236,7 +241,29 @@ def summarize(out: Path, num_chunks: int) -> dict[str, Any]:
     for s in stats:
         skipped.update(s["skipped"])
         totals.update({k: v for k, v in s.items() if k not in ("chunk", "skipped", "endpoint")})
+    totals.pop("other_stops", None)
+    if chat:  # chunks of versions before counted none: their rows tell (rows without the
+        # record, of versions before it: unknown, so no total)
+        counted = [s["other_stops"] if "other_stops" in s else _other_stops(out, s) for s in stats]
+        if None not in counted:
+            totals["other_stops"] = sum(counted)
     return {**dict(totals), "skipped": dict(skipped)}
+
+
+def _other_stops(out: Path, stats: dict[str, Any]) -> int | None:
+    """The chat replies of a chunk's rows that a stop id other than the template's end of turn
+    ended (`wrote_end_of_turn` false, not cut at the token limit); None when a row does not
+    record them."""
+    path = chunk_file(out, stats["chunk"])
+    if not path.exists():  # every row skipped
+        return 0
+    found = 0
+    for line in gzip.decompress(path.read_bytes()).splitlines():
+        row = json.loads(line)
+        if WROTE_END_OF_TURN not in row:
+            return None
+        found += row[WROTE_END_OF_TURN].count(False) - row["truncated_turns"]
+    return found
 
 
 def _check_positions(cfg: GenerateConfig, inputs: Inputs, model_name: str) -> None:
@@ -267,7 +294,8 @@ def _finalize(cfg: GenerateConfig) -> dict[str, Any]:
     out = Path(cfg.output.out).expanduser()
     manifest = read_manifest(out)
     assert manifest is not None
-    counts = summarize(out, manifest["num_chunks"])
+    chat = manifest["content"]["format"] in ("messages", "sharegpt")
+    counts = summarize(out, manifest["num_chunks"], chat)
     final = finalize_output(out, counts)
     prompts, cut = counts.get("prompts", 0), counts.get("truncated", 0)
     # a text window is meant to run to text.new_tokens: "cut at the token limit", said of every
@@ -276,6 +304,8 @@ def _finalize(cfg: GenerateConfig) -> dict[str, Any]:
         ends = f"{cut} windows of text.new_tokens, {prompts - cut} ended sooner at the end of text"
     else:
         ends = f"{cut} replies cut at the token limit"
+        if "other_stops" in counts:
+            ends += f", {counts['other_stops']} ended by another stop than the end of turn"
     get_logger().info(
         "generated %s: %d rows from %d source rows (skipped: %s), %d prompts, %d new tokens, "
         "%s, %d empty replies",

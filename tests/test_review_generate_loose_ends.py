@@ -16,6 +16,7 @@ from common.generated import read_manifest
 from dflash_offline.cli import main as cli
 from stage1_generate import run as generate_run
 from stage1_generate.run import run_generate
+from tests.log_capture import dflash_messages
 from tests.openai_server import OpenAIServer
 from tests.test_generate import chat_rows, config, read_rows, write_jsonl
 from tests.test_generate_reply_specials import DOC, data, ids, scripted_target
@@ -114,3 +115,32 @@ def test_a_run_that_failed_before_any_chunk_does_not_bind_the_rerun(
     assert manifest["content"]["data"]["max_samples"] == 2
     assert [p.name for p in out.glob("part-*")] == ["part-000000.jsonl.gz"]
     assert [r["source_index"] for r in read_rows(out)] == [0, 1]
+
+
+def test_totals_count_chat_replies_ended_by_another_stop(tiny_qwen3: Path, tmp_path: Path) -> None:
+    """A target whose generation config ends replies at `<|endoftext|>` too, which writes it
+    where the template closes a turn with `<|im_end|>`: every chat reply is recorded as not
+    ended by the end of turn, and the totals say why (not cut: another stop), in the manifest
+    and the summary; a folder whose chunks were counted by a version before (no such count)
+    gets the total from its rows."""
+    import json
+
+    from transformers import GenerationConfig
+
+    target = scripted_target(tiny_qwen3, " ok<|endoftext|>", tmp_path / "target")
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    stops = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    GenerationConfig(eos_token_id=stops).save_pretrained(target)
+    out = tmp_path / "out"
+    cfg = config(target, data(tmp_path, "chat"), out, "sampling.max_new_tokens=8")
+    with dflash_messages() as messages:
+        counts = run_generate(cfg)["counts"]
+    rows = read_rows(out)
+    assert [r["wrote_end_of_turn"] for r in rows] == [[False], [False, False]]
+    assert counts["truncated"] == 0 and counts["other_stops"] == 3
+    assert "3 ended by another stop than the end of turn" in messages[-1]
+    for path in (out / ".dflash-generate").glob("chunk-*.json"):  # as a version before wrote
+        stats = json.loads(path.read_text())
+        del stats["other_stops"]
+        path.write_text(json.dumps(stats))
+    assert run_generate(cfg)["counts"]["other_stops"] == 3
