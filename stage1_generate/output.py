@@ -170,9 +170,29 @@ def prepare_output(out: Path, manifest: dict[str, Any], overwrite: bool) -> None
                 f"--out {out} was generated with other settings ({'; '.join(changed)}); rerun "
                 "with the same settings to resume, pick another --out, or --overwrite"
             )
+        _check_stop_ids(out, old, manifest)
         return  # the manifest names the run that wrote the first chunk
     (out / META_DIR).mkdir(parents=True, exist_ok=True)
     _write_atomic(manifest_path(out), json.dumps(manifest, indent=2).encode())
+
+
+def _check_stop_ids(out: Path, old: dict[str, Any], manifest: dict[str, Any]) -> None:
+    """Refuse a resume whose replies would end at other stop ids than the folder's (its
+    generation_config.json's end of sequence or its tokenizer changed since: the key names
+    neither's contents). Folders begun before `stop_ids` was recorded resume as before, and
+    text windows written past the end of text (stop_at_eos false) stop at none."""
+    before, now = old.get("stop_ids"), manifest.get("stop_ids")
+    content = manifest["content"]
+    past_eos = content["format"] == "text" and content["text"].get("stop_at_eos") is False
+    if before is None or now is None or before == now or past_eos:
+        return
+    raise ValueError(
+        f"--out {out} was generated with replies ending at stop ids {before}, and this target "
+        f"ends them at {now} (the tokenizer's and generation_config.json's end of sequence, "
+        "the chat template's end of turn: one of them changed since); the chunks of both "
+        "would mix: rerun with the target's files as they were, pick another --out, or "
+        "--overwrite"
+    )
 
 
 def chunk_file(out: Path, chunk: int) -> Path:

@@ -144,3 +144,35 @@ def test_totals_count_chat_replies_ended_by_another_stop(tiny_qwen3: Path, tmp_p
         del stats["other_stops"]
         path.write_text(json.dumps(stats))
     assert run_generate(cfg)["counts"]["other_stops"] == 3
+
+
+def test_a_resume_whose_target_stops_elsewhere_is_refused(tiny_qwen3: Path, tmp_path: Path) -> None:
+    """The target's generation_config.json (its end of sequence: the ids replies stop at) is not
+    in the key: a resume after it changed would mix chunks that stop at other ids, so it is
+    refused naming the ids; a folder begun before stop_ids was recorded resumes, and windows
+    written past the end of text (which no stop id ends) resume too."""
+    import json
+    import shutil
+
+    from transformers import GenerationConfig
+
+    from common.generated import manifest_path
+
+    target = Path(shutil.copytree(tiny_qwen3, tmp_path / "target"))
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    chat, text = data(tmp_path, "chat"), data(tmp_path, "text")
+    past = "text.stop_at_eos=false"
+    run_generate(config(target, chat, tmp_path / "chat"))
+    run_generate(config(target, text, tmp_path / "past", past))
+    run_generate(config(target, chat, tmp_path / "old"))
+    old = read_manifest(tmp_path / "old")
+    del old["stop_ids"]
+    manifest_path(tmp_path / "old").write_text(json.dumps(old))
+
+    own = GenerationConfig.from_pretrained(target)
+    own.eos_token_id = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|mask|>")]
+    own.save_pretrained(target)
+    with pytest.raises(ValueError, match=r"stop ids \[\d+\].*\[\d+, \d+\].*generation_config"):
+        run_generate(config(target, chat, tmp_path / "chat"))
+    assert run_generate(config(target, text, tmp_path / "past", past))["complete"]
+    assert "stop_ids" not in run_generate(config(target, chat, tmp_path / "old"))
