@@ -25,11 +25,13 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Protocol
 
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from common.generated import eos_ids
+from common.logging import get_logger
 from stage1_extract.chat import SENTINEL, WROTE_END_OF_TURN, InvalidRow, normalize_conversation
 from stage1_extract.config import TargetConfig
 from stage1_extract.data import special_affixes, without_suffix
@@ -138,9 +140,29 @@ def generation_eos(target: TargetConfig) -> Any:
 
     try:
         found = GenerationConfig.from_pretrained(target.model, revision=target.revision)
-    except OSError:  # no generation_config.json
+    except OSError:  # no generation_config.json, or (a hub id) none that could be read
         found = GenerationConfig.from_model_config(load_target_config(target))
+        if not Path(target.model).expanduser().is_dir() and not _known_absent(target):
+            eos = "none" if found.eos_token_id is None else found.eos_token_id
+            get_logger().warning(
+                f"target {target.model}: its generation_config.json is not in the local hub "
+                "cache and could not be fetched (HF_HUB_OFFLINE, or the hub unreachable): "
+                f"assuming it has none, so replies stop at config.json's end of sequence "
+                f"({eos}) besides the tokenizer's and the chat template's end; "
+                "one its generation config lists besides (Qwen3's <|endoftext|>) would not stop "
+                f"them nor be recorded in stop_ids: fetch it first (`hf download {target.model} "
+                "generation_config.json`)"
+            )
     return found.eos_token_id
+
+
+def _known_absent(target: TargetConfig) -> bool:
+    """Whether the hub cache records that the hub id `target.model` has no
+    generation_config.json (a lookup found none), rather than not knowing."""
+    from huggingface_hub import _CACHED_NO_EXIST, try_to_load_from_cache
+
+    found = try_to_load_from_cache(target.model, "generation_config.json", revision=target.revision)
+    return found is _CACHED_NO_EXIST
 
 
 def _replies(

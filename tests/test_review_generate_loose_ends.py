@@ -2,7 +2,9 @@
 is kept to whole characters, so the stored text tokenizes back to a prefix of the target's
 tokens (local backend, and a server that returns the reply's ids or its text alone); a run
 refused for its inputs leaves nothing in --out, and one that failed before committing a chunk
-does not hold a rerun to its settings."""
+does not hold a rerun to its settings; the totals count chat replies ended by another stop than
+the end of turn; a resume whose target stops at other ids is refused; a hub target's generation
+config that could not be read offline is a warning naming what was assumed."""
 
 from __future__ import annotations
 
@@ -176,3 +178,40 @@ def test_a_resume_whose_target_stops_elsewhere_is_refused(tiny_qwen3: Path, tmp_
         run_generate(config(target, chat, tmp_path / "chat"))
     assert run_generate(config(target, text, tmp_path / "past", past))["complete"]
     assert "stop_ids" not in run_generate(config(target, chat, tmp_path / "old"))
+
+
+def test_a_hub_targets_generation_config_not_cached_offline_is_a_warning(
+    tiny_qwen3: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Offline, a hub target whose cache holds its config but not its generation_config.json:
+    the stop ids assumed without it are named in a warning (its own eos could be missing); a
+    cache that records the file as absent on the hub, and a local folder without one, are
+    quiet (transformers reads them the same way)."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    from stage1_extract.config import TargetConfig
+    from stage1_generate.rows import generation_eos
+
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot = repo / "snapshots" / ("a" * 40)
+    shutil.copytree(tiny_qwen3, snapshot)
+    (snapshot / "generation_config.json").unlink()
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+    with dflash_messages() as messages:
+        generation_eos(TargetConfig(model="org/tiny"))
+    assert len(messages) == 1
+    assert "org/tiny" in messages[0] and "not in the local hub cache" in messages[0]
+    assert "assuming it has none" in messages[0] and "hf download org/tiny" in messages[0]
+
+    (repo / ".no_exist" / ("a" * 40)).mkdir(parents=True)
+    (repo / ".no_exist" / ("a" * 40) / "generation_config.json").touch()
+    with dflash_messages() as messages:
+        generation_eos(TargetConfig(model="org/tiny"))
+        generation_eos(TargetConfig(model=str(snapshot)))
+    assert messages == []
