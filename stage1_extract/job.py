@@ -26,12 +26,14 @@ from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBas
 
 from common.config import to_dict
 from common.generated import PROMPT_SUFFIX_LEFT_OUT, provenance, read_manifest
+from common.logging import get_logger
 from common.store import (
     FORMAT_NAME,
     FORMAT_VERSION,
     hidden_bytes_per_token,
     hidden_dtype_problem,
 )
+from common.target_config import last_layer_tapped_note
 from stage1_extract.config import ExtractConfig
 from stage1_extract.data import PreparedData, prepare_documents, special_affixes
 from stage1_extract.fingerprints import documents_sha256, weights_fingerprint
@@ -181,6 +183,9 @@ def plan_job(cfg: ExtractConfig, model_name: str = "target.model") -> ExtractJob
     config = load_target_config(cfg.target, model_name)
     text = text_config(config)
     tapped = resolve_tapped_layers(cfg.target, text.num_hidden_layers)
+    if note := last_layer_tapped_note(tapped, text.num_hidden_layers):
+        # said before hours of extraction, not only when the drafter is exported
+        get_logger().warning("target.tapped_layers: %s", note)
     if cfg.verifier.topk > text.vocab_size:
         raise ValueError(
             f"verifier.topk={cfg.verifier.topk} is more than {cfg.target.model}'s vocabulary "

@@ -298,7 +298,8 @@ class TappedTarget:
         """The module whose output is layer `layer_id` = transformers' hidden_states[id + 1].
 
         For the last layer that is the output of the final norm (transformers replaces the last
-        entry of hidden_states by the normed one), which is also what serving code reads.
+        entry of hidden_states by the normed one), as transformers-based drafting reads it;
+        vLLM and SGLang do not (common.target_config.last_layer_tapped_note).
         """
         if layer_id < len(self.base.layers) - 1:
             return self.base.layers[layer_id]

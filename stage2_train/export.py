@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from common.durable import replace_folder, space_checked
 from common.logging import get_logger
 from common.store import StoreError, read_root_attrs
+from common.target_config import last_layer_tapped_note
 from stage2_train.checkpoint import (
     STEP_RE,
     DamagedCheckpoint,
@@ -178,26 +179,20 @@ def export_drafter(
     return out_dir
 
 
+# the (tapped layers, layer count) pairs already warned about: export-best exports the same
+# drafter's shape again at every improvement, and one warning a run says it
+_warned_last_layer: set[tuple[tuple[int, ...], int | None]] = set()
+
+
 def warn_last_layer_tapped(tapped_layers: list[int], num_target_layers: int | None) -> None:
-    """Warn when the drafter reads the target's last layer: training (and transformers,
-    modeling_dflash.py, z-lab's code) took it as hidden_states[N], after the final norm, while
-    vLLM and SGLang tap layer i as the residual stream entering layer i + 1, which for the last
-    layer they give before the final norm or not at all. Other layers read the same everywhere."""
-    if num_target_layers is None or num_target_layers - 1 not in tapped_layers:
+    """Warn, once per process and layout, when the drafter reads the target's last layer, which
+    vLLM and SGLang do not give as training read it (common.target_config.last_layer_tapped_note)."""
+    key = (tuple(tapped_layers), num_target_layers)
+    note = last_layer_tapped_note(tapped_layers, num_target_layers)
+    if note is None or key in _warned_last_layer:
         return
-    get_logger().warning(
-        "export: the drafter reads the target's last layer (%d of target_layer_ids %s), which "
-        "it trained on after the target's final norm (transformers' hidden_states[%d]); vLLM "
-        "and SGLang give that layer before the final norm, or not at all, so there it drafts "
-        "from other features than it learned. Serve it with transformers "
-        "(modeling_dflash.py), or for vLLM and SGLang train on layers below %d only "
-        "(data.tapped_layers=%s reads those of the store)",
-        num_target_layers - 1,
-        list(tapped_layers),
-        num_target_layers,
-        num_target_layers - 1,
-        [i for i in tapped_layers if i < num_target_layers - 1],
-    )
+    _warned_last_layer.add(key)
+    get_logger().warning("export: %s", note)
 
 
 def trained_for(store_attrs: dict[str, Any]) -> dict[str, Any]:

@@ -24,8 +24,10 @@ import pytest
 import torch
 from log_capture import dflash_messages
 from safetensors import safe_open
+from test_extract import make_config, write_data
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
+from stage1_extract.run import run_extract
 from stage1_extract.target import config_dict
 from stage2_train.config import DrafterConfig
 from stage2_train.export import export_drafter, mask_token_string
@@ -244,6 +246,26 @@ def test_a_drafter_reading_the_targets_last_layer_is_warned_about(
         export_drafter(drafter, shape, [0, 3], stored, tmp_path / "last")
     [warning] = [m for m in seen if "last layer" in m]
     assert "vLLM and SGLang" in warning and "layers below 3" in warning
+    assert "data.tapped_layers=[0]" in warning
     assert json.loads((tmp_path / "last" / "config.json").read_text())["dflash_config"][
         "target_layer_ids"
     ] == [0, 3]  # written all the same: transformers serves it as trained
+    # export-best exports the same layout at every improvement: one warning a run
+    with dflash_messages() as seen:
+        export_drafter(drafter, shape, [0, 3], stored, tmp_path / "again")
+    assert not [m for m in seen if "last layer" in m]
+
+
+def test_extract_warns_before_tapping_the_targets_last_layer(
+    tiny_qwen3: Path, tmp_path: Path
+) -> None:
+    """The same warning comes from extract, before the store is written (hours at 8B), not
+    only from the export at the end of training; a store below the last layer gets none."""
+    data = write_data(tmp_path)
+    with dflash_messages() as seen:
+        run_extract(make_config(tiny_qwen3, data, tmp_path / "below", "target.tapped_layers=[0,2]"))
+    assert not [m for m in seen if "last layer" in m]
+    with dflash_messages() as seen:
+        run_extract(make_config(tiny_qwen3, data, tmp_path / "last", "target.tapped_layers=[1,3]"))
+    [warning] = [m for m in seen if "last layer" in m]
+    assert warning.startswith("target.tapped_layers:") and "vLLM and SGLang" in warning
