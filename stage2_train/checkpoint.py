@@ -19,7 +19,8 @@ warning naming what is wrong, and every rank falls back to the same one.
 Pruning renames a folder to `.tmp-pruned-step-*` before deleting it, so a kill mid-delete
 never leaves a half-deleted `step-*`. The temporary folders a killed run leaves (`.tmp-step-*`,
 `.tmp-old-step-*` of `replace_folder`, `.tmp-pruned-step-*`) are removed by the next run of
-that folder as it starts (`remove_leftovers`), whatever step it saves next.
+that folder as it starts (`remove_leftovers`), whatever step it saves next; `dflash export`
+takes a `.tmp-old-step-N` without `step-N` for step N too (`moved_aside`).
 
 A file rank 0 cannot create, write, commit or remove in any of these steps (a permission
 denied, a read-only or full disk) stops every rank at once, each naming that path and the fix
@@ -81,6 +82,21 @@ def list_checkpoints(out: str | Path) -> list[Path]:
 def latest_checkpoint(out: str | Path) -> Path | None:
     found = list_checkpoints(out)
     return found[-1] if found else None
+
+
+def moved_aside(out: str | Path) -> dict[int, Path]:
+    """The steps of `out` left only as `.tmp-old-step-N` (a save of step N again, killed
+    between the two renames of `replace_folder`: step N whole as it was), by step, oldest
+    first. `remove_leftovers` renames them back as a run starts; `dflash export` reads them."""
+    out = Path(out)
+    if not out.is_dir():
+        return {}
+    found = {}
+    for path in out.iterdir():
+        m = LEFTOVER_RE.match(path.name)
+        if m and m.group(1) == "old-" and path.is_dir() and not (out / m.group(2)).exists():
+            found[int(STEP_RE.match(m.group(2)).group(1))] = path
+    return dict(sorted(found.items()))
 
 
 def rng_state() -> dict[str, Any]:

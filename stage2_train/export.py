@@ -11,6 +11,11 @@ so that `AutoModel.from_pretrained(folder, trust_remote_code=True)` returns a DF
 Every file is world-readable (0644): servers often run under another uid. The folder is written
 next to its final place and renamed, so a reader never sees half an export; a disk full there
 is one OutOfSpaceError naming the folder and the space needed.
+
+`dflash export RUN` counts a step that a save killed mid-replace left only as
+`.tmp-old-step-N` (whole, as it was before that save): it renames it back holding the run
+folder's lock, as train's leftover cleanup does, or reads it where it lies while a `dflash
+train` holds that lock.
 """
 
 from __future__ import annotations
@@ -23,15 +28,16 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.durable import replace_folder, space_checked
+from common.durable import aside_name, recover_aside, replace_folder, space_checked
+from common.locks import exclusive_lock
 from common.logging import get_logger
 from common.store import StoreError, read_root_attrs
 from common.target_config import last_layer_tapped_note
 from stage2_train.checkpoint import (
     STEP_RE,
     DamagedCheckpoint,
-    latest_checkpoint,
     list_checkpoints,
+    moved_aside,
     read_meta,
     read_model_state,
     step_dir,
@@ -332,6 +338,65 @@ def served_copy(
     return twin.eval()
 
 
+def checkpoint_folders(run: str | Path) -> dict[int, Path]:
+    """The kept checkpoints of `run` by step, oldest first: its `step-N` folders, and a step
+    left only as `.tmp-old-step-N` (checkpoint.moved_aside) where it lies."""
+    found = {int(STEP_RE.match(p.name).group(1)): p for p in list_checkpoints(run)}
+    return dict(sorted((moved_aside(run) | found).items()))
+
+
+class _TrainRunning(Exception):
+    """A `dflash train` holds the run folder's lock; the message names it."""
+
+
+def recover_moved_aside(run: str | Path) -> None:
+    """Rename the steps of `run` left only as `.tmp-old-step-N` back to `step-N`, as train's
+    leftover cleanup does (checkpoint.remove_leftovers), holding the run folder's lock for it:
+    a `dflash train` between the two renames of a save would find `step-N` taken and fail.
+    While a train holds the lock, or where the folder cannot be renamed (another user's run),
+    they stay where they are, said in the log: the export reads them there."""
+    asides = moved_aside(run)
+    if not asides:
+        return
+    from stage2_train.train import RUN_LOCK  # (train imports this module)
+
+    run, log = Path(run), get_logger()
+    names = ", ".join(p.name for p in asides.values())
+
+    def refused(holder: str) -> Exception:
+        return _TrainRunning(holder)
+
+    try:
+        with exclusive_lock(run / RUN_LOCK, refused):
+            for step in asides:
+                final = step_dir(run, step)
+                if recover_aside(final):
+                    log.info(
+                        "export: renamed %s in %s back to %s (a killed save had moved it aside)",
+                        aside_name(final).name,
+                        run,
+                        final.name,
+                    )
+    except _TrainRunning as err:
+        log.warning(
+            "export: %s in %s left by a save (killed, or under way) not renamed back: a "
+            "`dflash train` is running in this run folder (%s) and renames it back or replaces "
+            "it itself; read where it lies",
+            names,
+            run,
+            err,
+        )
+    except OSError as err:
+        log.warning(
+            "export: %s in %s (a step a killed save moved aside, whole) could not be renamed "
+            "back (%s); read where it lies. Rename it to its step-* name (drop the .tmp-old- "
+            "prefix), or rerun the run's `dflash train`, which does so as it starts",
+            names,
+            run,
+            err,
+        )
+
+
 def no_checkpoint_fix(run: str | Path, step: int | None) -> str:
     """What to pass instead, by what `run` is (the mistakes a user makes with `dflash export`)."""
     run = Path(run)
@@ -341,7 +406,7 @@ def no_checkpoint_fix(run: str | Path, step: int | None) -> str:
         return f"this is one checkpoint: pass its run folder, {run.parent}, with --step N"
     if (run / "config.json").is_file() and (run / "model.safetensors").is_file():
         return "this is already an export (config.json and model.safetensors): load it as it is"
-    kept = [int(STEP_RE.match(p.name).group(1)) for p in list_checkpoints(run)]
+    kept = list(checkpoint_folders(run))
     if kept:  # only a --step that is not kept gets here
         return f"kept steps: {', '.join(map(str, kept))} (run.keep_checkpoints sets how many stay)"
     return "pass the run folder `dflash train --out` wrote, after its first checkpoint"
@@ -352,14 +417,14 @@ def exportable_steps(run: str | Path, but: Path) -> list[int]:
     meta.json that reads, a model.pt that is not empty; its tensors are read only when one is
     exported: a drafter's may be gigabytes)."""
     steps = []
-    for path in list_checkpoints(run):
+    for step, path in checkpoint_folders(run).items():
         try:
             read_meta(path)
         except DamagedCheckpoint:
             continue
         model = path / "model.pt"
         if path != but and model.is_file() and model.stat().st_size > 0:
-            steps.append(int(STEP_RE.match(path.name).group(1)))
+            steps.append(step)
     return steps
 
 
@@ -384,9 +449,12 @@ def export_checkpoint(
     out: str | Path | None = None,
     dtype: str = "bfloat16",
 ) -> Path:
-    """Export the drafter of checkpoint `step` (default: the newest) of run folder `run`."""
-    ckpt = step_dir(run, step) if step is not None else latest_checkpoint(run)
-    if ckpt is None or not ckpt.is_dir():
+    """Export the drafter of checkpoint `step` (default: the newest) of run folder `run`; a
+    step a killed save left only as `.tmp-old-step-N` counts (`recover_moved_aside`)."""
+    recover_moved_aside(run)
+    folders = checkpoint_folders(run)
+    ckpt = folders.get(step) if step is not None else folders[max(folders)] if folders else None
+    if ckpt is None:
         which = f"step {step} " if step is not None else ""
         raise ValueError(f"{run}: no checkpoint {which}to export; {no_checkpoint_fix(run, step)}")
     try:
