@@ -8,6 +8,15 @@ from typing import Literal
 
 from common.config import doc
 
+# drafter sizes that default to the target's
+DRAFTER_SIZES = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
+
 
 @dataclass
 class DrafterConfig:
@@ -42,6 +51,19 @@ class DrafterConfig:
             out.append(f"num_layers must be >= 1, got {self.num_layers}")
         if self.block_size < 2:
             out.append(f"block_size must be >= 2, got {self.block_size}")
+        # 0 read as unset (the target's) and a negative size failed in the model's build
+        for name in DRAFTER_SIZES:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                out.append(f"{name} must be >= 1 (or null: the target's), got {value}")
+        for name in ("rope_theta", "rms_norm_eps"):  # <= 0: NaN at the first step
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                out.append(f"{name} must be > 0 (or null: the target's), got {value}")
+        if self.head_dim is not None and self.head_dim % 2:
+            out.append(
+                f"head_dim must be even (RoPE rotates pairs of features), got {self.head_dim}"
+            )
         return out
 
 

@@ -1,0 +1,57 @@
+"""`dflash train`'s config keys refuse a bad value before any work, naming the key, the value
+and the fix (an audit of every key; the ones that slipped through, each with its test)."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.config import build_config
+from stage2_train.config import TrainConfig
+
+REQUIRED = ["data.store=s", "run.out=o"]
+
+
+def problems_of(*sets: str) -> str:
+    """The config error of `sets` (each KEY=VALUE), which must be refused."""
+    with pytest.raises(ValueError) as err:
+        build_config(TrainConfig, None, "train", [*REQUIRED, *sets])
+    return str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("hidden_size", 0),  # was read as unset: the target's, without a word
+        ("intermediate_size", 0),
+        ("num_attention_heads", 0),
+        ("num_key_value_heads", 0),
+        ("head_dim", 0),
+        ("intermediate_size", -8),  # was a RuntimeError from the model's build (exit 1)
+        ("num_attention_heads", -4),
+        ("num_key_value_heads", -2),
+        ("head_dim", -16),
+    ],
+)
+def test_drafter_sizes_below_one_are_refused(key: str, value: int) -> None:
+    message = problems_of(f"drafter.{key}={value}")
+    assert f"drafter: {key} must be >= 1 (or null: the target's), got {value}" in message
+
+
+@pytest.mark.parametrize("key", ["rope_theta", "rms_norm_eps"])
+@pytest.mark.parametrize("value", [0, -1])
+def test_drafter_rope_theta_and_eps_must_be_positive(key: str, value: float) -> None:
+    # 0 was read as unset; a negative value trained NaN from step 1, blamed on the store or lr
+    message = problems_of(f"drafter.{key}={value}")
+    assert f"drafter: {key} must be > 0 (or null: the target's), got {float(value)}" in message
+
+
+def test_drafter_odd_head_dim_is_refused() -> None:
+    # was a shape mismatch deep in RoPE at the first step (exit 1, "a bug")
+    message = problems_of("drafter.head_dim=7")
+    assert "drafter: head_dim must be even (RoPE rotates pairs of features), got 7" in message
+
+
+def test_drafter_sizes_that_fit_still_load() -> None:
+    sets = ["drafter.num_attention_heads=6", "drafter.head_dim=16", "drafter.rope_theta=1e6"]
+    cfg = build_config(TrainConfig, None, "train", [*REQUIRED, *sets])
+    assert (cfg.drafter.num_attention_heads, cfg.drafter.rope_theta) == (6, 1e6)
