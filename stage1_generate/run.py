@@ -82,7 +82,14 @@ def _make_backend(
     if cfg.run.backend == "openai":
         from stage1_generate.openai_backend import OpenAIBackend
 
-        stops = stop_token_ids(tokenizer, None, cfg.data.chat_template_kwargs)
+        # the folder's manifest's stop_ids, which the local backend's stops equal (its model's
+        # generation config): vLLM adds the generation config's end of sequence itself, but
+        # another server would write past it. A folder begun before they were recorded: the same
+        # ids, from the target's files (text past the end of text sends none: generate_text)
+        stops = (read_manifest(Path(cfg.output.out).expanduser()) or {}).get("stop_ids")
+        if stops is None:
+            eos = generation_eos(cfg.target.as_target_config())
+            stops = stop_token_ids(tokenizer, eos, cfg.data.chat_template_kwargs)
         return OpenAIBackend(
             cfg.endpoint, cfg.sampling, stops, cfg.target.model, tokenizer.eos_token_id
         )
