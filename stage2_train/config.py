@@ -117,6 +117,11 @@ class LossConfig:
             out.append(f"dpace_alpha must be in (0, 1], got {self.dpace_alpha}")
         if self.distill_weight < 0:
             out.append(f"distill_weight must be >= 0, got {self.distill_weight}")
+        if self.distill_temperature <= 0:  # 0: NaN at step 1; < 0: the targets' order inverted
+            out.append(
+                f"distill_temperature must be > 0 (1: the target's own distribution), got "
+                f"{self.distill_temperature}"
+            )
         if self.head_chunk_tokens < 1:
             out.append(f"head_chunk_tokens must be >= 1, got {self.head_chunk_tokens}")
         return out

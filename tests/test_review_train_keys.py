@@ -55,3 +55,12 @@ def test_drafter_sizes_that_fit_still_load() -> None:
     sets = ["drafter.num_attention_heads=6", "drafter.head_dim=16", "drafter.rope_theta=1e6"]
     cfg = build_config(TrainConfig, None, "train", [*REQUIRED, *sets])
     assert (cfg.drafter.num_attention_heads, cfg.drafter.rope_theta) == (6, 1e6)
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_distill_temperature_must_be_positive(value: float) -> None:
+    # 0 trained NaN from step 1 (blamed on the store or the lr); < 0 trained silently toward
+    # the target's top-k in reverse order
+    message = problems_of("loss.distill_weight=1", f"loss.distill_temperature={value}")
+    expected = "distill_temperature must be > 0 (1: the target's own distribution), got"
+    assert f"loss: {expected} {float(value)}" in message
