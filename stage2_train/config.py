@@ -165,6 +165,11 @@ class OptimConfig:
             out.append(f"lr must be > 0, got {self.lr}")
         if not 0 <= self.warmup_ratio < 1:
             out.append(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if not 0 <= self.min_lr_ratio <= 1:  # < 0: a negative lr at the end (gradient ascent)
+            out.append(
+                f"min_lr_ratio must be in [0, 1] (the floor as a share of the peak lr), got "
+                f"{self.min_lr_ratio}"
+            )
         if not 0 < self.decay_ratio <= 1:
             out.append(f"decay_ratio must be in (0, 1], got {self.decay_ratio}")
         if len(self.betas) != 2:

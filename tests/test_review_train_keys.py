@@ -64,3 +64,12 @@ def test_distill_temperature_must_be_positive(value: float) -> None:
     message = problems_of("loss.distill_weight=1", f"loss.distill_temperature={value}")
     expected = "distill_temperature must be > 0 (1: the target's own distribution), got"
     assert f"loss: {expected} {float(value)}" in message
+
+
+@pytest.mark.parametrize("value", [-0.5, 2])
+def test_min_lr_ratio_outside_zero_one_is_refused(value: float) -> None:
+    # -0.5 took the lr below 0 in the decay (a 4-step run logged lr -8.41e-04: gradient
+    # ascent, without a word); 2 raised it above the peak instead of decaying
+    message = problems_of(f"optim.min_lr_ratio={value}")
+    expected = "min_lr_ratio must be in [0, 1] (the floor as a share of the peak lr), got"
+    assert f"optim: {expected} {float(value)}" in message
