@@ -26,7 +26,7 @@ import zarr
 
 from common.config import runs_tf32
 from common.inspect_damage import Undecodable, missing_bytes, read_array
-from common.inspect_verify import run_verify
+from common.inspect_verify import open_inspected, run_verify
 from common.store import (
     FILES_KEY,
     SHARD_ATTR,
@@ -34,7 +34,6 @@ from common.store import (
     StoreInfo,
     committed_shards,
     layout_mismatch,
-    open_store,
     shard_layout,
     shard_name,
     shards_dir,
@@ -306,6 +305,12 @@ def _generation_rows(generation: dict[str, Any] | None) -> list[tuple[str, str]]
             f"{cut} windows of text.new_tokens, {(counts.get('prompts') or cut) - cut} ended sooner"
             if content.get("text")  # a window is meant to run to its length (run.py's _finalize)
             else f"{cut} replies cut at the limit"
+            # (chat rows: absent where chunks of earlier versions do not record them)
+            + (
+                f", {counts['other_stops']} ended by another stop than the end of turn"
+                if "other_stops" in counts
+                else ""
+            )
         )
         rows.append(
             (
@@ -476,7 +481,7 @@ def run_inspect(store: str | Path, num_samples: int = 0, as_json: bool = False) 
     """Print the summary of `store` (and `num_samples` decoded sequences) to stdout."""
     if num_samples < 0:
         raise ValueError(f"--sample must be >= 0, got {num_samples}")
-    info = open_store(store)
+    info = open_inspected(store)
     summary = summarize(info)
     samples, note, skipped = sample_sequences(info, num_samples) if num_samples else ([], None, [])
     if as_json:
