@@ -174,6 +174,8 @@ class OptimConfig:
             out.append(f"decay_ratio must be in (0, 1], got {self.decay_ratio}")
         if len(self.betas) != 2:
             out.append(f"betas must have two values, got {self.betas}")
+        if self.grad_clip < 0:  # was taken as off, as 0 is
+            out.append(f"grad_clip must be >= 0 (0: off), got {self.grad_clip}")
         if self.max_steps is not None and self.max_steps < 1:
             out.append(f"max_steps must be >= 1 (or null: all epochs), got {self.max_steps}")
         if self.epochs < 1:

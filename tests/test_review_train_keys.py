@@ -73,3 +73,9 @@ def test_min_lr_ratio_outside_zero_one_is_refused(value: float) -> None:
     message = problems_of(f"optim.min_lr_ratio={value}")
     expected = "min_lr_ratio must be in [0, 1] (the floor as a share of the peak lr), got"
     assert f"optim: {expected} {float(value)}" in message
+
+
+def test_negative_grad_clip_is_refused() -> None:
+    # was read as 0 (off): no clipping, without a word
+    message = problems_of("optim.grad_clip=-1")
+    assert "optim: grad_clip must be >= 0 (0: off), got -1.0" in message
