@@ -172,8 +172,13 @@ class OptimConfig:
             )
         if not 0 < self.decay_ratio <= 1:
             out.append(f"decay_ratio must be in (0, 1], got {self.decay_ratio}")
+        # AdamW's own refusal came after the model was built, naming neither key nor fix
+        if self.weight_decay < 0:
+            out.append(f"weight_decay must be >= 0 (0: off), got {self.weight_decay}")
         if len(self.betas) != 2:
             out.append(f"betas must have two values, got {self.betas}")
+        elif not all(0 <= beta < 1 for beta in self.betas):
+            out.append(f"betas must each be in [0, 1) (e.g. [0.9, 0.95]), got {self.betas}")
         if self.grad_clip < 0:  # was taken as off, as 0 is
             out.append(f"grad_clip must be >= 0 (0: off), got {self.grad_clip}")
         if self.max_steps is not None and self.max_steps < 1:

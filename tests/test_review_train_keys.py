@@ -79,3 +79,23 @@ def test_negative_grad_clip_is_refused() -> None:
     # was read as 0 (off): no clipping, without a word
     message = problems_of("optim.grad_clip=-1")
     assert "optim: grad_clip must be >= 0 (0: off), got -1.0" in message
+
+
+@pytest.mark.parametrize(
+    ("sets", "expected"),
+    [
+        (["optim.weight_decay=-1"], "optim: weight_decay must be >= 0 (0: off), got -1.0"),
+        (
+            ["optim.betas=[1.5, 0.9]"],
+            "optim: betas must each be in [0, 1) (e.g. [0.9, 0.95]), got ",
+        ),
+        (
+            ["optim.betas=[0.9, -0.1]"],
+            "optim: betas must each be in [0, 1) (e.g. [0.9, 0.95]), got ",
+        ),
+    ],
+)
+def test_adamw_settings_are_checked_with_the_config(sets: list[str], expected: str) -> None:
+    # were AdamW's own ValueErrors ("Invalid beta parameter at index 0: 1.5"), raised once the
+    # model was built, naming neither the key nor the fix
+    assert expected in problems_of(*sets)
