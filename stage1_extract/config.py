@@ -150,7 +150,11 @@ class StoreConfig:
     out: str = doc("", "output store folder")
     sequences_per_shard: int = doc(64, "packed sequences per shard (one writer, one commit)")
     chunk_tokens: int = doc(1024, "tokens per Zarr chunk inside a shard (read granularity)")
-    compression_level: int = doc(1, "zstd level (0 = no compression)")
+    compression_level: int = doc(
+        1,
+        "zstd level (0 = no compression): 1..9 with store.byte_shuffle (Blosc's zstd levels), "
+        "up to 22 without",
+    )
     byte_shuffle: bool = doc(
         True,
         "byte-shuffle the float arrays of 2+ byte elements (bf16 hidden states, logits) before "
@@ -175,6 +179,18 @@ class StoreConfig:
             out.append(f"sequences_per_shard must be >= 1, got {self.sequences_per_shard}")
         if self.chunk_tokens < 1:
             out.append(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        # Blosc (the byte-shuffled arrays) takes levels 0..9 and zstd up to 22; past them the
+        # first shard failed to encode, after the target loaded and the store was made
+        if self.byte_shuffle and not 0 <= self.compression_level <= 9:
+            out.append(
+                f"compression_level must be 0..9 with byte_shuffle=true (Blosc's zstd levels), "
+                f"got {self.compression_level}; lower it, or --set store.byte_shuffle=false "
+                "for zstd's levels up to 22"
+            )
+        elif self.compression_level > 22:
+            out.append(
+                f"compression_level must be at most 22 (zstd's), got {self.compression_level}"
+            )
         return out
 
 

@@ -1,0 +1,44 @@
+"""`dflash extract` and `dflash generate` keys whose bad values passed the config checks and
+failed (or went on) only after the target loaded and --out was made: each is now refused when
+the config is built, naming the key, the value and the fix."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import zarr
+
+from common.config import build_config
+from stage1_extract.config import ExtractConfig
+from stage1_extract.writer import ShardLayout, chunk_codecs
+
+REQUIRED = ["target.model=m", "data.path=d", "store.out=s"]
+
+
+@pytest.mark.parametrize(
+    ("level", "shuffle"), [(10, True), (22, True), (-1, True), (23, False), (30, False)]
+)
+def test_a_compression_level_the_codecs_refuse_is_a_config_error(level: int, shuffle: bool) -> None:
+    """Blosc (the byte-shuffled float arrays) encodes at 0..9 only and zstd up to 22: past them
+    the first shard failed to encode ("error during blosc compression: -10", as a bug)."""
+    sets = [*REQUIRED, f"store.compression_level={level}", f"store.byte_shuffle={shuffle}"]
+    with pytest.raises(ValueError, match=rf"compression_level must .* got {level}"):
+        build_config(ExtractConfig, None, "extract", sets)
+
+
+@pytest.mark.parametrize(("level", "shuffle"), [(9, True), (0, True), (22, False), (-3, False)])
+def test_the_levels_taken_encode(tmp_path, level: int, shuffle: bool) -> None:  # noqa: ANN001
+    sets = [*REQUIRED, f"store.compression_level={level}", f"store.byte_shuffle={shuffle}"]
+    store = build_config(ExtractConfig, None, "extract", sets).store
+    layout = ShardLayout(128, 128, store.compression_level, store.byte_shuffle)
+    values = np.random.default_rng(0).random(256, dtype=np.float32)
+    array = zarr.create_array(
+        tmp_path / "a",
+        shape=values.shape,
+        dtype=values.dtype,
+        chunks=(128,),
+        compressors=chunk_codecs("topk_logits", 4, 512, layout),
+        zarr_format=3,
+    )
+    array[:] = values
+    assert (array[:] == values).all()
