@@ -6,6 +6,7 @@ input extract reads, in the same row shapes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -64,12 +65,18 @@ class SamplingConfig:
 
     def problems(self) -> list[str]:
         out = []
-        if self.temperature < 0:
-            out.append(f"temperature must be >= 0, got {self.temperature}")
+        # NaN passed `< 0` and failed in transformers after the target loaded; inf sampled
+        # uniformly, rows of noise without a word
+        if not 0 <= self.temperature < math.inf:
+            out.append(f"temperature must be a number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             out.append(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             out.append(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        # torch.manual_seed(seed + chunk) takes 64 bits: past them the first chunk failed after
+        # the target loaded ("Overflow when unpacking long long")
+        if not -(2**63) <= self.seed < 2**63:
+            out.append(f"seed must be within [-2**63, 2**63), got {self.seed}")
         return out
 
     @property

@@ -4,6 +4,8 @@ the config is built, naming the key, the value and the fix."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import zarr
@@ -11,6 +13,7 @@ import zarr
 from common.config import build_config
 from stage1_extract.config import ExtractConfig
 from stage1_extract.writer import ShardLayout, chunk_codecs
+from stage1_generate.config import GenerateConfig
 
 REQUIRED = ["target.model=m", "data.path=d", "store.out=s"]
 
@@ -42,3 +45,27 @@ def test_the_levels_taken_encode(tmp_path, level: int, shuffle: bool) -> None:  
     )
     array[:] = values
     assert (array[:] == values).all()
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        ("sampling.temperature=.nan", "temperature must be a number >= 0, got nan"),
+        ("sampling.temperature=.inf", "temperature must be a number >= 0, got inf"),
+        ("sampling.seed=100000000000000000000000", "seed must be within"),
+        ("sampling.seed=-9223372036854775809", "seed must be within"),
+    ],
+)
+def test_sampling_values_the_target_cannot_take_are_config_errors(setting: str, named: str) -> None:
+    """A NaN temperature passed `< 0` and failed in transformers once the target had loaded,
+    an infinite one sampled uniformly (rows of noise, no error), a seed past 64 bits failed
+    in torch.manual_seed at the first chunk: each after --out was made."""
+    sets = ["target.model=m", "data.path=d", "output.out=o", setting]
+    with pytest.raises(ValueError, match=f"sampling: {re.escape(named)}"):
+        build_config(GenerateConfig, None, "generate", sets)
+
+
+def test_the_widest_seeds_and_a_tiny_temperature_are_taken() -> None:
+    for setting in ("seed=-9223372036854775808", "seed=9223372036854775807", "temperature=1e-30"):
+        sets = ["target.model=m", "data.path=d", "output.out=o", f"sampling.{setting}"]
+        build_config(GenerateConfig, None, "generate", sets)
