@@ -185,8 +185,9 @@ class OptimConfig:
             out.append(f"max_steps must be >= 1 (or null: all epochs), got {self.max_steps}")
         if self.epochs < 1:
             out.append(f"epochs must be >= 1, got {self.epochs}")
-        if self.batch_sequences < 1 or self.grad_accum < 1:
-            out.append("batch_sequences and grad_accum must be >= 1")
+        for name in ("batch_sequences", "grad_accum"):
+            if getattr(self, name) < 1:
+                out.append(f"{name} must be >= 1, got {getattr(self, name)}")
         return out
 
 
@@ -260,16 +261,22 @@ class TrainDataConfig:
         out = []
         if not self.store:
             out.append("store is required: the folder `dflash extract` wrote (--store)")
-        if self.holdout_sequences < 0 or self.num_workers < 0:
-            out.append("holdout_sequences and num_workers must be >= 0")
+        if self.holdout_sequences < 0:
+            out.append(f"holdout_sequences must be >= 0 (0: none), got {self.holdout_sequences}")
+        if self.num_workers < 0:
+            out.append(
+                f"num_workers must be >= 0 (0: load in the training process), got "
+                f"{self.num_workers}"
+            )
         if self.num_workers > 0 and self.prefetch < 1:  # without workers the loader ignores it
             out.append(
                 f"prefetch must be >= 1 with num_workers > 0 (batches each loader worker keeps "
                 f"ready), got {self.prefetch}: raise data.prefetch, or set data.num_workers=0 to "
                 "load batches in the training process"
             )
-        if self.follow_poll_s <= 0 or self.follow_timeout_s <= 0:
-            out.append("follow_poll_s and follow_timeout_s must be > 0")
+        for name in ("follow_poll_s", "follow_timeout_s"):
+            if getattr(self, name) <= 0:
+                out.append(f"{name} must be > 0, got {getattr(self, name)}")
         if self.hidden_as_fp8 and self.hidden_as_fp4 != "none":
             out.append(
                 f"hidden_as_fp8 and hidden_as_fp4={self.hidden_as_fp4} both round the features: "

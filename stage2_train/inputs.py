@@ -199,8 +199,14 @@ def check_inputs(cfg: TrainConfig) -> tuple[StoreInfo, DrafterShape]:
             f"target's hidden size {D} is not a multiple: "
             + ("use nvfp4 (blocks of 16) or none" if D % 16 == 0 else "set it to none")
         )
-    if cfg.anchors.num_anchors * cfg.drafter.block_size > 64 * info.seq_len:
-        problems.append("anchors.num_anchors * block_size is over 64x the sequence length")
+    anchors, block = cfg.anchors.num_anchors, cfg.drafter.block_size
+    if anchors * block > 64 * info.seq_len:
+        # (a sequence has at most seq_len anchors: the rest of the budget is padding)
+        problems.append(
+            f"anchors.num_anchors={anchors} x drafter.block_size={block} = {anchors * block} "
+            f"query tokens a sequence is over 64x the store's {info.seq_len}-token sequences: "
+            f"lower anchors.num_anchors (at most {info.seq_len} anchors fit a sequence)"
+        )
     if problems:
         raise ValueError(
             f"drafter config does not fit store {info.path}:\n  - " + "\n  - ".join(problems)

@@ -3,10 +3,14 @@ and the fix (an audit of every key; the ones that slipped through, each with its
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from store_factory import FactorySpec, build_store
 
 from common.config import build_config
 from stage2_train.config import TrainConfig
+from stage2_train.inputs import check_inputs
 
 REQUIRED = ["data.store=s", "run.out=o"]
 
@@ -99,3 +103,40 @@ def test_adamw_settings_are_checked_with_the_config(sets: list[str], expected: s
     # were AdamW's own ValueErrors ("Invalid beta parameter at index 0: 1.5"), raised once the
     # model was built, naming neither the key nor the fix
     assert expected in problems_of(*sets)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("data.holdout_sequences", -1, "data: holdout_sequences must be >= 0 (0: none), got -1"),
+        ("data.num_workers", -1, "data: num_workers must be >= 0 (0: load in the training"),
+        ("data.follow_poll_s", 0, "data: follow_poll_s must be > 0, got 0.0"),
+        ("data.follow_timeout_s", -5, "data: follow_timeout_s must be > 0, got -5.0"),
+        ("optim.batch_sequences", 0, "optim: batch_sequences must be >= 1, got 0"),
+        ("optim.grad_accum", -1, "optim: grad_accum must be >= 1, got -1"),
+    ],
+)
+def test_paired_checks_name_the_key_and_value(key: str, value: int, expected: str) -> None:
+    # each pair shared one message naming both keys and neither value
+    # ("holdout_sequences and num_workers must be >= 0")
+    message = problems_of(f"{key}={value}")
+    assert expected in message and f"got {value}" in message.replace(".0", "")
+    other = {"data": ("holdout_sequences", "num_workers", "follow_poll_s", "follow_timeout_s")}
+    named = [k for k in other.get(key.split(".")[0], ()) if k != key.split(".")[1]]
+    assert not any(f"{k} must" in message for k in named)
+
+
+def test_too_many_anchors_names_the_values_and_the_fix(tmp_path: Path) -> None:
+    # was "anchors.num_anchors * block_size is over 64x the sequence length": no value, no fix
+    store = build_store(tmp_path / "store", FactorySpec(num_sequences=4))
+    sets = ["drafter.block_size=8", "anchors.num_anchors=600", "data.holdout_sequences=1"]
+    cfg = build_config(
+        TrainConfig, None, "train", [f"data.store={store}", f"run.out={tmp_path / 'run'}", *sets]
+    )
+    with pytest.raises(ValueError) as err:
+        check_inputs(cfg)
+    assert (
+        "anchors.num_anchors=600 x drafter.block_size=8 = 4800 query tokens a sequence is over "
+        "64x the store's 64-token sequences: lower anchors.num_anchors (at most 64 anchors fit "
+        "a sequence)"
+    ) in str(err.value)
