@@ -43,6 +43,7 @@ from stage1_extract.shard_writer import ShardJob
 from stage1_extract.store_root import content_key, key_parts
 from stage1_extract.target import (
     TappedTarget,
+    check_attn_implementation,
     config_dict,
     load_target_config,
     max_positions,
@@ -181,6 +182,7 @@ def plan_job(cfg: ExtractConfig, model_name: str = "target.model") -> ExtractJob
             "says complete: false); rerun the same `dflash generate` to finish it, then extract"
         )
     config = load_target_config(cfg.target, model_name)
+    check_attn_implementation(cfg.target, config)
     text = text_config(config)
     tapped = resolve_tapped_layers(cfg.target, text.num_hidden_layers)
     if note := last_layer_tapped_note(tapped, text.num_hidden_layers):

@@ -171,6 +171,31 @@ def resolve_tapped_layers(cfg: TargetConfig, num_layers: int) -> list[int]:
     return [int(round(first + j * step)) for j in range(cfg.num_tapped)]
 
 
+def check_attn_implementation(cfg: TargetConfig, config: PretrainedConfig) -> None:
+    """Refuse, from the target's config alone, an attention backend transformers would refuse
+    as the weights load (a typo, a name it lacks, flash_attention_2 without its package): that
+    came after --out was made, without naming the key (flash_attention_2's as a bug). The
+    model is built on the meta device (no memory, ~0.1 s at 8B), where transformers runs the
+    same check; any other failure there is left to the load."""
+    try:
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(
+                config,
+                attn_implementation=cfg.attn_implementation,
+                trust_remote_code=cfg.trust_remote_code,
+            )
+    except (ValueError, ImportError) as err:
+        if cfg.attn_implementation not in str(err) and "attention" not in str(err).lower():
+            return  # not the backend's refusal: the load will say what it is
+        raise ValueError(
+            f"target.attn_implementation={cfg.attn_implementation!r} cannot run "
+            f"{cfg.model}: {err} Pass one it supports, e.g. --set "
+            "target.attn_implementation=sdpa (the default) or eager"
+        ) from None
+    except Exception:  # noqa: BLE001 (a model that cannot be built on meta: the load decides)
+        return
+
+
 def load_target(
     cfg: TargetConfig, device: torch.device, devices: list[str] | None = None
 ) -> torch.nn.Module:

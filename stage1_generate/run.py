@@ -274,14 +274,21 @@ def _other_stops(out: Path, stats: dict[str, Any]) -> int | None:
 
 
 def _check_positions(cfg: GenerateConfig, inputs: Inputs, model_name: str) -> None:
-    """Refuse, from the target's config alone (before its weights load), settings that no row
-    could fit in its positions. The openai backend's limit is the server's max_model_len,
-    known once it answers (then checked in `stage1_generate/rows.py`)."""
+    """Refuse, from the target's config alone (before its weights load), an attention backend
+    it cannot run and settings that no row could fit in its positions. The openai backend's
+    limit is the server's max_model_len, known once it answers (then checked in
+    `stage1_generate/rows.py`); the server picks its own attention."""
     if cfg.run.backend != "local":
         return
-    from stage1_extract.target import load_target_config, max_positions
+    from stage1_extract.target import check_attn_implementation, load_target_config, max_positions
 
-    found = max_positions(load_target_config(cfg.target.as_target_config(), model_name))
+    if cfg.target.attn_implementation == "sdpa_gqa_decode":  # registers it with transformers
+        from stage1_generate import gqa_decode  # noqa: F401
+
+    target = cfg.target.as_target_config()
+    config = load_target_config(target, model_name)
+    check_attn_implementation(target, config)
+    found = max_positions(config)
     if found is not None:
         prefix = len(special_prefix(inputs.tokenizer)) if inputs.fmt == "text" else 0
         check_settings(cfg, inputs.fmt, found.limit, f"the target's {found.source}", prefix)

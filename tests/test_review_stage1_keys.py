@@ -4,13 +4,20 @@ the config is built, naming the key, the value and the fix."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import re
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import zarr
+from click.testing import CliRunner
+from transformers import AutoModelForCausalLM
 
 from common.config import build_config
+from dflash_offline.cli import main as cli
 from stage1_extract.config import ExtractConfig
 from stage1_extract.writer import ShardLayout, chunk_codecs
 from stage1_generate.config import GenerateConfig
@@ -69,3 +76,35 @@ def test_the_widest_seeds_and_a_tiny_temperature_are_taken() -> None:
     for setting in ("seed=-9223372036854775808", "seed=9223372036854775807", "temperature=1e-30"):
         sets = ["target.model=m", "data.path=d", "output.out=o", f"sampling.{setting}"]
         build_config(GenerateConfig, None, "generate", sets)
+
+
+CASES = [("extract", "bogus"), ("generate", "bogus"), ("extract", "sdpa_gqa_decode")]
+if importlib.util.find_spec("flash_attn") is None:  # refused here for its missing package
+    CASES += [("extract", "flash_attention_2"), ("generate", "flash_attention_2")]
+
+
+@pytest.mark.parametrize(("command", "backend"), CASES)
+def test_an_attention_backend_the_target_cannot_run_is_refused_before_out(
+    tiny_qwen3: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str, backend: str
+) -> None:
+    """transformers refused it as the weights loaded, after --out was made, naming no key
+    (flash_attention_2 without its package as a bug, exit 1); now from the config, on the meta
+    device, before --out. sdpa_gqa_decode is generate's own (its decode steps, registered
+    there): extract refuses it."""
+
+    def refuse(*_args: Any, **_kwargs: Any) -> None:
+        raise AssertionError("loaded the target's weights past the point of refusal")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"text": "hello there, a short document"}) + "\n")
+    out = tmp_path / "out"
+    args = [command, "--model", str(tiny_qwen3), "--data", str(data), "--out", str(out)]
+    args += ["--devices", "cpu", "--set", f"target.attn_implementation={backend}"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in result.output, result.output
+    assert errors[0].startswith(f"error: target.attn_implementation='{backend}' cannot run ")
+    assert "--set target.attn_implementation=sdpa" in errors[0]
+    assert not out.exists()
