@@ -307,7 +307,12 @@ class TrainRunConfig:
         "bfloat16: bf16 parameters, AdamW states and compute; float32: all fp32; mixed: fp32 "
         "parameters and AdamW states (master weights), bf16 compute under autocast",
     )
-    compile_attention: bool = doc(True, "flex_attention compiled as its own region (GPU: required)")
+    compile_attention: bool = doc(
+        True,
+        "GPUs: the anchor-block attention as flex_attention compiled as its own region; false "
+        "runs the dense SDPA path instead, which materialises the Q x KV mask (small shapes, "
+        "debugging); the CPU always runs the SDPA path (flex has no backward there)",
+    )
     pack_heads: bool = doc(
         False,
         "flex attention (GPUs) with the query heads of each key/value group folded into the "

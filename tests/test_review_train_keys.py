@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from store_factory import FactorySpec, build_store
 
-from common.config import build_config
+from common.config import build_config, describe
 from stage2_train.config import TrainConfig
 from stage2_train.inputs import check_inputs
 
@@ -140,3 +140,12 @@ def test_too_many_anchors_names_the_values_and_the_fix(tmp_path: Path) -> None:
         "64x the store's 64-token sequences: lower anchors.num_anchors (at most 64 anchors fit "
         "a sequence)"
     ) in str(err.value)
+
+
+def test_compile_attention_help_says_what_false_does() -> None:
+    # said "(GPU: required)", yet false runs on a GPU: train.py picks the dense SDPA path
+    # (`backend = "flex" if cuda and compile_attention else "sdpa"`), and the CPU ignores it
+    (line,) = [d for d in describe(TrainConfig) if d.startswith("run.compile_attention ")]
+    assert "required" not in line
+    assert "false runs the dense SDPA path instead" in line
+    assert "the CPU always runs the SDPA path" in line
