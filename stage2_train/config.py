@@ -113,6 +113,12 @@ class LossConfig:
         out = []
         if self.gamma is not None and self.gamma <= 0:
             out.append(f"gamma must be > 0, got {self.gamma}")
+        if self.gamma is not None and self.weighting == "dpace":  # D-PACE's weights replace it
+            out.append(
+                f"gamma={self.gamma} sets the decay weighting's slot weights, which "
+                "weighting=dpace replaces (it would be ignored): unset loss.gamma (null), or "
+                "set loss.weighting=decay"
+            )
         if not 0 < self.dpace_alpha <= 1:
             out.append(f"dpace_alpha must be in (0, 1], got {self.dpace_alpha}")
         if self.distill_weight < 0:

@@ -149,3 +149,15 @@ def test_compile_attention_help_says_what_false_does() -> None:
     assert "required" not in line
     assert "false runs the dense SDPA path instead" in line
     assert "the CPU always runs the SDPA path" in line
+
+
+def test_gamma_with_dpace_is_refused() -> None:
+    # D-PACE's slot weights (training_slot_weights: 1 for every slot k >= 1) replace the
+    # decay, so a gamma set beside it changed nothing, without a word
+    message = problems_of("loss.weighting=dpace", "loss.gamma=3")
+    assert (
+        "loss: gamma=3.0 sets the decay weighting's slot weights, which weighting=dpace "
+        "replaces (it would be ignored): unset loss.gamma (null), or set loss.weighting=decay"
+    ) in message
+    build_config(TrainConfig, None, "train", [*REQUIRED, "loss.weighting=dpace"])
+    build_config(TrainConfig, None, "train", [*REQUIRED, "loss.gamma=3"])
