@@ -88,7 +88,9 @@ class LossConfig:
         "argmax", "CE labels: the stored target argmax (any data) or the data tokens"
     )
     gamma: float | None = doc(
-        None, "slot decay exp(-(k-1)/gamma); default 7 (B=16), 5 (B=10), 4 (B=8)"
+        None,
+        "slot decay exp(-(k-1)/gamma) of weighting=decay; default 7 (B=16), 5 (B=10), 4 (B=8), "
+        "else 7 * B / 16",
     )
     weighting: Literal["decay", "dpace"] = doc(
         "decay",
@@ -161,7 +163,11 @@ class OptimConfig:
     )
     grad_clip: float = doc(1.0, "max global gradient norm (0 = off)")
     epochs: int = doc(6, "passes over the training sequences")
-    max_steps: int | None = doc(None, "stop after this many optimizer steps (null: all epochs)")
+    max_steps: int | None = doc(
+        None,
+        "stop after this many optimizer steps, or after optim.epochs where that comes first "
+        "(null: all epochs); the schedule spans the steps run",
+    )
     batch_sequences: int = doc(1, "packed sequences per micro-batch per rank")
     grad_accum: int = doc(1, "micro-batches per optimizer step")
 

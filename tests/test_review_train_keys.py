@@ -161,3 +161,17 @@ def test_gamma_with_dpace_is_refused() -> None:
     ) in message
     build_config(TrainConfig, None, "train", [*REQUIRED, "loss.weighting=dpace"])
     build_config(TrainConfig, None, "train", [*REQUIRED, "loss.gamma=3"])
+
+
+def help_line(key: str) -> str:
+    (line,) = [d for d in describe(TrainConfig) if d.startswith(f"{key} ")]
+    return line
+
+
+def test_max_steps_and_gamma_help_say_what_decides() -> None:
+    # max_steps said "stop after this many optimizer steps", yet the run ends at
+    # min(epochs x steps per epoch, max_steps) (train.py): max_steps=100000 at the default
+    # 6 epochs trains 6 epochs. gamma's default named B = 16, 10, 8 only (else 7 * B / 16)
+    assert "or after optim.epochs where that comes first" in help_line("optim.max_steps")
+    line = help_line("loss.gamma")
+    assert "of weighting=decay" in line and "else 7 * B / 16" in line
