@@ -52,15 +52,31 @@ def reference_mxfp4(row: list[float]) -> list[float]:
     return out
 
 
+# every non-negative finite e4m3 value, in order (bits 0x00-0x7E)
+E4M3_GRID = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float().tolist()
+
+
 def reference_nvfp4(row: list[float]) -> list[float]:
+    """Each block under the e4m3 scale of least squared error among the one mapping its amax to
+    6, the one mapping it to 4, and each one's neighbours on the e4m3 grid (the first such on
+    a tie, in that order)."""
     per_row = max(abs(v) for v in row) / (6 * 448)
     out = []
     for start in range(0, len(row), 16):
         block = row[start : start + 16]
-        wanted = max(abs(v) for v in block) / 6 / per_row
-        block_scale = torch.tensor(wanted).to(torch.float8_e4m3fn).float().item()
-        scale = torch.tensor(block_scale * per_row, dtype=torch.float32).item()
-        out += [nearest_e2m1(v / scale) * scale if scale else 0.0 for v in block]
+        candidates = []
+        for top in (6, 4):
+            wanted = min(max(abs(v) for v in block) / top / per_row, 448.0)
+            index = E4M3_GRID.index(torch.tensor(wanted).to(torch.float8_e4m3fn).float().item())
+            candidates += [E4M3_GRID[max(0, min(126, index + d))] for d in (0, -1, 1)]
+        best, best_error = None, None
+        for block_scale in candidates:
+            scale = torch.tensor(block_scale * per_row, dtype=torch.float32).item()
+            decoded = [nearest_e2m1(v / scale) * scale if scale else 0.0 for v in block]
+            error = sum((d - v) ** 2 for d, v in zip(decoded, block, strict=True))
+            if best_error is None or error < best_error:
+                best, best_error = decoded, error
+        out += best
     return out
 
 

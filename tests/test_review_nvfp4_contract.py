@@ -71,21 +71,43 @@ def decode(hidden_NW: np.ndarray, scale_N: np.ndarray) -> np.ndarray:
     return value * (block * scale_N.astype(F32)[..., None])
 
 
+def block_codes(h: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """FORMAT.md: "e2m1 code nearest h[i] / s, ties to the even code, clamped to +-6; 0 where s
+    is 0"; bit 3 the sign bit of h[i]."""
+    q = np.abs(h) / np.where(s == 0, F32(1), s)
+    index = nearest_even(q, E2M1).astype(np.uint8)
+    return np.where(s == 0, 0, index | np.where(np.signbit(h), 8, 0)).astype(np.uint8)
+
+
 def encode(h_ND: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """FORMAT.md's encoder, in fp32 math."""
+    """FORMAT.md's encoder: fp32 math, six candidate block scales, the first of least float64
+    squared error."""
     h = h_ND.astype(F32)
     n, d = h.shape
     amax = np.abs(h).max(axis=-1)
     scale = amax / F32(6 * 448)
     scale = np.where(scale == 0, F32(1), scale).astype(F32)
-    blocks = np.abs(h).reshape(n, d // 16, 16).max(axis=-1)
-    scale_bits = e4m3_bits(blocks / F32(6) / scale[:, None])
-    s = np.repeat(e4m3_value(scale_bits), 16, axis=-1) * scale[:, None]
-    q = np.abs(h) / np.where(s == 0, F32(1), s)
-    index = nearest_even(q, E2M1).astype(np.uint8)
-    codes = np.where(s == 0, 0, index | np.where(np.signbit(h), 8, 0)).astype(np.uint8)
-    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    return np.concatenate([packed, scale_bits], axis=-1).astype(np.uint8), scale
+    a = np.abs(h).reshape(n, d // 16, 16).max(axis=-1)
+    best_bits = best_codes = best_error = None
+    for top in (6, 4):
+        # (the division by a numpy scalar keeps fp32: F32 over F32)
+        base = e4m3_bits(a / F32(top) / scale[:, None]).astype(np.int64)
+        for step in (0, -1, 1):
+            bits = np.clip(base + step, 0x00, 0x7E).astype(np.uint8)
+            s = np.repeat(e4m3_value(bits), 16, axis=-1) * scale[:, None]
+            codes = block_codes(h, s)
+            value = np.where(codes & 8, F32(-1), F32(1)) * E2M1[codes & 7]
+            wrong = (value * s).astype(np.float64) - h.astype(np.float64)
+            error = np.square(wrong).reshape(n, d // 16, 16).sum(axis=-1)
+            if best_error is None:
+                best_bits, best_codes, best_error = bits, codes, error
+                continue
+            better = error < best_error  # a NaN error is never less
+            best_bits = np.where(better, bits, best_bits)
+            best_codes = np.where(np.repeat(better, 16, axis=-1), codes, best_codes)
+            best_error = np.where(better, error, best_error)
+    packed = best_codes[:, 0::2] | (best_codes[:, 1::2] << 4)
+    return np.concatenate([packed, best_bits], axis=-1).astype(np.uint8), scale
 
 
 def code_decoders(hidden_NW: np.ndarray, scale_N: np.ndarray, d: int) -> list[np.ndarray]:
@@ -109,6 +131,15 @@ def synthetic_rows() -> np.ndarray:
     r[16:24], r[24:32] = 2 * ties, -2 * ties  # block 1: amax 12 -> block scale 2
     r[32:48] = [56.4, 56, -56.4, 40, -0.0, 0.0, -0.1, 0.1, -0.5, 0.5, 3, -3, 0, 0, 0, 0]
     rows.append(r)  # block 3 (48:64) all zeros
+    # blocks where amax -> 6 (c6) is the least-error candidate: values on its grid and a few
+    # ties (row 1), and one whose block scale 9.4 rounds down to 9 (56.4 / 9 clamps to 6)
+    r = np.zeros(64, dtype=F32)
+    r[0] = 2688
+    grid = [12, 8, 6, 4, 3, 2, 1]
+    r[16:32] = grid + grid[:-1] + [0.5, 1.5, -2.5]  # block scale 2
+    r[32:48] = grid + grid + [0, 7]
+    r[48:64] = [56.4, 54, 36, 27, 18, 13.5, 9, 4.5] * 2
+    rows.append(r)
     r = np.zeros(64, dtype=F32)
     r[:16] = np.linspace(-300, 300, 16)
     r[16:32] = 1e-4 * np.arange(16)  # block scale subnormal (or zero)
@@ -145,13 +176,20 @@ def test_encoder_of_the_words_writes_the_codes_bytes() -> None:
     np.testing.assert_array_equal(rows.numpy(), want_rows)
     for got in code_decoders(want_rows, want_scale, 64):
         np.testing.assert_array_equal(got, decode(want_rows, want_scale))
-    # the ties went to the even code; 56.4 / 9 (block scale 9.4 rounds down) clamps to 6;
-    # -0.0 and -0.1 (under a quarter step) are code 8, +0.0 and 0.1 code 0; a zero block
-    decoded = decode(want_rows, want_scale)[0]
-    assert decoded[16:24].tolist() == [0, 2, 2, 4, 4, 8, 8, 12]
-    assert decoded[32:36].tolist() == [54, 54, -54, 36]
-    assert want_rows[0, 18:20].tolist() == [0x08, 0x08]
-    assert not want_rows[0, 24:32].any() and want_rows[0, 32 + 3] == 0
+    # row 0: a block of every tie took the scale 3.25 (amax 12 -> 4, one e4m3 step up: less
+    # error than 2, where every value is a tie); [56.4, 56, -56.4, 40, ...] took 14 (12.4 ->
+    # 4); -0.0, -0.1, -0.5 and -3 (under a quarter step of 14) are code 8, +0.0, 0.1, 0.5 and 3
+    # code 0; a zero block
+    decoded = decode(want_rows, want_scale)
+    assert e4m3_value(want_rows[0, 32:]).tolist() == [448, 3.25, 14, 0]
+    assert decoded[0, 32:36].tolist() == [56, 56, -56, 42]
+    assert want_rows[0, 18:22].tolist() == [0x08, 0x08, 0x08, 0x80]
+    assert want_rows[0, 32 + 3] == 0
+    # row 1: the amax -> 6 scales won; the ties went to the even code (0.5 -> 0, 1.5 -> 2,
+    # -2.5 -> -2, 7 -> 8) and 56.4 / 9 clamped to 6
+    assert e4m3_value(want_rows[1, 32:]).tolist() == [448, 2, 2, 9]
+    assert decoded[1, 29:32].tolist() == [0, 2, -2] and decoded[1, 47] == 8
+    assert decoded[1, 48:56].tolist() == [54, 54, 36, 27, 18, 13.5, 9, 4.5]
 
 
 @pytest.fixture(scope="module")
