@@ -79,23 +79,6 @@ _EXPLAINED = [
         ),
     ),
     ("dataset format", lambda a: a["dataset"]["format"]),
-    # the data.* settings besides the path (named by "dataset"): data.format, on_invalid, ...
-    (
-        "data settings",
-        lambda a: {k: v for k, v in keyed_data(a["extract_config"]["data"]).items() if k != "path"},
-    ),
-    # (not seq_len: named above, with the --set that gives it back)
-    (
-        "extract_config.packing",
-        lambda a: {k: v for k, v in a["extract_config"]["packing"].items() if k != "seq_len"},
-    ),
-    # (not byte_shuffle: it changes codecs only, and shards of both kinds read alike)
-    (
-        "extract_config.store",
-        lambda a: {
-            k: a["extract_config"]["store"][k] for k in ("chunk_tokens", "compression_level")
-        },
-    ),
     ("target dtype", lambda a: a["extract_config"]["target"]["dtype"]),
     ("target.matmul_precision", lambda a: matmul_precision(a["extract_config"]["target"])),
     ("hidden_dtype", lambda a: a["hidden_dtype"]),
@@ -116,6 +99,32 @@ LATER_DATA_DEFAULTS: dict[str, Any] = {
     "prompt_field": "prompt",
     "completion_field": "completion",
 }
+
+# config sections whose keys are named one by one when they differ (`section.key: old -> new`,
+# with the --set that gives the store's value back): prefix, the keys that decide the content,
+# and the value a key had before it existed (a store from then records none)
+_EXPLAINED_KEYS = [
+    # besides the path (named by "dataset"); num_proc never decides the content
+    (
+        "data.",
+        lambda a: {k: v for k, v in keyed_data(a["extract_config"]["data"]).items() if k != "path"},
+        LATER_DATA_DEFAULTS,
+    ),
+    # not seq_len: named above
+    (
+        "packing.",
+        lambda a: {k: v for k, v in a["extract_config"]["packing"].items() if k != "seq_len"},
+        {"strategy": "next_fit"},  # the only packing before the option
+    ),
+    # not byte_shuffle: it changes codecs only, and shards of both kinds read alike
+    (
+        "store.",
+        lambda a: {
+            k: a["extract_config"]["store"][k] for k in ("chunk_tokens", "compression_level")
+        },
+        {},
+    ),
+]
 
 
 def _canonical_path(name: str) -> str:
@@ -216,16 +225,37 @@ def _explain_mismatch(old: dict[str, Any], new: dict[str, Any]) -> tuple[str, li
     """What differs, and the `--set key=value` arguments that would give the store's settings
     back where that alone could resume it."""
     changed, set_back = [], []
+
+    def shown(value: Any) -> str:
+        return value if isinstance(value, str) else json.dumps(value)
+
     for label, get in _EXPLAINED:
         try:
             if get(old) != get(new):
                 changed.append(label)
                 if label in _SET_BACK:
-                    value = get(old)
-                    shown = value if isinstance(value, str) else json.dumps(value)
-                    set_back.append(f"--set {_SET_BACK[label]}={shown}")
+                    set_back.append(f"--set {_SET_BACK[label]}={shown(get(old))}")
         except (KeyError, TypeError):
             changed.append(label)
+    # each key of these sections by name, as `dflash generate` and `dflash train` name theirs
+    # (the section alone, `extract_config.store`, left the user to find which key and value)
+    for prefix, get, before in _EXPLAINED_KEYS:
+        try:
+            was, now = get(old), get(new)
+        except (KeyError, TypeError):
+            changed.append(prefix.rstrip("."))
+            continue
+        for key in sorted(was.keys() | now.keys()):
+            missing = object()
+            a, b = was.get(key, before.get(key, missing)), now.get(key, before.get(key, missing))
+            if a == b:
+                continue
+            changed.append(
+                f"{prefix}{key} ({'unset' if a is missing else repr(a)} -> "
+                f"{'unset' if b is missing else repr(b)})"
+            )
+            if a is not missing:
+                set_back.append(f"--set {prefix}{key}={shown(a)}")
     what = ", ".join(changed) if changed else "the dataset contents (document lengths)"
     return what, set_back if len(set_back) == len(changed) else []
 

@@ -594,11 +594,11 @@ def test_refusal_names_changed_data_settings() -> None:
         attrs["dataset"] |= {"path": "d", "split": "train", "name": None}
         attrs["target"] |= {"revision": None, "config": {}}
     new["extract_config"]["data"]["on_invalid"] = "skip"
-    assert _explain_mismatch(old, new)[0] == "data settings"
+    assert _explain_mismatch(old, new)[0] == "data.on_invalid (unset -> 'skip')"
     new["dataset"]["format"] = "messages"
-    assert _explain_mismatch(old, new)[0] == "dataset format, data settings"
+    assert _explain_mismatch(old, new)[0] == "dataset format, data.on_invalid (unset -> 'skip')"
     faster["extract_config"]["data"]["num_proc"] = 8
-    assert "data settings" not in _explain_mismatch(old, faster)[0]
+    assert "data." not in _explain_mismatch(old, faster)[0]
 
 
 def test_content_key_of_next_fit_stores_is_unchanged_by_the_strategy_option() -> None:

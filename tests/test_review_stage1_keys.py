@@ -108,3 +108,34 @@ def test_an_attention_backend_the_target_cannot_run_is_refused_before_out(
     assert errors[0].startswith(f"error: target.attn_implementation='{backend}' cannot run ")
     assert "--set target.attn_implementation=sdpa" in errors[0]
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("changed", "named", "set_back"),
+    [
+        ("store.chunk_tokens=16", "store.chunk_tokens (32 -> 16)", "store.chunk_tokens=32"),
+        (
+            "packing.overlong=truncate",
+            "packing.overlong ('split' -> 'truncate')",
+            "packing.overlong=split",
+        ),
+        ("data.on_invalid=skip", "data.on_invalid ('error' -> 'skip')", "data.on_invalid=error"),
+    ],
+)
+def test_a_refused_resume_names_the_key_and_both_values(
+    tiny_qwen3: Path, tmp_path: Path, changed: str, named: str, set_back: str
+) -> None:
+    """A rerun with one store.*, packing.* or data.* key changed was refused naming only the
+    section ("extract_config.store differ", "data settings differ"), where generate and train
+    name the key and both values; now so does extract, with the --set that resumes."""
+    from stage1_extract.run import run_extract
+    from tests.test_extract import make_config, write_data
+
+    data, out = write_data(tmp_path, num_rows=2), tmp_path / "store"
+    run_extract(make_config(tiny_qwen3, data, out))
+    with pytest.raises(ValueError, match="written with other settings") as refused:
+        run_extract(make_config(tiny_qwen3, data, out, changed))
+    message = str(refused.value)
+    assert f"({named} differ)" in message, message
+    assert f"to resume it, rerun with --set {set_back};" in message, message
+    run_extract(make_config(tiny_qwen3, data, out, changed, set_back))  # it resumes
