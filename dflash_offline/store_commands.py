@@ -72,6 +72,7 @@ def export(run: str, step: int | None, out: str | None, dtype: str) -> None:
     """Export a checkpoint of a training run as a transformers-style drafter folder."""
     from stage2_train.export import export_checkpoint
 
+    init_logger()  # its renames and warnings (a last layer tapped, a mask token) as train's
     click.echo(f"exported to {export_checkpoint(run, step, out, dtype)}")
 
 
@@ -84,6 +85,7 @@ def plot(run: str) -> None:
     each evaluation)."""
     from stage2_train.plots import plot_run
 
+    init_logger()  # a plot that cannot be drawn is a warning
     for path in plot_run(run):
         click.echo(f"wrote {path}")
 

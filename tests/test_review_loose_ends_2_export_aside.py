@@ -112,3 +112,22 @@ def test_while_a_train_holds_the_run_it_reads_the_folder_where_it_lies(tmp_path:
     assert _same(_exported(out), newest)
     assert aside.is_dir() and not step_dir(run, 16).exists()  # renamed by no one but the train
     assert any(".tmp-old-step-000016" in m and "`dflash train` is running" in m for m in seen)
+
+
+def test_the_export_command_logs_what_it_did(tmp_path: Path) -> None:
+    """`dflash export` started no logger: its info lines (this rename) were dropped and its
+    warnings came out bare through Python's last-resort handler, unlike every other command's."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    _run_killed_mid_save(run)
+    done = subprocess.run(
+        [sys.executable, "-m", "dflash_offline.cli", "export", str(run)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    [line] = [m for m in done.stderr.splitlines() if "renamed .tmp-old-step-000016" in m]
+    assert line[:2].isdigit() and line[2] == ":"  # the logger's "HH:MM:SS message"
