@@ -26,7 +26,7 @@ import zarr
 
 from common.config import runs_tf32
 from common.inspect_damage import Undecodable, missing_bytes, read_array
-from common.inspect_verify import open_inspected, run_verify
+from common.inspect_verify import run_verify
 from common.store import (
     FILES_KEY,
     SHARD_ATTR,
@@ -34,6 +34,7 @@ from common.store import (
     StoreInfo,
     committed_shards,
     layout_mismatch,
+    open_store,
     shard_layout,
     shard_name,
     shards_dir,
@@ -481,7 +482,7 @@ def run_inspect(store: str | Path, num_samples: int = 0, as_json: bool = False) 
     """Print the summary of `store` (and `num_samples` decoded sequences) to stdout."""
     if num_samples < 0:
         raise ValueError(f"--sample must be >= 0, got {num_samples}")
-    info = open_inspected(store)
+    info = open_store(store)
     summary = summarize(info)
     samples, note, skipped = sample_sequences(info, num_samples) if num_samples else ([], None, [])
     if as_json:

@@ -16,30 +16,14 @@ from typing import Any
 from safetensors import safe_open
 from tqdm import tqdm
 
-from common.generated import read_manifest
 from common.inspect_shard import CHUNK_BYTES, Problem, check_shard
 from common.store import (
     HEAD_FILE,
-    StoreError,
     StoreInfo,
     committed_shards,
     open_store,
     shard_name,
 )
-
-
-def open_inspected(store: str | Path) -> StoreInfo:
-    """`open_store` for `dflash inspect`, whose user may pass the `dflash generate` folder a
-    store is to be made from: an unfinished one (extract refuses it) is to be finished first."""
-    if not (Path(store) / "zarr.json").is_file():
-        manifest = read_manifest(store)
-        if manifest is not None and not manifest.get("complete"):
-            raise StoreError(
-                f"{store} is an unfinished `dflash generate` output, not a store: rerun the "
-                "same `dflash generate` command to finish it, then `dflash extract --data "
-                f"{store} --out STORE` on it, and pass STORE"
-            )
-    return open_store(store)
 
 
 def _check_head(info: StoreInfo) -> list[Problem]:
@@ -72,7 +56,7 @@ def _check_head(info: StoreInfo) -> list[Problem]:
 
 def verify_store(store: str | Path, chunk_bytes: int = CHUNK_BYTES) -> dict[str, Any]:
     """Check a whole store; returns a JSON-ready report whose "problems" is empty when all is well."""
-    info = open_inspected(store)  # format, version and root attributes, with their messages
+    info = open_store(store)  # format, version and root attributes, with their messages
     problems = _check_head(info)
     committed = committed_shards(info.path)
     planned = set(range(info.num_shards))

@@ -27,6 +27,7 @@ from common.fp4 import (
     quantize_nvfp4,
 )
 from common.generated import META_DIR as GENERATE_META_DIR
+from common.generated import read_manifest
 
 FORMAT_NAME = "dflash-offline-store"
 FORMAT_VERSION = 2
@@ -290,6 +291,16 @@ def layout_mismatch(array: Any, dtype: str, shape: tuple[int, ...]) -> str | Non
     return None
 
 
+def _generate_finished(folder: Path) -> bool:
+    """Whether a `dflash generate` folder's manifest says complete (an unreadable one: as if
+    finished, so the message stays the plain one)."""
+    try:
+        manifest = read_manifest(folder)
+    except ValueError:
+        return True
+    return manifest is None or bool(manifest.get("complete"))
+
+
 def read_root_attrs(store: str | Path) -> dict[str, Any]:
     """The "dflash" attributes of the root group, read from zarr.json without opening arrays."""
     store = Path(store)
@@ -298,6 +309,12 @@ def read_root_attrs(store: str | Path) -> dict[str, Any]:
         raise StoreError(f"store {store} does not exist; run `dflash extract` to create it")
     if not meta.is_file():
         if (store / GENERATE_META_DIR).is_dir():  # the step before extract: a common slip
+            if not _generate_finished(store):  # which extract refuses: finish it first
+                raise StoreError(
+                    f"{store} is an unfinished `dflash generate` output, not a store: rerun "
+                    "the same `dflash generate` command to finish it, then `dflash extract "
+                    f"--data {store} --out STORE` on it, and pass STORE"
+                )
             raise StoreError(
                 f"{store} is a `dflash generate` output, not a store: run `dflash extract "
                 f"--data {store} --out STORE` on it, then pass STORE"

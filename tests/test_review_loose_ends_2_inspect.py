@@ -40,6 +40,25 @@ def test_an_unfinished_generate_folder_is_to_be_finished_first(
     assert f"{gen} is a `dflash generate` output, not a store: run `dflash extract" in said
 
 
+@pytest.mark.parametrize("command", ["train", "evaluate-offline"])
+def test_train_and_evaluate_offline_say_the_same_of_an_unfinished_one(
+    tmp_path: Path, command: str
+) -> None:
+    """Every reader of a store opens it through the same root check (common.store), so train
+    and evaluate-offline given that folder say to finish it too, not to run extract on it."""
+    gen = tmp_path / "gen"
+    (gen / META_DIR).mkdir(parents=True)
+    (gen / META_DIR / MANIFEST).write_text(json.dumps(_manifest(complete=False)))
+    if command == "train":
+        args = ["train", "--store", str(gen), "--out", str(tmp_path / "run"), "--devices", "cpu"]
+    else:
+        args = ["evaluate-offline", "--store", str(gen), "--drafter", str(tmp_path / "none")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code != 0
+    said = " ".join(result.output.split())
+    assert f"{gen} is an unfinished `dflash generate` output" in said, said
+
+
 def test_the_summary_counts_replies_ended_by_another_stop(tmp_path: Path) -> None:
     counts = {"rows_out": 3, "new_tokens": 120, "truncated": 1, "other_stops": 2, "skipped": {}}
     text, s = _summary(build_store(tmp_path / "store").path, _manifest(counts=counts))
