@@ -53,7 +53,7 @@ from stage2_train.best import BEST_DIR, BEST_FILE, best_record, best_so_far, dev
 from stage2_train.checkpoint import TrainState, save_checkpoint, step_dir
 from stage2_train.config import TrainConfig, with_compile_defaults
 from stage2_train.data import StoreSequences, loader_arrays, make_loader
-from stage2_train.export import export_drafter, mask_token_string, served_copy, trained_for
+from stage2_train.export import export_drafter, served_copy, trained_for
 from stage2_train.follow import (
     FollowHoldout,
     FollowPlan,
@@ -64,6 +64,7 @@ from stage2_train.follow import (
 from stage2_train.fp8 import check_fp8_installed, convert_to_fp8, plain_twin
 from stage2_train.gc_schedule import ScheduledGC
 from stage2_train.inputs import check_inputs, open_dev_store, trained_layers
+from stage2_train.mask_token import mask_token_string
 from stage2_train.metrics import MetricsWriter, check_finite_step, format_line, memory_gb
 from stage2_train.model import DFlashDrafter
 from stage2_train.plan import EpochPlan, HoldoutSampler, PlanSampler, split_store

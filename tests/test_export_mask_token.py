@@ -21,7 +21,8 @@ from huggingface_hub import constants
 from common.logging import get_logger
 from common.tiny import build_tokenizer, example_texts, tiny_config
 from stage2_train.checkpoint import step_dir
-from stage2_train.export import export_checkpoint, mask_token_string
+from stage2_train.export import export_checkpoint
+from stage2_train.mask_token import mask_token_string
 from stage2_train.model import DFlashDrafter, DrafterShape
 
 HUB_ID = "fixture/tiny-tok"

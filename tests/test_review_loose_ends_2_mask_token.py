@@ -19,7 +19,7 @@ from log_capture import dflash_messages
 from test_export_mask_token import exported_mask_token, tokenizer_folder, write_run
 from transformers import AutoTokenizer
 
-from stage2_train.export import SERVER_DEFAULT_MASK, mask_token_string
+from stage2_train.mask_token import SERVER_DEFAULT_MASK, mask_token_string
 
 __all__ = ["tokenizer_folder"]  # the fixture, shared
 

@@ -30,7 +30,8 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokeni
 from stage1_extract.run import run_extract
 from stage1_extract.target import config_dict
 from stage2_train.config import DrafterConfig
-from stage2_train.export import export_drafter, mask_token_string
+from stage2_train.export import export_drafter
+from stage2_train.mask_token import mask_token_string
 from stage2_train.model import DFlashDrafter, drafter_shape
 
 TAPPED = [0, 1, 2]  # of the tiny target's 4 layers: not the last one (see the last test)
