@@ -181,3 +181,27 @@ def test_max_steps_and_gamma_help_say_what_decides() -> None:
     assert "or after optim.epochs where that comes first" in help_line("optim.max_steps")
     line = help_line("loss.gamma")
     assert "of weighting=decay" in line and "else 7 * B / 16" in line
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "optim.lr",  # was AdamW's "Invalid learning rate: nan", once the model was built
+        "run.time_limit_s",  # was no limit at all, without a word
+        "loss.gamma",  # the rest trained NaN (or took NaN where a number was meant)
+        "loss.distill_weight",
+        "loss.distill_temperature",
+        "optim.grad_clip",
+        "optim.weight_decay",
+        "drafter.rope_theta",
+        "drafter.rms_norm_eps",
+        "data.follow_poll_s",
+    ],
+)
+def test_nan_is_refused_naming_the_key(key: str) -> None:
+    # NaN passes a `<= 0` check: every comparison with it is false
+    assert f"{key} must be a number, got nan" in problems_of(f"{key}=nan")
+
+
+def test_nan_in_betas_is_refused() -> None:
+    assert "optim.betas must be a number, got [nan, 0.9]" in problems_of("optim.betas=[.nan, 0.9]")
