@@ -387,8 +387,10 @@ class TrainRunConfig:
     keep_checkpoints: int = doc(2, "newest checkpoints kept")
     time_limit_s: float | None = doc(
         None,
-        "stop after the step that passes this many seconds of the training process, with a "
-        "checkpoint (exit code 124; rerun to resume): a job's wall-clock limit. SIGTERM and a "
+        "stop after the step that passes this many seconds of the training loop, with a "
+        "checkpoint (exit code 124; rerun to resume): a job's wall-clock limit, less the "
+        "start-up before the loop (store checks, model build, resume; a --follow wait for the "
+        "store counts) and the final evaluation, checkpoint and export after it. SIGTERM and a "
         "first Ctrl-C stop the same way (exit 143 / 130); null = no limit",
     )
     seed: int = doc(0, "seed of model init")

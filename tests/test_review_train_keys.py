@@ -205,3 +205,13 @@ def test_nan_is_refused_naming_the_key(key: str) -> None:
 
 def test_nan_in_betas_is_refused() -> None:
     assert "optim.betas must be a number, got [nan, 0.9]" in problems_of("optim.betas=[.nan, 0.9]")
+
+
+def test_time_limit_help_says_where_its_clock_starts() -> None:
+    # said "seconds of the training process", yet its clock starts at the training loop
+    # (stop.StopRequests, made just before it; README: "from the start of the training loop"):
+    # a 2 s limit after ~5 s of start-up stopped after 2 s of steps
+    line = help_line("run.time_limit_s")
+    assert "seconds of the training process" not in line
+    assert "this many seconds of the training loop" in line
+    assert "less the start-up before the loop" in line
