@@ -9,6 +9,7 @@ work). Unknown keys are errors, never ignored.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -217,15 +218,26 @@ def build_config(
 
 
 def collect_problems(cfg: Any, where: str = "") -> list[str]:
-    """Run every nested `problems()` method and gather what they report, prefixed by key."""
+    """Run every nested `problems()` method and gather what they report, prefixed by key; a
+    NaN in any field (a list's items too) is one, named by its key, in every stage's config:
+    NaN (YAML's .nan, --set KEY=nan) passes each `<= 0` and `< 0` check, every comparison with
+    it being false (train's optim.lr failed in AdamW once the model was built, its
+    run.time_limit_s never stopped, generate's temperature failed after the target loaded)."""
     found: list[str] = []
     if hasattr(cfg, "problems"):
         found += [f"{where + ': ' if where else ''}{p}" for p in cfg.problems()]
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
+        key = f"{where}.{f.name}" if where else f.name
         if dataclasses.is_dataclass(value):
-            found += collect_problems(value, f"{where}.{f.name}" if where else f.name)
+            found += collect_problems(value, key)
+        elif any(isinstance(v, float) and math.isnan(v) for v in _items(value)):
+            found.append(f"{key} must be a number, got {value}")
     return found
+
+
+def _items(value: object) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

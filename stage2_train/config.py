@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -443,22 +442,6 @@ class TrainConfig:
     optim: OptimConfig = doc(factory=OptimConfig, help="optimizer and schedule")
     data: TrainDataConfig = doc(factory=TrainDataConfig, help="the store and loader")
     run: TrainRunConfig = doc(factory=TrainRunConfig, help="devices, logging, checkpoints")
-
-    def problems(self) -> list[str]:
-        # NaN (YAML's .nan, --set KEY=nan) passes every `<= 0` and `< 0` check of the sections:
-        # optim.lr failed in AdamW once the model was built, run.time_limit_s never stopped
-        out = []
-        for section in dataclasses.fields(self):
-            sub = getattr(self, section.name)
-            for f in dataclasses.fields(sub):
-                value = getattr(sub, f.name)
-                if any(isinstance(v, float) and math.isnan(v) for v in _values(value)):
-                    out.append(f"{section.name}.{f.name} must be a number, got {value}")
-        return out
-
-
-def _values(value: object) -> list:
-    return value if isinstance(value, list) else [value]
 
 
 def with_compile_defaults(cfg: TrainConfig, on_gpu: bool) -> TrainConfig:
