@@ -76,6 +76,14 @@ def parse_devices(devices: str | list[int] | list[str]) -> list[str]:
         else:
             raise ValueError(f"--devices entry {item!r} is not a GPU id (0, 1, ...) or 'cpu'")
     gpus = [d for d in out if d != "cpu"]
+    twice = sorted({d for d in gpus if gpus.count(d) > 1})
+    if twice:
+        # each listed GPU is one process's: two on one GPU fail in NCCL's set-up, after the
+        # output folder exists, or share its memory
+        raise ValueError(
+            f"--devices {','.join(items)} lists {', '.join(twice)} more than once; list each GPU "
+            "once (one process per GPU)"
+        )
     if gpus:
         available = torch.cuda.device_count()
         missing = [d for d in gpus if int(d.split(":")[1]) >= available]

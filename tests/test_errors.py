@@ -226,6 +226,19 @@ def test_gpu_devices_on_a_machine_without_them(monkeypatch: pytest.MonkeyPatch) 
         parse_devices("2,3")
 
 
+@pytest.mark.parametrize("devices", ["0,0", "0,cuda:0", "1,0,1"])
+def test_a_gpu_listed_twice_is_refused(monkeypatch: pytest.MonkeyPatch, devices: str) -> None:
+    """Two processes on one GPU: NCCL fails in its set-up after the output folder exists (or
+    they share its memory); refused when the devices are read, naming the GPU."""
+    from common.distributed import parse_devices
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match="more than once; list each GPU once") as err:
+        parse_devices(devices)
+    assert "cuda:0" in str(err.value) or "cuda:1" in str(err.value)
+    assert parse_devices("cpu,cpu") == ["cpu", "cpu"]  # CPU processes: as many as asked
+
+
 @pytest.mark.parametrize(
     "command, runner, interrupt",
     [
