@@ -219,10 +219,11 @@ def build_config(
 
 def collect_problems(cfg: Any, where: str = "") -> list[str]:
     """Run every nested `problems()` method and gather what they report, prefixed by key; a
-    NaN in any field (a list's items too) is one, named by its key, in every stage's config:
-    NaN (YAML's .nan, --set KEY=nan) passes each `<= 0` and `< 0` check, every comparison with
-    it being false (train's optim.lr failed in AdamW once the model was built, its
-    run.time_limit_s never stopped, generate's temperature failed after the target loaded)."""
+    NaN or infinity in any field (a list's items too) is one, named by its key, in every
+    stage's config: NaN (YAML's .nan, --set KEY=nan) passes each `<= 0` and `< 0` check, every
+    comparison with it being false (train's optim.lr failed in AdamW once the model was built,
+    its run.time_limit_s never stopped, generate's temperature failed after the target
+    loaded), and no key means anything by an infinite value (lr=inf trained NaN)."""
     found: list[str] = []
     if hasattr(cfg, "problems"):
         found += [f"{where + ': ' if where else ''}{p}" for p in cfg.problems()]
@@ -231,8 +232,8 @@ def collect_problems(cfg: Any, where: str = "") -> list[str]:
         key = f"{where}.{f.name}" if where else f.name
         if dataclasses.is_dataclass(value):
             found += collect_problems(value, key)
-        elif any(isinstance(v, float) and math.isnan(v) for v in _items(value)):
-            found.append(f"{key} must be a number, got {value}")
+        elif any(isinstance(v, float) and not math.isfinite(v) for v in _items(value)):
+            found.append(f"{key} must be a finite number, got {value}")
     return found
 
 

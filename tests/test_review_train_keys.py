@@ -200,11 +200,14 @@ def test_max_steps_and_gamma_help_say_what_decides() -> None:
 )
 def test_nan_is_refused_naming_the_key(key: str) -> None:
     # NaN passes a `<= 0` check: every comparison with it is false
-    assert f"{key} must be a number, got nan" in problems_of(f"{key}=nan")
+    assert f"{key} must be a finite number, got nan" in problems_of(f"{key}=nan")
+    assert f"{key} must be a finite number, got inf" in problems_of(f"{key}=inf")
 
 
 def test_nan_in_betas_is_refused() -> None:
-    assert "optim.betas must be a number, got [nan, 0.9]" in problems_of("optim.betas=[.nan, 0.9]")
+    assert "optim.betas must be a finite number, got [nan, 0.9]" in problems_of(
+        "optim.betas=[.nan, 0.9]"
+    )
 
 
 def test_time_limit_help_says_where_its_clock_starts() -> None:
