@@ -182,6 +182,14 @@ def plan_job(cfg: ExtractConfig, model_name: str = "target.model") -> ExtractJob
             "says complete: false); rerun the same `dflash generate` to finish it, then extract"
         )
     config = load_target_config(cfg.target, model_name)
+    if cfg.target.attn_implementation == "sdpa_gqa_decode":
+        # generate's decode-step backend, registered with transformers when generate imports
+        # it: by name, so that the refusal does not hang on whether this process imported it
+        raise ValueError(
+            "target.attn_implementation='sdpa_gqa_decode' cannot run in extract: it is dflash "
+            "generate's decoding backend, and extract runs whole sequences; pass --set "
+            "target.attn_implementation=sdpa (the default) or eager"
+        )
     check_attn_implementation(cfg.target, config)
     text = text_config(config)
     tapped = resolve_tapped_layers(cfg.target, text.num_hidden_layers)
