@@ -343,6 +343,11 @@ def test_packing_tokens_and_loss_masks(stores, target, name: str) -> None:
     want_pieces = plan([len(ids) for ids, _ in docs], S, strategy)
     got_pieces = []
     pad = a["tokenizer"]["pad_token_id"]
+    assert pad == tokenizer.pad_token_id
+    # reserved_token_id: the lowest added id named like a mask, declared as the mask or not
+    added = sorted(tokenizer.get_added_vocab().items(), key=lambda item: item[1])
+    masks = [i for token, i in added if "mask" in token.lower()]
+    assert a["tokenizer"]["reserved_token_id"] == masks[0] == a["tokenizer"]["mask_token_id"]
     for i, shard in enumerate(store.shards):
         x = shard.arrays
         first = i * a["sequences_per_shard"]
