@@ -288,7 +288,10 @@ def test_layout_attributes_and_files(stores, name: str) -> None:
             assert (str(got.dtype), got.shape) == (dtype, shape), array_name
             meta = shard.metas[array_name]
             assert meta["data_type"] == dtype and tuple(meta["shape"]) == shape
-            if len(shape) >= 2:  # per-token: sharded, inner chunks (1, chunk_tokens, ...)
+            if len(shape) == 1:  # per-document: one plain chunk
+                assert meta["chunk_grid"]["configuration"]["chunk_shape"] == list(shape)
+                assert [c["name"] for c in meta["codecs"]][-1] in ("zstd", "crc32c")
+            else:  # per-token: sharded, inner chunks (1, chunk_tokens, ...)
                 (codec,) = meta["codecs"]
                 assert codec["name"] == "sharding_indexed"
                 inner = codec["configuration"]["chunk_shape"]
@@ -307,9 +310,10 @@ def test_layout_attributes_and_files(stores, name: str) -> None:
             if f.is_file() and f != folder / "zarr.json"
         }
         assert s["files"] == on_disk
-        for array_name in want:  # one chunk file an array, none where all values are 0
+        for array_name, (_, shape) in want.items():  # per-document: none where all are 0
             chunks = [f for f in s["files"] if f.startswith(f"{array_name}/c/")]
-            assert len(chunks) == int(shard.arrays[array_name].any()), (array_name, chunks)
+            one = len(shape) > 1 or shard.arrays[array_name].any()
+            assert len(chunks) == int(one), (array_name, chunks)
         real = shard.arrays["document_ids"] >= 0
         assert s["num_tokens"] == int(real.sum()) == int(shard.arrays["doc_length"].sum())
         assert s["num_loss_tokens"] == int(shard.arrays["loss_mask"].sum())
