@@ -117,10 +117,10 @@ def load_tokenizer(cfg: ExtractConfig, model_name: str = "target.model") -> PreT
 
 
 def reserved_token_id(tokenizer: PreTrainedTokenizerBase) -> int | None:
-    """An added token named like a mask (<|mask|>, [MASK]) that the tokenizer does not declare
-    as its mask token, else the first reserved special token (Llama-3's
-    <|reserved_special_token_0|>): a real embedding row that no text produces, a safe id for
-    the drafter's mask slots."""
+    """The first added token named like a mask (<|mask|>, [MASK]; the tokenizer's declared
+    mask token among them, so this can equal its mask_token_id), else the first reserved
+    special token (Llama-3's <|reserved_special_token_0|>): a real embedding row that no text
+    produces, a safe id for the drafter's mask slots."""
     added = sorted(tokenizer.get_added_vocab().items(), key=lambda item: item[1])
     for marker in ("mask", "reserved"):
         found = next((index for token, index in added if marker in token.lower()), None)
