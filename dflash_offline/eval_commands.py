@@ -10,7 +10,7 @@ import click
 
 from common.errors import cli_errors
 from common.logging import init_logger
-from dflash_offline.options import device_option, echo_json
+from dflash_offline.options import check_out_file, device_option, echo_json
 
 
 def _json_object(value: str) -> dict[str, Any]:
@@ -89,10 +89,16 @@ def _json_object(value: str) -> dict[str, Any]:
     "Qwen3: as `dflash generate` wrote the training replies (its data.chat_template_kwargs) "
     "[default: {}]",
 )
-@click.option("--json-out", default=None, help="also write the figures to this JSON file")
+@click.option(
+    "--json-out",
+    default=None,
+    callback=check_out_file,
+    help="also write the figures to this JSON file",
+)
 @click.option(
     "--plot",
     default=None,
+    callback=check_out_file,
     help="PNG of acceptance by draft position [default: beside --json-out, X.json -> X.png; "
     "none without it]",
 )
@@ -138,7 +144,12 @@ def evaluate(json_out: str | None, plot: str | None, **kwargs: Any) -> None:
     type=click.Choice(["float32", "bfloat16"]),
     help="the drafter's compute dtype (as `dflash evaluate` runs it)",
 )
-@click.option("--json-out", default=None, help="also write the figures to this JSON file")
+@click.option(
+    "--json-out",
+    default=None,
+    callback=check_out_file,
+    help="also write the figures to this JSON file",
+)
 @cli_errors
 def evaluate_offline(json_out: str | None, **kwargs: Any) -> None:
     """Offline acceptance estimate (per-slot accuracy vs the stored target argmax, implied

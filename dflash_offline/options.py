@@ -86,6 +86,25 @@ def _check_device(_ctx: click.Context, _param: click.Parameter, value: str) -> s
     return value
 
 
+def check_out_file(_ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A file written once the work is done (--json-out, --plot), checked as it is parsed: a
+    folder there, or a file where a folder of its path goes, failed only after all of the work
+    (minutes), and evaluate had written its plot beside that path by then."""
+    if value is None:
+        return value
+    path, example = Path(value), "acceptance.png" if param.name == "plot" else "figures.json"
+    if path.is_dir():
+        raise click.BadParameter(
+            f"{value} is a folder; pass a file to write, e.g. {path / example}"
+        )
+    above = next((folder for folder in path.parents if folder.exists()), None)
+    if above is not None and not above.is_dir():
+        raise click.BadParameter(
+            f"{value}: {above} is a file, not a folder; pass a path in a folder"
+        )
+    return value
+
+
 def echo_json(results: dict[str, Any], json_out: str | None) -> None:
     """Print the figures as JSON and, when asked, write them to `json_out` too."""
     import json

@@ -1,0 +1,40 @@
+"""An audit of the options of `dflash evaluate`, `evaluate-offline`, `inspect`, `export`, `convert`
+and `plot`: a bad value is one error naming the option, the value and the fix, exit 2, before
+any work and with nothing written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from dflash_offline.cli import main as cli
+
+
+def _run(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(cli, list(args))
+    return result.exit_code, " ".join(result.output.split())
+
+
+@pytest.mark.parametrize("option", ["--json-out", "--plot"])
+@pytest.mark.parametrize("where", ["folder", "under_a_file"])
+def test_an_output_file_that_cannot_be_written_is_refused_before_the_work(
+    tmp_path: Path, option: str, where: str
+) -> None:
+    """--json-out (or --plot) naming a folder, or a path under a file, failed once the figures
+    were measured ("error: Is a directory: ...", no option named; minutes of evaluate-offline
+    on a CPU), and evaluate had written the plot beside it (X.png) first."""
+    (tmp_path / "notes.txt").write_text("x")
+    value = str(tmp_path if where == "folder" else tmp_path / "notes.txt" / "out.json")
+    commands = [
+        ["evaluate", "--target", str(tmp_path / "t"), "--data", str(tmp_path / "d.jsonl")],
+        ["evaluate-offline", "--drafter", str(tmp_path / "e"), "--store", str(tmp_path / "s")],
+    ]
+    for command in commands if option == "--json-out" else commands[:1]:
+        code, out = _run(*command, option, value)
+        assert code == 2, out
+        assert f"Invalid value for '{option}'" in out and value in out, out
+        assert ("is a folder" if where == "folder" else "is a file, not a folder") in out, out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    assert not tmp_path.with_suffix(".png").exists()
