@@ -42,6 +42,11 @@ def inspect_cmd(args: tuple[str, ...], sample: int, as_json: bool) -> None:
     if args[0] == "verify":
         if len(args) != 2:
             raise ValueError("usage: dflash inspect verify STORE [--json] (one store)")
+        if sample:  # verify decodes nothing: the option was dropped without a word
+            raise ValueError(
+                f"--sample {sample} decodes sequences in the summary, not in verify: run "
+                f"`dflash inspect {args[1]} --sample {sample}` for them"
+            )
         sys.exit(0 if run_verify(args[1], as_json=as_json) else 1)
     if len(args) != 1:
         raise ValueError(_inspect_misuse(args))

@@ -38,3 +38,11 @@ def test_an_output_file_that_cannot_be_written_is_refused_before_the_work(
         assert ("is a folder" if where == "folder" else "is a file, not a folder") in out, out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
     assert not tmp_path.with_suffix(".png").exists()
+
+
+def test_inspect_verify_refuses_sample(tmp_path: Path) -> None:
+    """`dflash inspect verify STORE --sample 2` verified and decoded nothing, without a word
+    that the option was dropped; before the store is read."""
+    code, out = _run("inspect", "verify", str(tmp_path), "--sample", "2")
+    assert code == 2, out
+    assert "--sample 2" in out and f"dflash inspect {tmp_path} --sample 2" in out, out
