@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from store_factory import FactorySpec, build_store
 
 from dflash_offline.cli import main as cli
 
@@ -46,3 +47,23 @@ def test_inspect_verify_refuses_sample(tmp_path: Path) -> None:
     code, out = _run("inspect", "verify", str(tmp_path), "--sample", "2")
     assert code == 2, out
     assert "--sample 2" in out and f"dflash inspect {tmp_path} --sample 2" in out, out
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "expected"),
+    [
+        ("--shards", "2-1", "'2-1' is an empty range; write it low-high, e.g. 1-2"),
+        ("--arrays", ",", "names no array"),
+    ],
+)
+def test_convert_refuses_a_selection_of_nothing(
+    tmp_path: Path, option: str, value: str, expected: str
+) -> None:
+    """A reversed --shards range selected no shard and was told to run `dflash extract` first
+    ('has no committed shard'); an --arrays of no name wrote a file of the index alone."""
+    store = build_store(tmp_path / "store", FactorySpec())  # shards 0-2
+    out = tmp_path / "out.h5"
+    code, text = _run("convert", str(store), str(out), option, value)
+    assert code == 2, text
+    assert f"{option} {value!r}" in text and expected in text, text
+    assert not out.exists()

@@ -75,6 +75,11 @@ def parse_shards(text: str | None, committed: list[int], store: Path) -> list[in
             raise ValueError(
                 f"--shards {text!r}: {part!r} is not a shard number or range; use e.g. 0-3,7"
             ) from None
+        if last < first:  # an empty range: the store's error said to run extract first
+            raise ValueError(
+                f"--shards {text!r}: {part.strip()!r} is an empty range; write it low-high, "
+                f"e.g. {last}-{first}"
+            )
         wanted.update(range(first, last + 1))
     if missing := sorted(wanted - set(committed)):
         raise ValueError(
@@ -90,6 +95,11 @@ def parse_arrays(text: str | None, info: StoreInfo) -> list[str]:
     if text is None:
         return [*known, HEAD]
     names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:  # it wrote a file of the index and attributes alone
+        raise ValueError(
+            f"--arrays {text!r} names no array; name some of {', '.join([*known, HEAD])}, or "
+            "leave --arrays out to write all"
+        )
     if unknown := [n for n in names if n not in (*known, HEAD)]:
         raise ValueError(
             f"--arrays: store {info.path} has no array {', '.join(unknown)}; choose among "
