@@ -67,3 +67,27 @@ def test_convert_refuses_a_selection_of_nothing(
     assert code == 2, text
     assert f"{option} {value!r}" in text and expected in text, text
     assert not out.exists()
+
+
+@pytest.mark.parametrize("dest", ["file", "folder_of_other_files"])
+def test_convert_import_refuses_a_dest_that_is_no_store_first(tmp_path: Path, dest: str) -> None:
+    """An import into a file failed as 'File exists: DEST', and into a folder of other files
+    (a run folder, say) with extract's 'pass the folder extract wrote', both after the target's
+    LM head had loaded; --overwrite deleted neither, nor does it now."""
+    source = tmp_path / "in.h5"
+    source.write_bytes(b"not read: DEST is checked first")
+    target = tmp_path / "dest"
+    if dest == "file":
+        target.write_text("notes")
+    else:
+        target.mkdir()
+        (target / "metrics.jsonl").write_text("{}\n")
+    for extra in ([], ["--overwrite"]):
+        code, text = _run("convert", str(source), str(target), *extra)
+        assert code == 2, text
+        assert f"DEST {target}" in text and "pass a new" in text, text
+    assert (
+        target.is_file()
+        if dest == "file"
+        else sorted(target.iterdir()) == [target / "metrics.jsonl"]
+    )

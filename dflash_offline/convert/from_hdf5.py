@@ -50,6 +50,7 @@ from stage1_extract.job import _version, reserved_token_id
 from stage1_extract.packing import num_shards, plan_packing
 from stage1_extract.store_root import (
     _canonical_path,
+    _has_content,
     content_key,
     finalize_store,
     prepare_store,
@@ -161,7 +162,17 @@ def hdf5_to_store(h5: str | Path, store: str | Path, opts: ImportOptions) -> Pat
     Everything is checked before the store folder is created or touched."""
     if problems := opts.problems():
         raise ValueError("dflash convert: " + "; ".join(problems))
-    inp, store = open_input(h5), Path(store)
+    store = Path(store)
+    # DEST first: a file there failed as 'File exists' and a folder of other files was told
+    # to pass 'the folder extract wrote', both once the target's head had loaded
+    if store.exists() and not store.is_dir():
+        raise ValueError(f"DEST {store} is a file: an import writes a store folder; pass a new one")
+    if _has_content(store) and not (store / "zarr.json").is_file():
+        raise ValueError(
+            f"DEST {store} holds other files and no store (no zarr.json): an import writes a "
+            "new store folder or resumes its own; pass a new or empty folder"
+        )
+    inp = open_input(h5)
     if problem := hidden_dtype_problem(opts.hidden_dtype, inp.hidden_size):
         inp.file.close()
         raise ValueError(f"{inp.path}: {problem.replace('store.hidden_dtype', '--hidden-dtype')}")
