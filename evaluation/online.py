@@ -52,8 +52,10 @@ class EvaluateConfig:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
+        # named by their flags, as evaluate-offline names its own (the fields' names are not
+        # what the user typed)
         problems = [
-            f"{name} must be >= {low}, got {getattr(self, name)}"
+            f"--{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}"
             for name, low in (("num_prompts", 1), ("prompt_tokens", 1), ("new_tokens", 2))
             if getattr(self, name) < low
         ]

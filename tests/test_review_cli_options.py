@@ -91,3 +91,18 @@ def test_convert_import_refuses_a_dest_that_is_no_store_first(tmp_path: Path, de
         if dest == "file"
         else sorted(target.iterdir()) == [target / "metrics.jsonl"]
     )
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "low"),
+    [("--num-prompts", 0, 1), ("--prompt-tokens", 0, 1), ("--new-tokens", 1, 2)],
+)
+def test_evaluate_names_the_flag_out_of_range(
+    tmp_path: Path, option: str, value: int, low: int
+) -> None:
+    """'num_prompts must be >= 1, got 0': the config field's name, not the option typed
+    (evaluate-offline names its flags); refused before the target is read."""
+    args = ["evaluate", "--target", str(tmp_path / "t"), "--data", str(tmp_path / "d.jsonl")]
+    code, text = _run(*args, option, str(value))
+    assert code == 2, text
+    assert f"{option} must be >= {low}, got {value}" in text, text
