@@ -106,3 +106,14 @@ def test_evaluate_names_the_flag_out_of_range(
     code, text = _run(*args, option, str(value))
     assert code == 2, text
     assert f"{option} must be >= {low}, got {value}" in text, text
+
+
+def test_convert_import_names_each_count_out_of_range(tmp_path: Path) -> None:
+    """'--sequences-per-shard and --topk must be >= 1' named both, whichever was wrong, and
+    not the value given."""
+    source = tmp_path / "in.h5"
+    source.write_bytes(b"not read: the options are checked first")
+    code, text = _run("convert", str(source), str(tmp_path / "s"), "--topk", "0")
+    assert code == 2, text
+    assert "--topk must be >= 1, got 0" in text and "--sequences-per-shard" not in text, text
+    assert not (tmp_path / "s").exists()

@@ -76,8 +76,12 @@ class ImportOptions:
 
     def problems(self) -> list[str]:
         out = [f"--seq-len must be >= 16, got {self.seq_len}"] if self.seq_len < 16 else []
-        if self.sequences_per_shard < 1 or self.topk < 1:
-            out.append("--sequences-per-shard and --topk must be >= 1")
+        # each named with its value: one message for both named neither the culprit nor it
+        out += [
+            f"--{name.replace('_', '-')} must be >= 1, got {value}"
+            for name in ("sequences_per_shard", "topk")
+            if (value := getattr(self, name)) < 1
+        ]
         return out
 
 
