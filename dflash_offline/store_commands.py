@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from common.errors import cli_errors
+from common.errors import INTERRUPT_EXIT, Stopped, cli_errors
 from common.logging import init_logger
 
 INSPECT_USAGE = (
@@ -152,7 +152,17 @@ def convert(source: str, dest: str, **options: Any) -> None:
     verifier outputs computes them from the LM head when the target's last layer is tapped,
     else uses the data's next token (as `loss.target=data` does).
     """
+    from pathlib import Path
+
     from dflash_offline.convert import run_convert
 
     init_logger()
-    click.echo(f"wrote {run_convert(source, dest, **options)}")
+    try:
+        click.echo(f"wrote {run_convert(source, dest, **options)}")
+    except KeyboardInterrupt:  # what stays, as generate's and extract's Ctrl-C say it
+        kept = (
+            f"nothing was written to {dest} (the file is written under a temporary name)"
+            if Path(source).is_dir()
+            else f"the shards committed to {dest} so far stay; rerun the same command to resume"
+        )
+        raise Stopped(f"interrupted (Ctrl-C): {kept}", INTERRUPT_EXIT) from None

@@ -117,3 +117,35 @@ def test_convert_import_names_each_count_out_of_range(tmp_path: Path) -> None:
     assert code == 2, text
     assert "--topk must be >= 1, got 0" in text and "--sequences-per-shard" not in text, text
     assert not (tmp_path / "s").exists()
+
+
+def test_convert_interrupted_says_what_stays(tmp_path: Path, monkeypatch) -> None:
+    """Ctrl-C in an import said 'interrupted (Ctrl-C)' alone: nothing of the shards it had
+    committed, nor that the same command resumes it (generate's and extract's say both)."""
+    from test_convert import write_input
+
+    import dflash_offline.convert.from_hdf5 as from_hdf5
+
+    h5 = tmp_path / "in.h5"
+    write_input(build_store(tmp_path / "store", FactorySpec()), h5, verifier=True, head=True)
+    args = ["convert", str(h5), str(tmp_path / "imported"), "--seq-len", "64"]
+    args += ["--sequences-per-shard", "2"]
+    write_shard, calls = from_hdf5.write_shard, []
+
+    def interrupted_after_one(*a, **k):
+        if calls:
+            raise KeyboardInterrupt
+        calls.append(write_shard(*a, **k))
+
+    monkeypatch.setattr(from_hdf5, "write_shard", interrupted_after_one)
+    code, text = _run(*args)
+    assert code == 130, text
+    assert "the shards committed to" in text and "rerun the same command to resume" in text, text
+    monkeypatch.setattr(from_hdf5, "write_shard", write_shard)
+    code, text = _run(*args)
+    assert code == 0, text
+
+    monkeypatch.setattr("dflash_offline.convert.to_hdf5._copy_shard", interrupted_after_one)
+    code, text = _run("convert", str(tmp_path / "imported"), str(tmp_path / "out.h5"))
+    assert code == 130 and "nothing was written to" in text, text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["imported", "in.h5", "store"]
