@@ -102,7 +102,24 @@ def check_out_file(_ctx: click.Context, param: click.Parameter, value: str | Non
         raise click.BadParameter(
             f"{value}: {above} is a file, not a folder; pass a path in a folder"
         )
+    if param.name == "plot":
+        _check_image_suffix(path)
     return value
+
+
+def _check_image_suffix(path: Path) -> None:
+    """matplotlib picks the format by the suffix: an unknown one failed after the work, with
+    the figures unwritten, and none wrote PATH.png where the log named PATH."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:  # evaluate warns that it draws no plot
+        return
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if path.suffix[1:].lower() not in formats:
+        raise click.BadParameter(
+            f"{path}: matplotlib writes no {path.suffix or 'suffix-less'} file; end it in one of "
+            f".{', .'.join(sorted(formats))}, e.g. {path.with_suffix('.png')}"
+        )
 
 
 def echo_json(results: dict[str, Any], json_out: str | None) -> None:

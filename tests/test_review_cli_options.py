@@ -149,3 +149,15 @@ def test_convert_interrupted_says_what_stays(tmp_path: Path, monkeypatch) -> Non
     code, text = _run("convert", str(tmp_path / "imported"), str(tmp_path / "out.h5"))
     assert code == 130 and "nothing was written to" in text, text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["imported", "in.h5", "store"]
+
+
+@pytest.mark.parametrize("name", ["plot.pgn", "plot"])
+def test_evaluate_refuses_a_plot_matplotlib_cannot_name(tmp_path: Path, name: str) -> None:
+    """--plot x.pgn measured everything, then failed in matplotlib ('Format pgn is not
+    supported', no option named) with the figures neither printed nor written to --json-out;
+    --plot x wrote x.png where the log named x."""
+    value = str(tmp_path / name)
+    args = ["evaluate", "--target", str(tmp_path / "t"), "--data", str(tmp_path / "d.jsonl")]
+    code, text = _run(*args, "--plot", value)
+    assert code == 2, text
+    assert "Invalid value for '--plot'" in text and f"e.g. {tmp_path / 'plot.png'}" in text, text
