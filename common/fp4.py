@@ -76,9 +76,12 @@ class Fp4Features:
         return values.reshape(*values.shape[:-2], -1)
 
 
-def encode_fp4(hidden_ND: torch.Tensor, kind: Fp4Kind) -> Fp4Features:
+def encode_fp4(
+    hidden_ND: torch.Tensor, kind: Fp4Kind, candidate: NvCandidate | None = None
+) -> Fp4Features:
     """[..., D] features -> `kind`'s blocks (module docstring). D must be a multiple of the
-    block."""
+    block. `candidate` evaluates one nvfp4 block-scale candidate (default: `nvfp4_candidate`;
+    the compiled encoder passes its compiled twin)."""
     if kind not in BLOCK:
         raise ValueError(f"unknown fp4 layout {kind!r}: one of {', '.join(BLOCK)}")
     block = BLOCK[kind]
@@ -98,7 +101,9 @@ def encode_fp4(hidden_ND: torch.Tensor, kind: Fp4Kind) -> Fp4Features:
     else:
         per_row = amax.amax(-2, keepdim=True) / (E2M1_MAX * E4M3_MAX)
         per_row = torch.where(per_row == 0, torch.ones_like(per_row), per_row)
-        e4m3, scale, codes = _nvfp4_least_error_scales(blocks, amax, per_row)
+        e4m3, scale, codes = _nvfp4_least_error_scales(
+            blocks, amax, per_row, candidate or nvfp4_candidate
+        )
         return Fp4Features(codes, scale, [e4m3.view(torch.uint8), per_row])
     return Fp4Features(_block_codes(blocks, scale), scale, stored)
 
@@ -119,35 +124,52 @@ NVFP4_SCALE_CANDIDATES = ((6.0, 0), (6.0, -1), (6.0, 1), (4.0, 0), (4.0, -1), (4
 E4M3_MAX_BITS = 0x7E  # 448; 0x7F is NaN
 
 
+NvCandidate = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+]
+
+
+def nvfp4_candidate(
+    blocks: torch.Tensor,
+    amax: torch.Tensor,
+    per_row: torch.Tensor,
+    top: torch.Tensor,
+    step: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block-scale candidate of [..., B, 16] `blocks`: the e4m3 scale mapping each block's
+    amax to `top`, `step` e4m3 steps away (0-d tensors, so that one compiled graph serves all
+    six), as (its bits, its fp32 decode scale, the codes under it, the block's float64 squared
+    error)."""
+    e4m3 = (amax / top / per_row).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    bits = (e4m3.view(torch.uint8).int() + step).clamp(0, E4M3_MAX_BITS).to(torch.uint8)
+    scale = bits.view(torch.float8_e4m3fn).float() * per_row
+    codes = _block_codes(blocks, scale)
+    error = ((e2m1_value(codes) * scale).double() - blocks.double()).square().sum(-1, True)
+    return bits, scale, codes, error
+
+
 def _nvfp4_least_error_scales(
-    blocks: torch.Tensor, amax: torch.Tensor, per_row: torch.Tensor
+    blocks: torch.Tensor, amax: torch.Tensor, per_row: torch.Tensor, candidate: NvCandidate
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(e4m3 block scales, their fp32 decode scales, codes) of [..., B, 16] `blocks`: of
     NVFP4_SCALE_CANDIDATES, the first of least squared error (fp64) of the decoded block
-    (FORMAT.md "Hidden states"). A NaN block keeps the first candidate (every comparison fails)."""
+    (FORMAT.md "Hidden states"). A NaN block keeps the first candidate (every comparison fails).
+    """
     best = None
     for top, step in NVFP4_SCALE_CANDIDATES:
-        e4m3 = (amax / top / per_row).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
-        if step:
-            bits = (e4m3.view(torch.uint8).int() + step).clamp(0, E4M3_MAX_BITS)
-            e4m3 = bits.to(torch.uint8).view(torch.float8_e4m3fn)
-        scale = e4m3.float() * per_row
-        codes = _block_codes(blocks, scale)
-        error = ((e2m1_value(codes) * scale).double() - blocks.double()).square().sum(-1, True)
+        # on the features' device: a compiled graph then takes no host scalar among them
+        top_t = torch.tensor(top, device=blocks.device)
+        step_t = torch.tensor(step, dtype=torch.int32, device=blocks.device)
+        found = candidate(blocks, amax, per_row, top_t, step_t)
         if best is None:
-            best = (e4m3, scale, codes, error)
+            best = found
             continue
-        better = error < best[3]
-        best = (
-            torch.where(better, e4m3.view(torch.uint8), best[0].view(torch.uint8)).view(
-                torch.float8_e4m3fn
-            ),
-            torch.where(better, scale, best[1]),
-            torch.where(better, codes, best[2]),
-            torch.where(better, error, best[3]),
-        )
+        better = found[3] < best[3]
+        best = tuple(torch.where(better, new, old) for new, old in zip(found, best, strict=True))
     assert best is not None
-    return best[0], best[1], best[2]
+    bits, scale, codes, _ = best
+    return bits.view(torch.float8_e4m3fn), scale, codes
 
 
 def round_features_fp4(hidden_ND: torch.Tensor, kind: Fp4Kind) -> torch.Tensor:
@@ -172,14 +194,16 @@ def nvfp4_codes_bytes(row_bytes: int) -> int:
     return hidden_size // 2
 
 
-def quantize_nvfp4(hidden_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_nvfp4(
+    hidden_ND: torch.Tensor, candidate: NvCandidate | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., D] -> (uint8 rows [..., nvfp4_row_bytes(D)], fp32 scale [...]): the FORMAT.md
     nvfp4 encoding of `hidden_dtype: "nvfp4"`. A row is D / 2 bytes of e2m1 codes, feature 2i
     in the low nibble of byte i and 2i + 1 in the high one, then D / 16 bytes holding the
     float8_e4m3fn bits of each block's scale; the fp32 scale is the row's (per token and
     layer). Decodes to exactly what `round_features_fp4(hidden, "nvfp4")` gives. D must be a
     multiple of 16."""
-    encoded = encode_fp4(hidden_ND, "nvfp4")
+    encoded = encode_fp4(hidden_ND, "nvfp4", candidate)
     codes_ND = encoded.codes.flatten(-2)
     packed_ND = codes_ND[..., 0::2] | (codes_ND[..., 1::2] << 4)
     block_bits, row_scale = encoded.stored_scales
@@ -189,12 +213,15 @@ def quantize_nvfp4(hidden_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 @functools.cache
 def compiled_quantize_nvfp4() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """`quantize_nvfp4` as one torch.compile region (extract's encoder where the head is
-    compiled: a CUDA target's default). Eager it is ~30 elementwise passes over the features
-    (6.7x the compiled time on the CPU, the same bytes); rows marked dynamic, so one graph
-    serves every batch's token count. fullgraph: a graph break raises instead of running eager
-    silently."""
-    return torch.compile(quantize_nvfp4, dynamic=True, fullgraph=True)
+    """`quantize_nvfp4` with each block-scale candidate one torch.compile region (extract's
+    encoder where the head is compiled: a CUDA target's default). Eager a candidate is ~30
+    elementwise passes over the features; compiled, one graph serves all six (their target and
+    step are tensors) and every batch's token count (rows marked dynamic), the same bytes as
+    eager on the CPU. The whole encoder as one region compiled 4x as long (57 s against 14 s
+    on this project's CPU) for the six candidates unrolled. fullgraph: a graph break raises
+    instead of running eager silently."""
+    candidate = torch.compile(nvfp4_candidate, dynamic=True, fullgraph=True)
+    return functools.partial(quantize_nvfp4, candidate=candidate)
 
 
 def dequantize_nvfp4(
