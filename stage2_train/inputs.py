@@ -127,13 +127,17 @@ def check_inputs(cfg: TrainConfig) -> tuple[StoreInfo, DrafterShape]:
     out = Path(cfg.run.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; pass a folder for the run (new or existing)")
-    store = Path(cfg.data.store).expanduser().resolve()
-    if out.resolve() == store or store in out.resolve().parents:
-        # checkpoints, metrics and the export would be written among the store's files
-        raise ValueError(
-            f"--out {out} is inside the store {cfg.data.store} (--store); pass a run folder "
-            "of its own, e.g. runs/NAME"
-        )
+    stores = [(cfg.data.store, "--store")]
+    if cfg.data.dev_store:
+        stores.append((cfg.data.dev_store, "data.dev_store"))
+    for given, named in stores:
+        store = Path(given).expanduser().resolve()
+        if out.resolve() == store or store in out.resolve().parents:
+            # checkpoints, metrics and the export would be written among the store's files
+            raise ValueError(
+                f"--out {out} is inside the store {given} ({named}); pass a run folder of its "
+                "own, e.g. runs/NAME"
+            )
     # --follow trains while extraction writes the store: its split comes later (follow.py)
     info = open_store(cfg.data.store, require_complete=not cfg.data.follow)
     if info.complete:

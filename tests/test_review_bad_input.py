@@ -162,6 +162,18 @@ def test_train_out_inside_the_store_is_refused(tmp_path: Path, inside: str) -> N
     assert not (store / "metrics.jsonl").exists()
 
 
+def test_train_out_inside_the_dev_store_is_refused(tmp_path: Path) -> None:
+    # data.dev_store is a store too: its folder was not checked
+    store = build_store(tmp_path / "store", FactorySpec(num_sequences=4))
+    dev = build_store(tmp_path / "dev", FactorySpec(num_sequences=2))
+    out = dev / "run"
+    args = ["train", "--config", str(DEBUG), "--store", str(store), "--out", str(out)]
+    result = CliRunner().invoke(cli, [*args, "--devices", "cpu", "--set", f"data.dev_store={dev}"])
+    assert result.exit_code == 2
+    assert f"--out {out} is inside the store {dev} (data.dev_store)" in error_line(result)
+    assert not out.exists()
+
+
 @pytest.mark.parametrize(
     ("device", "expected"),
     [
