@@ -197,7 +197,10 @@ class StoreConfig:
 @dataclass
 class ExtractRunConfig:
     devices: str = doc("0,1", "GPU ids (one process each), or 'cpu'")
-    batch_tokens: int = doc(16384, "token budget of one target forward (padded tokens)")
+    batch_tokens: int = doc(
+        16384,
+        "token budget of one target forward (padded tokens); a document longer than it runs alone",
+    )
     writer_processes: int = doc(
         4,
         "background processes writing shards; they encode in parallel (0: write from "

@@ -165,7 +165,9 @@ class GenerateRunConfig:
     )
     batch_size: int = doc(256, "local backend: most prompts generated together")
     batch_tokens: int = doc(
-        1_048_576, "local backend: most (prompt + new) tokens of one batch (bounds the KV cache)"
+        1_048_576,
+        "local backend: most (prompt + new) tokens of one batch (bounds the KV cache); a row "
+        "longer than it runs alone",
     )
     kv_cache: Literal["auto", "dynamic", "static", "preallocated"] = doc(
         "auto",
