@@ -113,7 +113,11 @@ def plot(run: str) -> None:
     help="export: bf16 / fp8 / nvfp4 arrays (hidden, logits, target head) as stored, with an "
     "`encoding` attribute, or decoded to floats [default: bits]",
 )
-@click.option("--target", help="import: target model folder (config, tokenizer, LM head)")
+@click.option(
+    "--target",
+    help="import: target model folder (config, tokenizer, LM head) [default: the file's root "
+    "attribute target, else its target_config and /target_head]",
+)
 @click.option("--seq-len", type=int, help="import: tokens per packed sequence [default: 3072]")
 @click.option("--sequences-per-shard", type=int, help="import: sequences per shard [default: 64]")
 @click.option(

@@ -161,3 +161,11 @@ def test_evaluate_refuses_a_plot_matplotlib_cannot_name(tmp_path: Path, name: st
     code, text = _run(*args, "--plot", value)
     assert code == 2, text
     assert "Invalid value for '--plot'" in text and f"e.g. {tmp_path / 'plot.png'}" in text, text
+
+
+def test_convert_help_says_what_an_import_without_target_reads() -> None:
+    """--target's help named no fallback, as if an import needed it (README's example passes
+    it); the file's own attributes serve without it (hdf5_input.py's layout)."""
+    code, text = _run("convert", "--help")
+    assert code == 0, text
+    assert "[default: the file's root attribute target, else its target_config" in text, text
