@@ -169,3 +169,24 @@ def test_convert_help_says_what_an_import_without_target_reads() -> None:
     code, text = _run("convert", "--help")
     assert code == 0, text
     assert "[default: the file's root attribute target, else its target_config" in text, text
+
+
+def test_convert_import_refuses_a_drafter_export_as_target(tmp_path: Path) -> None:
+    """A drafter export as --target loaded as a model (transformers' report of unexpected and
+    missing weights), and the import failed on its shapes as if it were a target ('tapped_layers
+    [2] are not layers of the 2-layer target')."""
+    import json
+
+    from test_convert import write_input
+
+    h5 = tmp_path / "in.h5"
+    write_input(build_store(tmp_path / "store", FactorySpec()), h5, verifier=True)
+    export = tmp_path / "export"
+    export.mkdir()
+    config = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 1}
+    config["dflash_config"] = {"target_layer_ids": [0], "block_size": 16, "mask_token_id": 0}
+    (export / "config.json").write_text(json.dumps(config))
+    code, text = _run("convert", str(h5), str(tmp_path / "s"), "--target", str(export))
+    assert code == 2, text
+    assert f"--target {export} is a DFlash drafter export" in text, text
+    assert not (tmp_path / "s").exists()

@@ -91,6 +91,11 @@ def _target(inp: Hdf5Input, target: str | None) -> dict[str, Any]:
         cfg = ExtractConfig().target
         cfg.model = target
         config = load_target_config(cfg, "--target")
+        if getattr(config, "dflash_config", None) is not None:  # as evaluate refuses one
+            raise ValueError(
+                f"--target {target} is a DFlash drafter export (dflash_config in its "
+                "config.json), not a target: pass the model folder the hidden states came from"
+            )
         full, text = config_dict(config), text_config(config)
         model_type, layers = config.model_type, text.num_hidden_layers
     elif (full := target_config(inp)) is not None:
