@@ -190,3 +190,12 @@ def test_convert_import_refuses_a_drafter_export_as_target(tmp_path: Path) -> No
     assert code == 2, text
     assert f"--target {export} is a DFlash drafter export" in text, text
     assert not (tmp_path / "s").exists()
+
+
+def test_convert_export_under_a_file_says_it_is_a_file(tmp_path: Path) -> None:
+    """OUT.h5 under a file was told 'folder X does not exist; create it', of a file that does."""
+    store = build_store(tmp_path / "store", FactorySpec())
+    (tmp_path / "notes").write_text("x")
+    code, text = _run("convert", str(store), str(tmp_path / "notes" / "out.h5"))
+    assert code == 2, text
+    assert f"{tmp_path / 'notes'} is a file, not a folder" in text, text

@@ -225,6 +225,8 @@ def store_to_hdf5(
     metas = [_shard_meta(info, i) for i in selected]
     seq_off = np.cumsum([0] + [m["num_sequences"] for m in metas]).astype(np.int64)
     doc_off = np.cumsum([0] + [m["num_documents"] for m in metas]).astype(np.int64)
+    if out.parent.exists() and not out.parent.is_dir():  # it said the file did not exist
+        raise ValueError(f"{out}: {out.parent} is a file, not a folder; choose another path")
     if not out.parent.is_dir():
         raise ValueError(f"{out}: folder {out.parent} does not exist; create it or choose another")
     tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
