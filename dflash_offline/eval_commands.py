@@ -10,7 +10,10 @@ import click
 
 from common.errors import cli_errors
 from common.logging import init_logger
-from dflash_offline.options import check_out_file, device_option, echo_json
+from dflash_offline.options import check_out_file, device_option, echo_json, exit_interrupted
+
+# what stays of an evaluation stopped with Ctrl-C: its figures come whole at the end
+NOTHING_WRITTEN = "nothing was written: the figures (and --json-out) come once every {} is measured"
 
 
 def _json_object(value: str) -> dict[str, Any]:
@@ -112,7 +115,10 @@ def evaluate(json_out: str | None, plot: str | None, **kwargs: Any) -> None:
     if plot is None and json_out:
         plot = str(Path(json_out).with_suffix(".png"))
     init_logger()
-    results = run_evaluate(EvaluateConfig(plot=plot, **kwargs))
+    try:
+        results = run_evaluate(EvaluateConfig(plot=plot, **kwargs))
+    except KeyboardInterrupt:
+        exit_interrupted(NOTHING_WRITTEN.format("prompt"))
     echo_json(results, json_out)
 
 
@@ -160,5 +166,8 @@ def evaluate_offline(json_out: str | None, **kwargs: Any) -> None:
     from evaluation.offline import OfflineEvalConfig, run_offline_eval
 
     init_logger()
-    results = run_offline_eval(OfflineEvalConfig(**kwargs))
+    try:
+        results = run_offline_eval(OfflineEvalConfig(**kwargs))
+    except KeyboardInterrupt:
+        exit_interrupted(NOTHING_WRITTEN.format("sequence"))
     echo_json(results, json_out)

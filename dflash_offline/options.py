@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
 from common.config import describe
+from common.errors import INTERRUPT_EXIT
 
 
 def config_options(example: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -146,3 +147,13 @@ def _finite(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_finite(v) for v in value]
     return value
+
+
+def exit_interrupted(kept: str) -> NoReturn:
+    """Exit on Ctrl-C as `cli_errors` does (130, `interrupted (Ctrl-C): ...`), saying what stays
+    of the work: for the commands its RESUME_HINTS does not name."""
+    import logging
+
+    click.echo(f"interrupted (Ctrl-C): {kept}", err=True)
+    logging.shutdown()
+    raise SystemExit(INTERRUPT_EXIT)

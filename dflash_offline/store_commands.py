@@ -8,8 +8,9 @@ from typing import Any
 
 import click
 
-from common.errors import INTERRUPT_EXIT, Stopped, cli_errors
+from common.errors import cli_errors
 from common.logging import init_logger
+from dflash_offline.options import exit_interrupted
 
 INSPECT_USAGE = (
     "dflash inspect STORE [--sample N] [--json]  or  dflash inspect verify STORE [--json]"
@@ -169,4 +170,4 @@ def convert(source: str, dest: str, **options: Any) -> None:
             if Path(source).is_dir()
             else f"the shards committed to {dest} so far stay; rerun the same command to resume"
         )
-        raise Stopped(f"interrupted (Ctrl-C): {kept}", INTERRUPT_EXIT) from None
+        exit_interrupted(kept)

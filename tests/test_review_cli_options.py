@@ -141,6 +141,8 @@ def test_convert_interrupted_says_what_stays(tmp_path: Path, monkeypatch) -> Non
     code, text = _run(*args)
     assert code == 130, text
     assert "the shards committed to" in text and "rerun the same command to resume" in text, text
+    assert text.startswith("interrupted (Ctrl-C): ") or " interrupted (Ctrl-C): " in text, text
+    assert "stopped:" not in text, text  # the form generate's and extract's lines take
     monkeypatch.setattr(from_hdf5, "write_shard", write_shard)
     code, text = _run(*args)
     assert code == 0, text
@@ -199,3 +201,29 @@ def test_convert_export_under_a_file_says_it_is_a_file(tmp_path: Path) -> None:
     code, text = _run("convert", str(store), str(tmp_path / "notes" / "out.h5"))
     assert code == 2, text
     assert f"{tmp_path / 'notes'} is a file, not a folder" in text, text
+
+
+@pytest.mark.parametrize(
+    ("command", "runner", "unit"),
+    [
+        ("evaluate", "evaluation.online.run_evaluate", "prompt"),
+        ("evaluate-offline", "evaluation.offline.run_offline_eval", "sequence"),
+    ],
+)
+def test_evaluate_interrupted_says_nothing_was_written(
+    tmp_path: Path, monkeypatch, command: str, runner: str, unit: str
+) -> None:
+    """Ctrl-C said 'interrupted (Ctrl-C)' alone, where generate's and extract's name what stays."""
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, interrupted)
+    args = ["--target", "T", "--data", "D"] if command == "evaluate" else ["--drafter", "E"]
+    args += [] if command == "evaluate" else ["--store", "S"]
+    code, text = _run(command, *args, "--json-out", str(tmp_path / "f.json"))
+    assert code == 130, text
+    assert text.endswith(
+        f"interrupted (Ctrl-C): nothing was written: the figures (and --json-out) come once every {unit} is measured"
+    ), text
+    assert not list(tmp_path.iterdir())
