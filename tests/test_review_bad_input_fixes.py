@@ -64,7 +64,9 @@ def test_train_dev_store_that_is_no_store_names_the_key(
     # before: `store X does not exist; run dflash extract to create it`, or `X is not a dflash
     # store`: the path alone, not that it came from data.dev_store, nor what a dev store is;
     # then named, but only once the workers had built the model (minutes on a real target)
-    dev = {"missing": tmp_path / "dev", "empty folder": tmp_path, "shard": None}.get(kind)
+    empty = tmp_path / "empty"  # a folder of its own: the run (tmp_path / "r") is not in it
+    empty.mkdir()
+    dev = {"missing": tmp_path / "dev", "empty folder": empty, "shard": None}.get(kind)
     dev = dev or store / "shards" / "shard-000000"
     if kind == "damaged":  # a cut file reads as zeros: found before reading, from its record
         dev = Path(shutil.copytree(store, tmp_path / "dev"))
