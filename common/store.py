@@ -388,8 +388,10 @@ def open_store(store: str | Path, *, require_complete: bool = False) -> StoreInf
     info = StoreInfo(Path(store), attrs)
     if require_complete and not info.complete:
         done = len(committed_shards(store))
+        # a store `dflash convert` imported (FORMAT.md: converted_from) resumes by its command
+        writer = "dflash convert" if "converted_from" in attrs else "dflash extract"
         raise StoreError(
             f"{store}: extraction is not finished ({done}/{info.num_shards} shards committed); "
-            "rerun the same `dflash extract` command to complete it"
+            f"rerun the same `{writer}` command to complete it"
         )
     return info

@@ -229,6 +229,18 @@ def test_bad_stores_are_refused(
         check_inputs(_cfg(store, tmp_path))
 
 
+def test_an_unfinished_store_names_the_command_that_completes_it(tmp_path: Path) -> None:
+    """An extracted store resumes by its `dflash extract`, an imported one (converted_from) by
+    its `dflash convert`: the refusal named extract for both (helper-108's report)."""
+    extracted = build_store(tmp_path / "extracted", FactorySpec(complete=False))
+    with pytest.raises(StoreError, match="rerun the same `dflash extract` command"):
+        open_store(extracted, require_complete=True)
+    imported = build_store(tmp_path / "imported", FactorySpec(complete=False))
+    _rewrite_attrs(imported, converted_from={"hdf5": "/data/in.h5", "verifier": "input"})
+    with pytest.raises(StoreError, match="rerun the same `dflash convert` command"):
+        open_store(imported, require_complete=True)
+
+
 def _pick_mask(explicit, embed_rows, zero_rows=(), **tok):
     from types import SimpleNamespace
 
