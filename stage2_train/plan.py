@@ -74,6 +74,20 @@ class EpochPlan:
         self.per_step = world * batch * accum
         self.steps_per_epoch = -(-num_train // self.per_step)
 
+    def padding_note(self) -> str | None:
+        """What a step larger than the training sequences costs, or None: its slots past them
+        are zero-weight padding, computed and learned nothing from."""
+        if self.per_step <= self.num_train:
+            return None
+        fits = max(1, self.num_train // (self.world * self.accum))
+        return (
+            f"one optimizer step takes {self.per_step} sequences (world {self.world} x "
+            f"optim.batch_sequences {self.batch} x optim.grad_accum {self.accum}) but the store "
+            f"trains on {self.num_train}: {self.per_step - self.num_train} of each step's are "
+            f"zero-weight padding, computed for nothing; set optim.batch_sequences={fits} or "
+            "extract more data"
+        )
+
     def order(self, epoch: int) -> torch.Tensor:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(self.num_train, generator=gen)

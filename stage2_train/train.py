@@ -439,6 +439,8 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         backend,
         time.perf_counter() - setting_up,
     )
+    if not cfg.data.follow and (note := plan.padding_note()):  # (follow's store grows)
+        log.warning("%s", note)
     if state.step and state.step >= total_steps:  # only the export below
         say_nothing_to_train(out, state.step, total_steps)
     bar = tqdm(

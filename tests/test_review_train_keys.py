@@ -218,3 +218,27 @@ def test_time_limit_help_says_where_its_clock_starts() -> None:
     assert "seconds of the training process" not in line
     assert "this many seconds of the training loop" in line
     assert "less the start-up before the loop" in line
+
+
+def test_a_step_larger_than_the_training_sequences_is_warned_about(tmp_path: Path) -> None:
+    """A step of more sequences than the store trains on pads the rest with zero-weight
+    sequences, computed for nothing (3.5 GB instead of 0.39 GB on the example store, helper-104):
+    trained as asked, with a warning naming the batch that fits."""
+    from click.testing import CliRunner
+    from log_capture import dflash_messages
+
+    from dflash_offline.cli import main as cli
+    from stage2_train.plan import EpochPlan
+
+    assert EpochPlan(21, 1, 0, 4, 1, 0).padding_note() is None
+    note = EpochPlan(21, 2, 0, 8, 2, 0).padding_note()
+    assert note is not None and "takes 32 sequences" in note and "trains on 21: 11 of" in note
+    assert "optim.batch_sequences=5" in note  # 2 x 5 x 2 = 20 <= 21
+    store = build_store(tmp_path / "store", FactorySpec(num_sequences=5))
+    args = ["train", "--config", str(Path(__file__).parents[1] / "configs" / "debug.yaml")]
+    args += ["--store", str(store), "--out", str(tmp_path / "run"), "--devices", "cpu"]
+    sets = ["data.holdout_sequences=1", "optim.batch_sequences=6", "optim.max_steps=1"]
+    with dflash_messages() as seen:
+        result = CliRunner().invoke(cli, [*args, *[a for s in sets for a in ("--set", s)]])
+    assert result.exit_code == 0, result.output
+    assert any("takes 6 sequences" in m and "trains on 4: 2 of" in m for m in seen), seen
