@@ -12,17 +12,14 @@ import dataclasses
 import json
 import logging
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import torch
 from log_capture import dflash_messages
 from safetensors.torch import load_file
 
 from common.durable import aside_name
 from common.locks import exclusive_lock
-from common.logging import get_logger
 from stage2_train.checkpoint import step_dir
 from stage2_train.export import export_checkpoint
 from stage2_train.model import DFlashDrafter, DrafterShape
@@ -75,17 +72,8 @@ def _same(exported: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> 
     return all(torch.equal(exported[k], v.to(torch.bfloat16)) for k, v in state.items())
 
 
-@pytest.fixture
-def info_logged() -> Iterator[None]:
-    """The dflash logger at INFO, as `dflash export` sets it (init_logger)."""
-    level = get_logger().level
-    get_logger().setLevel(logging.INFO)
-    yield
-    get_logger().setLevel(level)
-
-
 def test_export_renames_the_newest_step_back_and_exports_it(
-    tmp_path: Path, info_logged: None
+    tmp_path: Path,
 ) -> None:
     run = tmp_path / "run"
     newest = _run_killed_mid_save(run)

@@ -11,14 +11,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from log_capture import dflash_messages
 from store_factory import FactorySpec, build_store
 
-from common.logging import get_logger
 from common.store import open_store
 from evaluation.chained import unstored_stop_ids
 from stage2_train.best import (
@@ -33,21 +30,12 @@ from stage2_train.best import (
 DEV = ("/data/dev", "key-a")
 
 
-@pytest.fixture
-def info_logged() -> Iterator[None]:
-    """The dflash logger at INFO, as a training run sets it (init_logger)."""
-    level = get_logger().level
-    get_logger().setLevel(logging.INFO)
-    yield
-    get_logger().setLevel(level)
-
-
 def _write(out: Path, text: str) -> None:
     (out / BEST_DIR).mkdir(exist_ok=True)
     (out / BEST_DIR / BEST_FILE).write_text(text)
 
 
-def test_the_definition_is_recorded_and_compared(tmp_path: Path, info_logged: None) -> None:
+def test_the_definition_is_recorded_and_compared(tmp_path: Path) -> None:
     definition = dev_definition(16, [151645, 151643])
     assert definition == DEV_MEASURE | {"block_size": 16, "stop_ids": [151643, 151645]}
     _write(tmp_path, best_record(40, 3.5, *DEV, definition))
@@ -61,7 +49,7 @@ def test_the_definition_is_recorded_and_compared(tmp_path: Path, info_logged: No
         | {"stop_ids": [151643, 151645]},
     ]
     for other in others:
-        with dflash_messages() as logged:
+        with dflash_messages(logging.INFO) as logged:
             assert best_so_far(tmp_path, *DEV, other) == -math.inf
         said = [line for line in logged if "defined otherwise" in line]
         assert len(said) == 1 and json.dumps(other) in said[0], logged
