@@ -35,6 +35,25 @@ PROMPTS = [
 NEW_TOKENS = 24
 
 
+def prompt_lookup_online(
+    target: torch.nn.Module,
+    prompt: list[int],
+    num_draft: int,
+    num_new: int,
+    stop_ids: frozenset[int] = frozenset(),
+) -> tuple[list[int], list[int]]:
+    """Prompt lookup under the target's greedy verification, as `dflash evaluate` runs it:
+    (the tokens generated, the tokens gained per forward)."""
+    generated, gains, _ = speculative_generate(
+        CachedTarget(target, None),
+        prompt,
+        lambda tokens, _f: prompt_lookup_draft(tokens, num_draft),
+        num_new,
+        stop_ids=stop_ids,
+    )
+    return generated, gains
+
+
 def test_response_runs() -> None:
     loss = torch.tensor([0, 1, 1, 1, 0, 1, 1, 1, 1, 0, 1])
     docs = torch.tensor([0, 0, 0, 0, 0, 0, 0, 1, 1, -1, 2])
@@ -105,12 +124,7 @@ def test_chained_offline_tau_equals_online(tiny_qwen3: Path, tmp_path: Path) -> 
     num_draft = drafter.shape.block_size - 1
     lookup_taus = []
     for prompt, completion in zip(prompts, completions, strict=True):
-        generated, gains, _ = speculative_generate(
-            CachedTarget(target, None),
-            prompt,
-            lambda tokens, _f: prompt_lookup_draft(tokens, num_draft),
-            len(completion),
-        )
+        generated, gains = prompt_lookup_online(target, prompt, num_draft, len(completion))
         assert generated == completion
         lookup_taus.append(sum(gains) / len(gains))
     assert offline["prompt_lookup_chained_responses"] == len(rows)
@@ -241,13 +255,7 @@ def test_prompt_lookup_chain_counts_the_stop_token_as_online(
     from evaluation.chained import prompt_lookup_chains
 
     for prompt, reply, stop, row in replies_ending_at_a_stop:
-        generated, gains, _ = speculative_generate(
-            CachedTarget(target, None),
-            prompt,
-            lambda tokens, _f: prompt_lookup_draft(tokens, 3),
-            64,
-            stop_ids=frozenset([stop]),
-        )
+        generated, gains = prompt_lookup_online(target, prompt, 3, 64, frozenset([stop]))
         assert generated == [*reply, stop]
         offline = prompt_lookup_chains([row], 3, stop_ids=frozenset([stop]))
         assert offline == [(sum(gains), len(gains))]

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from evaluation import chained
-from evaluation.acceptance import CachedTarget, prompt_lookup_draft, speculative_generate
 from tests.test_chained import (  # noqa: F401 (the fixtures)
     _stored_row,
     oracle_chains,
+    prompt_lookup_online,
     replies_ending_at_a_stop,
     target,
 )
@@ -31,13 +31,7 @@ def test_prompt_lookup_chain_counts_a_stored_stop_once(
     target: torch.nn.Module,  # noqa: F811
 ) -> None:
     for prompt, reply, stop, _ in replies_ending_at_a_stop:
-        generated, gains, _ = speculative_generate(
-            CachedTarget(target, None),
-            prompt,
-            lambda tokens, _f: prompt_lookup_draft(tokens, 3),
-            64,
-            stop_ids=frozenset([stop]),
-        )
+        generated, gains = prompt_lookup_online(target, prompt, 3, 64, frozenset([stop]))
         assert generated == [*reply, stop]
         row = _row_with_its_stop(target, prompt, reply, stop)
         stops = chained.stops_after(row["tokens"], row["target_argmax"], frozenset([stop]))
