@@ -136,21 +136,23 @@ fi
 # the main store's unless a store's sets say otherwise)
 extra_stores=()
 IFS=';' read -ra extra_stores <<< "${STORES:-}"
+# extract_into SUFFIX [sets...]: the generated text into $WORK/storeSUFFIX (EXTRACT_SETS, then
+# the sets), logged to extractSUFFIX.log and timed as extractSUFFIX; a failure is a file
+extract_into() {
+  local suffix=$1 t; shift; t=$(date +%s)
+  dflash extract --config "$CFG" --model $M --data "$WORK/gen" --out "$WORK/store$suffix" \
+    --devices "$DEVICE" --set run.progress=false "${EXTRACT_SETS[@]}" "$@" 2>&1 \
+    | tee "$OUT/extract$suffix.log" | tail -2 || touch "$WORK/extract.failed"
+  stamp "extract$suffix" "$t"
+}
 extract_stage() {  # a failure is a file: with FOLLOW=1 this runs as a background job
-  local t spec name sets; t=$(date +%s)
+  local spec sets
   rm -f "$WORK/extract.failed"
-  dflash extract --config "$CFG" --model $M --data "$WORK/gen" --out "$WORK/store" \
-    --devices "$DEVICE" --set run.progress=false "${EXTRACT_SETS[@]}" 2>&1 | tee "$OUT/extract.log" | tail -2 \
-    || touch "$WORK/extract.failed"
-  stamp extract "$t"
+  extract_into ""
   for spec in "${extra_stores[@]}"; do
     [ -n "$spec" ] || continue
-    t=$(date +%s) name=${spec%%|*}
     read -ra sets <<< "${spec#*|}"
-    dflash extract --config "$CFG" --model $M --data "$WORK/gen" --out "$WORK/store-$name" \
-      --devices "$DEVICE" --set run.progress=false "${EXTRACT_SETS[@]}" "${sets[@]}" 2>&1 \
-      | tee "$OUT/extract-$name.log" | tail -2 || touch "$WORK/extract.failed"
-    stamp "extract-$name" "$t"
+    extract_into "-${spec%%|*}" "${sets[@]}"
   done
 }
 # the store's summary and what one loader worker spends per batch on this machine's cores
