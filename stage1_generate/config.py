@@ -6,7 +6,6 @@ input extract reads, in the same row shapes.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -65,10 +64,10 @@ class SamplingConfig:
 
     def problems(self) -> list[str]:
         out = []
-        # NaN passed `< 0` and failed in transformers after the target loaded; inf sampled
-        # uniformly, rows of noise without a word
-        if not 0 <= self.temperature < math.inf:
-            out.append(f"temperature must be a number >= 0, got {self.temperature}")
+        # NaN and inf (NaN passed `< 0` and failed in transformers after the target loaded; inf
+        # sampled uniformly) are refused for every key by common.config.collect_problems
+        if self.temperature < 0:
+            out.append(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             out.append(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:

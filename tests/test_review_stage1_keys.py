@@ -57,19 +57,22 @@ def test_the_levels_taken_encode(tmp_path, level: int, shuffle: bool) -> None:  
 @pytest.mark.parametrize(
     ("setting", "named"),
     [
-        ("sampling.temperature=.nan", "temperature must be a number >= 0, got nan"),
-        ("sampling.temperature=.inf", "temperature must be a number >= 0, got inf"),
-        ("sampling.seed=100000000000000000000000", "seed must be within"),
-        ("sampling.seed=-9223372036854775809", "seed must be within"),
+        ("sampling.temperature=.nan", "sampling.temperature must be a finite number, got nan"),
+        ("sampling.temperature=.inf", "sampling.temperature must be a finite number, got inf"),
+        ("sampling.temperature=-1", "sampling: temperature must be >= 0, got -1"),
+        ("sampling.seed=100000000000000000000000", "sampling: seed must be within"),
+        ("sampling.seed=-9223372036854775809", "sampling: seed must be within"),
     ],
 )
 def test_sampling_values_the_target_cannot_take_are_config_errors(setting: str, named: str) -> None:
     """A NaN temperature passed `< 0` and failed in transformers once the target had loaded,
     an infinite one sampled uniformly (rows of noise, no error), a seed past 64 bits failed
-    in torch.manual_seed at the first chunk: each after --out was made."""
+    in torch.manual_seed at the first chunk: each after --out was made. One problem, one line
+    (a non-finite temperature was reported by generate's check and the shared one both)."""
     sets = ["target.model=m", "data.path=d", "output.out=o", setting]
-    with pytest.raises(ValueError, match=f"sampling: {re.escape(named)}"):
+    with pytest.raises(ValueError, match=re.escape(named)) as raised:
         build_config(GenerateConfig, None, "generate", sets)
+    assert str(raised.value).count("\n  - ") == 1
 
 
 def test_the_widest_seeds_and_a_tiny_temperature_are_taken() -> None:
