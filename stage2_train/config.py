@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -455,3 +457,89 @@ def with_compile_defaults(cfg: TrainConfig, on_gpu: bool) -> TrainConfig:
         run=dataclasses.replace(cfg.run, compile_layers=on_gpu if layers is None else layers),
         loss=dataclasses.replace(cfg.loss, compile_chunks=on_gpu if chunks is None else chunks),
     )
+
+
+def _on_cpu(cfg: TrainConfig) -> bool:
+    return {d.strip() for d in cfg.run.devices.split(",")} == {"cpu"}
+
+
+_NO_FOLLOW = (
+    "data.follow=false reads a complete store, waiting for no shard; pass --follow "
+    "(data.follow=true) for it to apply"
+)
+_NO_WANDB = "run.report_to lists no wandb; set run.report_to=[wandb] for it to apply"
+# (key, when the rest of the config leaves it unused, why and the fix); a key's first row that
+# holds is the one reported, so the CPU rows come first (their fix is the one that applies).
+# Set together on purpose these stay legal: a warning, never a refusal.
+IGNORED: tuple[tuple[str, Callable[[TrainConfig], bool], str], ...] = (
+    (
+        "run.pack_heads",
+        _on_cpu,
+        "run.devices=cpu runs the SDPA attention (flex has no backward on the CPU), which "
+        "packs no heads; train on GPUs for it to apply",
+    ),
+    (
+        "run.pack_heads",
+        lambda c: not c.run.compile_attention,
+        "run.compile_attention=false runs the SDPA attention, which packs no heads; set "
+        "run.compile_attention=true for it to apply",
+    ),
+    (
+        "run.cuda_graphs",
+        _on_cpu,
+        "run.devices=cpu has no CUDA graphs; train on GPUs for it to apply",
+    ),
+    (
+        "optim.decay_ratio",
+        lambda c: c.optim.schedule == "cosine",
+        "optim.schedule=cosine decays over every step after warmup (decay_ratio is wsd's); set "
+        "optim.schedule=wsd for it to apply",
+    ),
+    (
+        "loss.dpace_alpha",
+        lambda c: c.loss.weighting == "decay",
+        "loss.weighting=decay weighs the slots by loss.gamma (dpace_alpha is D-PACE's); set "
+        "loss.weighting=dpace for it to apply",
+    ),
+    (
+        "loss.distill_temperature",
+        lambda c: c.loss.distill_weight == 0,
+        "loss.distill_weight=0 turns the distillation term off; set loss.distill_weight > 0 "
+        "(e.g. 0.5) for it to apply",
+    ),
+    (
+        "data.prefetch",
+        lambda c: c.data.num_workers == 0,
+        "data.num_workers=0 loads batches in the training process, with no worker to "
+        "prefetch; set data.num_workers > 0 for it to apply",
+    ),
+    ("data.follow_poll_s", lambda c: not c.data.follow, _NO_FOLLOW),
+    ("data.follow_timeout_s", lambda c: not c.data.follow, _NO_FOLLOW),
+    ("run.wandb_project", lambda c: "wandb" not in c.run.report_to, _NO_WANDB),
+    ("run.wandb_name", lambda c: "wandb" not in c.run.report_to, _NO_WANDB),
+)
+
+
+def ignored_notes(cfg: TrainConfig) -> list[str]:
+    """One warning per key of IGNORED set off its default where the rest of `cfg` leaves it
+    unused: a value that would otherwise train exactly as the default does, without a word."""
+    default = TrainConfig()
+    notes: list[str] = []
+    warned: set[str] = set()
+    for key, unused, why in IGNORED:
+        value = functools.reduce(getattr, key.split("."), cfg)
+        was = functools.reduce(getattr, key.split("."), default)
+        if key in warned or value == was or not unused(cfg):
+            continue
+        warned.add(key)
+        notes.append(
+            f"{key}={_as_set(value)} is ignored: {why}, or drop {key} (default {_as_set(was)})"
+        )
+    return notes
+
+
+def _as_set(value: object) -> str:
+    """`value` as --set takes it (true, null), where str() writes Python's (True, None)."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return str(value)

@@ -51,7 +51,7 @@ from stage2_train.anchors import training_slot_weights
 from stage2_train.batch import rounding_note
 from stage2_train.best import BEST_DIR, BEST_FILE, best_record, best_so_far, dev_definition
 from stage2_train.checkpoint import TrainState, save_checkpoint, step_dir
-from stage2_train.config import TrainConfig, with_compile_defaults
+from stage2_train.config import TrainConfig, ignored_notes, with_compile_defaults
 from stage2_train.data import StoreSequences, loader_arrays, make_loader
 from stage2_train.export import export_drafter, served_copy, trained_for
 from stage2_train.follow import (
@@ -103,6 +103,8 @@ def expand_paths(cfg: TrainConfig) -> TrainConfig:
 def run_train(cfg: TrainConfig) -> None:
     """Check inputs, then train on every device of `run.devices` (see the module docstring)."""
     cfg = expand_paths(cfg)
+    for note in ignored_notes(cfg):  # a key the rest of the config leaves unused
+        log.warning("%s", note)
     with contextlib.ExitStack() as held:
         if cfg.data.follow:  # extract may have just started: its store and first shard come later
             # the run folder is this run's before the wait: a second `--follow` run into it is
