@@ -98,6 +98,15 @@ def load_prompts(cfg: EvaluateConfig, tokenizer) -> list[list[int]]:
     # extract's reader: the same files and folders (a `dflash generate` output too), and a
     # malformed line or an empty file named with the fix
     rows = load_local(path, "train")
+    if len(rows) < cfg.num_prompts:
+        # the figures' num_prompts says it, but a reader compares tau over the count asked for
+        get_logger().warning(
+            "--num-prompts %d asks for more prompts than --data %s has (%d rows): all %d are used",
+            cfg.num_prompts,
+            path,
+            len(rows),
+            len(rows),
+        )
     rows = rows.select(range(min(cfg.num_prompts, len(rows))))
     if "messages" in rows.column_names:
         if not tokenizer.chat_template:
