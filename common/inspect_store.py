@@ -494,4 +494,9 @@ def run_inspect(store: str | Path, num_samples: int = 0, as_json: bool = False) 
         print()
         for line in skipped_warnings(skipped, store):
             print(line)
+        if num_samples > summary["sequences"]:  # all of them were decoded without a word
+            print(
+                f"note: --sample {num_samples} asks for more sequences than the store has "
+                f"({summary['sequences']}): showing {len(samples)}"
+            )
         print(render_samples(samples, note, color=sys.stdout.isatty()))

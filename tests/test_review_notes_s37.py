@@ -7,7 +7,16 @@ import json
 import logging
 from pathlib import Path
 
+from click.testing import CliRunner
+from inspect_fixtures import build_store
 from log_capture import dflash_messages
+
+from dflash_offline.cli import main as cli
+
+
+def _run(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(cli, list(args))
+    return result.exit_code, " ".join(result.output.split())
 
 
 def test_evaluate_says_when_the_data_has_fewer_prompts_than_asked(
@@ -31,3 +40,14 @@ def test_evaluate_says_when_the_data_has_fewer_prompts_than_asked(
     with dflash_messages(logging.WARNING) as seen:
         load_prompts(EvaluateConfig(str(tiny_qwen3), str(data), num_prompts=2), tokenizer)
     assert not [m for m in seen if "--num-prompts" in m], seen
+
+
+def test_inspect_says_when_sample_asks_past_the_store(tmp_path: Path) -> None:
+    """--sample 10 on a store of 3 sequences decoded the 3 without a note."""
+    store = str(build_store(tmp_path / "store").path)
+    code, out = _run("inspect", store, "--sample", "10")
+    assert code == 0, out
+    assert "note: --sample 10 asks for more sequences than the store has (3): showing 3" in out
+    assert out.count("=== sequence") == 3
+    code, out = _run("inspect", store, "--sample", "3")
+    assert code == 0 and "asks for more sequences" not in out, out
