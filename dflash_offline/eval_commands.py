@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import click
 
 from common.errors import cli_errors
 from common.logging import init_logger
-from dflash_offline.options import check_out_file, device_option, echo_json, exit_interrupted
+from dflash_offline.options import (
+    check_out_file,
+    device_option,
+    echo_json,
+    exit_interrupted,
+    plot_beside,
+)
 
 # what stays of an evaluation stopped with Ctrl-C: its figures come whole at the end
 NOTHING_WRITTEN = "nothing was written: the figures (and --json-out) come once every {} is measured"
@@ -113,7 +118,7 @@ def evaluate(json_out: str | None, plot: str | None, **kwargs: Any) -> None:
     from evaluation.online import EvaluateConfig, run_evaluate
 
     if plot is None and json_out:
-        plot = str(Path(json_out).with_suffix(".png"))
+        plot = plot_beside(json_out)
     init_logger()
     try:
         results = run_evaluate(EvaluateConfig(plot=plot, **kwargs))

@@ -108,6 +108,20 @@ def check_out_file(_ctx: click.Context, param: click.Parameter, value: str | Non
     return value
 
 
+def plot_beside(json_out: str) -> str:
+    """The plot `dflash evaluate` draws beside --json-out X.json when no --plot is given (X.png),
+    checked before the work as --plot is: a folder there failed only once every prompt was
+    measured, with the figures neither printed nor written."""
+    plot = Path(json_out).with_suffix(".png")
+    if plot.is_dir():
+        raise click.BadParameter(
+            f"{json_out} draws its plot beside it, at {plot}, which is a folder; pass --plot "
+            f"FILE to draw it elsewhere (e.g. {plot / 'acceptance.png'}), or move that folder",
+            param_hint="'--json-out'",
+        )
+    return str(plot)
+
+
 def _check_image_suffix(path: Path) -> None:
     """matplotlib picks the format by the suffix: an unknown one failed after the work, with
     the figures unwritten, and none wrote PATH.png where the log named PATH."""

@@ -51,3 +51,20 @@ def test_inspect_says_when_sample_asks_past_the_store(tmp_path: Path) -> None:
     assert out.count("=== sequence") == 3
     code, out = _run("inspect", store, "--sample", "3")
     assert code == 0 and "asks for more sequences" not in out, out
+
+
+def test_evaluate_refuses_a_folder_where_the_plot_beside_json_out_goes(tmp_path: Path) -> None:
+    """--json-out X.json draws X.png beside it: a folder there failed once every prompt was
+    measured ('Is a directory'), the figures neither printed nor written."""
+    (tmp_path / "figures.png").mkdir()
+    value = str(tmp_path / "figures.json")
+    args = ["evaluate", "--target", str(tmp_path / "t"), "--data", str(tmp_path / "d.jsonl")]
+    code, out = _run(*args, "--json-out", value)
+    assert code == 2, out
+    assert "Invalid value for '--json-out'" in out and f"at {tmp_path / 'figures.png'}," in out
+    assert "which is a folder; pass --plot FILE" in out, out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["figures.png"]
+    # a --plot of its own draws nowhere near it: that folder is no matter (the missing
+    # --target is the error then)
+    code, out = _run(*args, "--json-out", value, "--plot", str(tmp_path / "other.png"))
+    assert code == 2 and "which is a folder" not in out and "--target" in out, out
