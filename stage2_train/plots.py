@@ -43,6 +43,11 @@ def plot_run(run: str | Path) -> list[Path]:
     if not records:
         raise ValueError(f"{Path(run) / 'metrics.jsonl'} is empty: no step has finished yet")
     folder = Path(run) / "plots"
+    if folder.exists() and not folder.is_dir():  # mkdir's bare 'File exists' named no fix
+        raise ValueError(
+            f"{folder} is a file, not a folder: the plots are drawn into {folder}/; move or "
+            "remove that file, then rerun"
+        )
     folder.mkdir(parents=True, exist_ok=True)
     evals = [r for r in records if "eval_acc" in r]
     written = [_save(_loss_figure(records, evals), folder / "loss.png")]

@@ -68,3 +68,13 @@ def test_evaluate_refuses_a_folder_where_the_plot_beside_json_out_goes(tmp_path:
     # --target is the error then)
     code, out = _run(*args, "--json-out", value, "--plot", str(tmp_path / "other.png"))
     assert code == 2 and "which is a folder" not in out and "--target" in out, out
+
+
+def test_plot_names_a_file_where_the_plots_folder_goes(tmp_path: Path) -> None:
+    """RUN/plots as a file failed as a bare 'File exists: RUN/plots'."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    (tmp_path / "plots").write_text("")
+    code, out = _run("plot", str(tmp_path))
+    assert code == 2, out
+    assert f"{tmp_path / 'plots'} is a file, not a folder" in out
+    assert "move or remove that file" in out, out
