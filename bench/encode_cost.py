@@ -1,0 +1,142 @@
+"""Benchmark: what encoding the tapped features costs extraction, per stored dtype.
+
+At Qwen3-8B's width (hidden 4096, bf16 activations) over one batch of `tokens` valid tokens,
+times common.store.encode_hidden for one tapped layer, as extract's hook runs it (bf16 cast,
+fp8 with per-token scales, nvfp4 eager and compiled), beside one random-weight Qwen3-8B
+decoder layer's forward over the same tokens (one sequence of `tokens`, sdpa): the yardstick
+inside the call, so `share_of_forward` = layers_tapped x encode / (num_layers x layer forward)
+is the encoder's share of a bare forward, without building the whole 8B target (which the
+whole-loop `bench_extract.py --hidden-dtype nvfp4` measures where a call has the minutes).
+Also records the compiled nvfp4 encoder's first call (its compile) and whether its bytes equal
+the eager encoder's on this device (any e4m3 block scale decodes validly; equal bytes say the
+compiled choice of the least-error scale is the eager one). JSON lines to stdout and, where $OUT
+is set, $OUT/encode_cost.jsonl:
+
+    python bench/encode_cost.py [--device cuda] [--tokens 11776] [--repeats 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
+
+from common.store import encode_hidden
+
+QWEN3_8B_LAYER = dict(
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    num_hidden_layers=36,
+    rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0,
+    vocab_size=151_936,
+    max_position_embeddings=40_960,
+)
+
+
+def _ms(run: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median wall ms of `run` after two warm-up calls, synchronized per call."""
+    for _ in range(2):
+        run()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _emit(record: dict[str, object]) -> None:
+    line = json.dumps(record)
+    print(line, flush=True)
+    if os.environ.get("OUT"):
+        with open(Path(os.environ["OUT"]) / "encode_cost.jsonl", "a") as f:
+            f.write(line + "\n")
+
+
+def layer_forward_ms(tokens: int, device: torch.device, repeats: int) -> float:
+    """One Qwen3-8B decoder layer's forward (bf16, random weights, no grad) over one sequence."""
+    config = Qwen3Config(**QWEN3_8B_LAYER, attn_implementation="sdpa")
+    layer = Qwen3DecoderLayer(config, layer_idx=0).to(device, torch.bfloat16).eval()
+    rotary = Qwen3RotaryEmbedding(config).to(device)
+    hidden = torch.randn(1, tokens, config.hidden_size, device=device, dtype=torch.bfloat16)
+    positions = torch.arange(tokens, device=device)[None]
+    cos_sin = rotary(hidden, positions)
+
+    def run() -> object:
+        with torch.no_grad():
+            return layer(hidden, position_embeddings=cos_sin, attention_mask=None)
+
+    return _ms(run, device, repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tokens", type=int, default=11_776, help="valid tokens in the batch")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--layers-tapped", type=int, default=5)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    # activations of a middle layer's scale: a few outlier channels, as real features have
+    features = torch.randn(args.tokens, 4096, device=device, dtype=torch.bfloat16)
+    features[:, :8] *= 40
+
+    t0 = time.perf_counter()
+    compiled_rows, compiled_scales = encode_hidden(features, "nvfp4", compiled=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    first_call_s = time.perf_counter() - t0
+    eager_rows, eager_scales = encode_hidden(features, "nvfp4")
+    _emit(
+        {
+            "part": "nvfp4_compiled_vs_eager",
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "first_call_s": round(first_call_s, 2),
+            "rows_equal": bool(torch.equal(compiled_rows, eager_rows)),
+            "rows_differing": int((compiled_rows != eager_rows).any(-1).sum()),
+            "scales_equal": bool(torch.equal(compiled_scales, eager_scales)),
+        }
+    )
+
+    layer_ms = layer_forward_ms(args.tokens, device, args.repeats)
+    forward_ms = layer_ms * QWEN3_8B_LAYER["num_hidden_layers"]
+    _emit({"part": "yardstick", "layer_forward_ms": round(layer_ms, 3), "tokens": args.tokens})
+    cases: dict[str, Callable[[], object]] = {
+        "bfloat16": lambda: encode_hidden(features, "bfloat16"),
+        "float8_e4m3fn": lambda: encode_hidden(features, "float8_e4m3fn"),
+        "nvfp4_eager": lambda: encode_hidden(features, "nvfp4"),
+        "nvfp4_compiled": lambda: encode_hidden(features, "nvfp4", compiled=True),
+    }
+    for name, run in cases.items():
+        ms = _ms(run, device, args.repeats)
+        _emit(
+            {
+                "part": "encode",
+                "hidden_dtype": name,
+                "encode_ms_per_layer": round(ms, 3),
+                "vs_layer_forward": round(ms / layer_ms, 4),
+                "share_of_forward": round(args.layers_tapped * ms / forward_ms, 4),
+                "tokens": args.tokens,
+            }
+        )
+
+
+if __name__ == "__main__":
+    main()

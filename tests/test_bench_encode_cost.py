@@ -1,0 +1,43 @@
+"""bench/encode_cost.py runs on the CPU at a few tokens: no timing asserted (speed is the
+benchmark's report), but every part reports, and the compiled nvfp4 encoder writes the eager
+encoder's bytes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_bench_encode_cost_tiny_runs_and_agrees(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "OUT": str(tmp_path)}
+    command = [sys.executable, str(ROOT / "bench" / "encode_cost.py"), "--device", "cpu"]
+    done = subprocess.run(
+        [*command, "--tokens", "32", "--repeats", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    records = [
+        json.loads(line) for line in (tmp_path / "encode_cost.jsonl").read_text().splitlines()
+    ]
+    check, yardstick, *encodes = records
+    assert check["part"] == "nvfp4_compiled_vs_eager"
+    assert check["rows_equal"] and check["scales_equal"] and check["rows_differing"] == 0
+    assert yardstick["part"] == "yardstick" and yardstick["layer_forward_ms"] > 0
+    assert [r["hidden_dtype"] for r in encodes] == [
+        "bfloat16",
+        "float8_e4m3fn",
+        "nvfp4_eager",
+        "nvfp4_compiled",
+    ]
+    assert all(r["encode_ms_per_layer"] > 0 and r["tokens"] == 32 for r in encodes)
