@@ -26,6 +26,7 @@ import pytest
 import torch
 import zarr
 from test_extract import cli_extract, write_data
+from test_review_nvfp4_contract import decode as nvfp4_rows_to_f32
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 F32 = np.float32
@@ -107,6 +108,8 @@ class Store:
         stored = shard.arrays["hidden"]
         if self.attrs["hidden_dtype"] == "bfloat16":
             return bf16_bits_to_f32(stored)
+        if self.attrs["hidden_dtype"] == "nvfp4":  # rows of codes and block scales
+            return nvfp4_rows_to_f32(stored, shard.arrays["hidden_scale"])
         assert self.attrs["hidden_dtype"] == "float8_e4m3fn"
         return e4m3_to_f32(stored) * shard.arrays["hidden_scale"][..., None]
 
@@ -269,6 +272,16 @@ NAMES = ["chat_bf16", "text_fp8"]
 @pytest.mark.parametrize("name", NAMES)
 def test_layout_attributes_and_files(stores, name: str) -> None:
     store = read_store(stores[name])
+    check_layout_attributes_and_files(store)
+    # `skipped_rows`: without data.on_invalid=skip too, the empty assistant turns kept
+    c = store.attrs["counts"]
+    assert c.get("skipped_rows") == ({"empty_assistant_turn": 1} if name == "chat_bf16" else None)
+    assert store.attrs["dataset"]["format"] == ("messages" if name == "chat_bf16" else "text")
+
+
+def check_layout_attributes_and_files(store: Store) -> None:
+    """Every store: the files, each shard's arrays (dtype, shape, codecs, `files`) and counts,
+    and the root counts as their sums."""
     a = store.attrs
     assert a["complete"] is True
     assert (store.path / ".dflash-writer.lock").read_bytes() == b""  # released: emptied
@@ -330,9 +343,6 @@ def test_layout_attributes_and_files(stores, name: str) -> None:
     assert c["source_documents"] == len(np.unique(sources))
     assert c["split_documents"] == len(np.unique(np.concatenate([s[p > 0] for s, p in pieces])))
     assert a["dataset"]["num_rows"] == len(rows_of(store))
-    # `skipped_rows`: without data.on_invalid=skip too, the empty assistant turns kept
-    assert c.get("skipped_rows") == ({"empty_assistant_turn": 1} if name == "chat_bf16" else None)
-    assert a["dataset"]["format"] == ("messages" if name == "chat_bf16" else "text")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -341,10 +351,29 @@ def test_packing_tokens_and_loss_masks(stores, target, name: str) -> None:
     rows, placed by the documented packing rules; padding by its documented values."""
     _, tokenizer = target
     store = read_store(stores[name])
+    check_packing(store, dict(enumerate(documents_of(store, tokenizer))), tokenizer)
+    if name == "text_fp8":  # `<|endoftext|>` in a text is its id, which is also the pad id
+        pad = store.attrs["tokenizer"]["pad_token_id"]
+        assert any(
+            (sh.arrays["tokens"][sh.arrays["document_ids"] >= 0] == pad).any()
+            for sh in store.shards
+        )
+
+
+def check_packing(store: Store, docs: dict[int, tuple[list[int], list[int]]], tokenizer) -> None:
+    """The stored pieces, tokens, loss masks, positions, document ids, padding, split or
+    truncated counts and the documents' fingerprint against `docs`: source row -> (ids, loss
+    mask) of every row that became a document, by "Tokens of a document"."""
     a, S = store.attrs, store.attrs["seq_len"]
-    docs = documents_of(store, tokenizer)
-    strategy = a["extract_config"]["packing"]["strategy"]
-    want_pieces = plan([len(ids) for ids, _ in docs], S, strategy)
+    packing = a["extract_config"]["packing"]
+    rows = sorted(docs)  # the documents in dataset order, skipped rows left out
+    lengths = [len(docs[r][0]) for r in rows]
+    if packing["overlong"] == "truncate":  # one piece of the first S tokens
+        lengths = [min(n, S) for n in lengths]
+    want_pieces = [
+        (rows[i], piece, seq, start)
+        for i, piece, seq, start in plan(lengths, S, packing["strategy"])
+    ]
     got_pieces = []
     pad = a["tokenizer"]["pad_token_id"]
     assert pad == tokenizer.pad_token_id
@@ -384,23 +413,51 @@ def test_packing_tokens_and_loss_masks(stores, target, name: str) -> None:
             if array_name in x:  # the verifier arrays: zeros on padding
                 assert not x[array_name][pad_].any(), array_name
     assert got_pieces == want_pieces
+    split = packing["overlong"] == "split"
     for shard in store.shards:  # a split document is counted by the shard of its piece 0
         x = shard.arrays
-        over = [len(docs[r][0]) > S for r in x["doc_source_index"].tolist()]
-        assert shard.attrs["split_documents"] == int((np.array(over) & (x["doc_piece"] == 0)).sum())
-    if name == "text_fp8":  # `<|endoftext|>` in a text is its id, which is also the pad id
-        assert any(
-            (sh.arrays["tokens"][sh.arrays["document_ids"] >= 0] == pad).any()
-            for sh in store.shards
-        )
-    # fingerprints.documents_sha256: every row's ids (int32) then every row's masks (uint8)
+        full = np.array([len(docs[r][0]) for r in x["doc_source_index"].tolist()], np.int64)
+        over = full > S
+        s = shard.attrs
+        assert s["split_documents"] == (int((over & (x["doc_piece"] == 0)).sum()) if split else 0)
+        assert s["truncated_documents"] == (0 if split else int(over.sum()))
+        assert s["dropped_tokens"] == (0 if split else int((full - S)[over].sum()))
+    c = a["counts"]
+    for key in ("split_documents", "truncated_documents", "dropped_tokens"):
+        assert c[key] == sum(shard.attrs[key] for shard in store.shards), key
+    assert c["source_documents"] == len(docs)
+    # fingerprints.documents_sha256: every row's ids (int32) then every row's masks (uint8),
+    # whole (before splitting or truncation), skipped rows left out
     digest = hashlib.sha256(b"input_ids")
-    for ids, _ in docs:
-        digest.update(np.asarray(ids, np.int32).tobytes())
+    for r in rows:
+        digest.update(np.asarray(docs[r][0], np.int32).tobytes())
     digest.update(b"loss_mask")
-    for _, mask in docs:
-        digest.update(np.asarray(mask, np.uint8).tobytes())
+    for r in rows:
+        digest.update(np.asarray(docs[r][1], np.uint8).tobytes())
     assert a["fingerprints"]["documents_sha256"] == digest.hexdigest()
+
+
+def assert_within_precision(
+    hidden_dtype: str, got_LD: np.ndarray, want_LD: np.ndarray, what
+) -> None:
+    """Decoded features against a fresh forward's, within what "Hidden states" promises of
+    `hidden_dtype`, plus the forward's own noise (1e-5 of the row's amax)."""
+    amax = np.abs(want_LD).max(-1, keepdims=True)
+    if hidden_dtype == "bfloat16":
+        assert (np.abs(got_LD - want_LD) <= 2.0**-8 * np.abs(want_LD) + 1e-6).all(), what
+    elif hidden_dtype == "float8_e4m3fn":  # 2^-4 |h| + 2^-18 amax(|h|)
+        bound = 2.0**-4 * np.abs(want_LD) + 2.0**-18 * amax + 1e-5 * amax
+        assert (np.abs(got_LD - want_LD) <= bound).all(), what
+    else:
+        # nvfp4: a block's squared error is at most c6's, under which each of its 16 values is
+        # within 18% of the block's amax a, plus 6 * 2^-10 * scale where c6 is subnormal: the
+        # block's error, as a vector, within 4 (sqrt 16) times that
+        assert hidden_dtype == "nvfp4", hidden_dtype
+        L, D = want_LD.shape
+        scale = amax / (6 * 448)
+        a = np.abs(want_LD).reshape(L, D // 16, 16).max(-1)
+        error = np.sqrt(np.square(got_LD - want_LD).reshape(L, D // 16, 16).sum(-1))
+        assert (error <= 4 * (0.18 * a + 6 * 2.0**-10 * scale + 1e-5 * amax)).all(), what
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -422,13 +479,9 @@ def test_values_equal_a_fresh_forward_of_each_document(stores, target, name: str
             logits_LV = out.logits[0].numpy()
             for j, layer in enumerate(a["tapped_layers"]):
                 want = out.hidden_states[layer + 1][0].numpy()
-                got = hidden_nSKD[seq, span, j]
-                if a["hidden_dtype"] == "bfloat16":
-                    bound = 2.0**-8 * np.abs(want) + 1e-6
-                else:  # FORMAT.md: 2^-4 |h| + 2^-18 amax(|h|), plus the forward's noise
-                    amax = np.abs(want).max(-1, keepdims=True)
-                    bound = 2.0**-4 * np.abs(want) + 2.0**-18 * amax + 1e-5 * amax
-                assert (np.abs(got - want) <= bound).all(), (name, layer)
+                assert_within_precision(
+                    a["hidden_dtype"], hidden_nSKD[seq, span, j], want, (name, layer)
+                )
             top = torch.from_numpy(logits_LV).topk(k, dim=-1)
             np.testing.assert_allclose(x["topk_logits"][seq, span], top.values.numpy(), atol=1e-4)
             stored_ids = x["topk_ids"][seq, span]
