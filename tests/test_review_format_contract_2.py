@@ -1,7 +1,12 @@
 """FORMAT.md as a contract, the cases test_review_format_contract leaves out, read by its reader
-(FORMAT.md's words alone) and checked by its checks: an nvfp4 store of text rows (decoded by
-the words, against a fresh forward within the format's precision and against the code's
-readers).
+(FORMAT.md's words alone) and checked by its checks: an nvfp4 store (decoded by the words,
+against a fresh forward within the format's precision and against the code's readers) of text
+rows packed best-fit where equal rooms tie, with empty rows skipped (`data.on_invalid=skip`);
+and a store of prompt/completion rows truncated to `seq_len` (`packing.overlong=truncate`), with
+invalid rows skipped, through a tokenizer that puts a BOS before a text and appends an EOS.
+
+Ground truth is computed here from the rows and the words: which rows are skipped and why, each
+kept row's tokens and loss mask ("Tokens of a document"), the packing plan and the counts.
 
 Legend: L tokens of a document, D hidden size.
 """
@@ -10,6 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,17 +23,56 @@ import test_review_format_contract as contract
 import test_review_nvfp4_contract as nvfp4
 import torch
 from test_extract import cli_extract
+from tokenizers import processors
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 # one token each (the tiny tokenizer), so a text of n of them is n tokens
 WORDS = ["the", "is", "a", "of", "and", "to", "in", "it", "that", "for", "with", "can"]
 TIE_LENGTHS = [50, 34, 50, 16, 10, 8]
 EMPTY_TEXTS = ["", "   \n", None]  # skipped: FORMAT.md's `empty_text`
+COMPLETION_ROWS: list[dict[str, Any]] = [
+    {"prompt": "What is a prime number?", "completion": " A number with two divisors."},
+    {"prompt": "Hi", "completion": ""},  # skipped: empty_completion
+    {"prompt": "the quick brown fox " * 3, "completion": " jumps over the lazy dog " * 4},
+    {"prompt": None, "completion": " Blue."},  # skipped: bad_prompt
+    {"prompt": "", "completion": " Blue."},  # an empty prompt still gets the BOS
+    {"prompt": "import os\n" * 12, "completion": " import sys"},  # the prompt alone > 64
+    {"prompt": "2+2?", "completion": " \n "},  # skipped: empty_completion
+    {"prompt": "Name a color.", "completion": " Red.<|im_end|>"},  # an end the data hold
+]
+BOS, EOS = "<|im_start|>", "<|im_end|>"
 F32 = np.float32
 
 
 def words(n: int) -> str:
     return " ".join(WORDS[i % len(WORDS)] for i in range(n))
+
+
+def skip_reason(row: dict[str, Any]) -> str | None:
+    """FORMAT.md's reasons a row is skipped under data.on_invalid=skip (counts.skipped_rows)."""
+    if "text" in row:
+        return None if isinstance(row["text"], str) and row["text"].strip() else "empty_text"
+    if not isinstance(row["prompt"], str):
+        return "bad_prompt"
+    completion = row["completion"]
+    return None if isinstance(completion, str) and completion.strip() else "empty_completion"
+
+
+def document(tokenizer, row: dict[str, Any], suffix: list[int]) -> tuple[list[int], list[int]]:
+    """By "Tokens of a document": a text row is its text with what the tokenizer puts before a
+    text, not what it appends (the root's `suffix_left_out`), loss on every token; a completion
+    row is its prompt taken the same way, then the completion's own tokens, loss on those."""
+
+    def text_ids(text: str) -> list[int]:
+        ids = tokenizer(text)["input_ids"]
+        return ids[: -len(suffix)] if suffix and ids[-len(suffix) :] == suffix else ids
+
+    if "text" in row:
+        ids = text_ids(row["text"])
+        return ids, [1] * len(ids)
+    prompt = text_ids(row["prompt"])
+    completion = tokenizer(row["completion"], add_special_tokens=False)["input_ids"]
+    return prompt + completion, [0] * len(prompt) + [1] * len(completion)
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +82,21 @@ def stores(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     text_rows = [{"text": t} for t in texts[:3] + EMPTY_TEXTS + texts[3:]]
     text = folder / "text.jsonl"
     text.write_text("".join(json.dumps(r) + "\n" for r in text_rows))
+    completion = folder / "completion.jsonl"
+    completion.write_text("".join(json.dumps(r) + "\n" for r in COMPLETION_ROWS))
+    # the tiny tokenizer with a BOS before every text and an EOS after it
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    ids = [(t, tokenizer.convert_tokens_to_ids(t)) for t in (BOS, EOS)]
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A {EOS}", special_tokens=ids
+    )
+    tokenizer.save_pretrained(folder / "tokenizer")
     sets = {
         "text_nvfp4": (text, ["store.hidden_dtype=nvfp4"]),
+        "completion_truncate": (
+            completion,
+            ["packing.overlong=truncate", f"target.tokenizer={folder / 'tokenizer'}"],
+        ),
     }
     out = {}
     for name, (data, extra) in sets.items():
@@ -54,16 +112,58 @@ def stores(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
 def target(tiny_qwen3: Path, stores: dict[str, Path]):
     """The tiny target and, by store, the tokenizer it was extracted with."""
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
-    return model, {"text_nvfp4": AutoTokenizer.from_pretrained(tiny_qwen3)}
+    bos_eos = AutoTokenizer.from_pretrained(stores["completion_truncate"].parent / "tokenizer")
+    return model, {
+        "text_nvfp4": AutoTokenizer.from_pretrained(tiny_qwen3),
+        "completion_truncate": bos_eos,
+    }
 
 
-NAMES = ["text_nvfp4"]
+NAMES = ["text_nvfp4", "completion_truncate"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_skipped_rows_documents_packing_and_counts(stores, target, name: str) -> None:
+    """Which rows are skipped and why (`counts.skipped_rows`, by FORMAT.md's reasons), each kept
+    row's tokens and loss mask at its `doc_source_index`, the pieces where the packing rules put
+    them (truncated to `S` in the completion store) and the counts of both."""
+    _, tokenizers = target
+    tokenizer = tokenizers[name]
+    store = contract.read_store(stores[name])
+    a = store.attrs
+    rows = contract.rows_of(store)
+    reasons = [skip_reason(row) for row in rows]
+    skipped: dict[str, int] = {}
+    for reason in filter(None, reasons):
+        skipped[reason] = skipped.get(reason, 0) + 1
+    assert a["counts"]["skipped_rows"] == skipped
+    assert a["dataset"]["num_rows"] == len(rows)
+    assert a["dataset"]["format"] == ("text" if name == "text_nvfp4" else "completion")
+    # the appended EOS is named, and left out of text and prompt alike
+    suffix = a["tokenizer"].get("suffix_left_out", [])
+    assert suffix == ([] if name == "text_nvfp4" else [tokenizer.convert_tokens_to_ids(EOS)])
+    # documents keyed by their row of the input dataset, skipped rows counted there too
+    docs = {r: document(tokenizer, row, suffix) for r, row in enumerate(rows) if reasons[r] is None}
+    contract.check_packing(store, docs, tokenizer)
+    if name == "completion_truncate":
+        bos = tokenizer.convert_tokens_to_ids(BOS)
+        assert all(ids[0] == bos for ids, _ in docs.values())
+        eos = suffix[0]  # the completion's own <|im_end|>: kept, with loss, once
+        ids, mask = docs[7]
+        assert ids[-1] == eos != ids[-2] and mask[-1] == 1
+        S = a["seq_len"]
+        # what truncation leaves: row 2 its prompt and the start of its completion; row 5
+        # its prompt's first S tokens, no loss token, stored all the same
+        assert 0 < sum(docs[2][1][:S]) < sum(docs[2][1])
+        assert len(docs[5][0]) > S and not any(docs[5][1][:S])
+        assert a["counts"]["truncated_documents"] == 2 and a["counts"]["split_documents"] == 0
+        assert a["counts"]["dropped_tokens"] == len(docs[2][0]) + len(docs[5][0]) - 2 * S
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_values_equal_a_fresh_forward_of_each_document(stores, target, name: str) -> None:
-    """nvfp4 features decoded by the words within the format's precision; the verifier arrays
-    as a fresh forward of each stored piece gives them."""
+    """nvfp4 features decoded by the words within the format's precision (and fp8 under
+    truncation); the verifier arrays as a fresh forward of each stored piece gives them."""
     model, _ = target
     contract.test_values_equal_a_fresh_forward_of_each_document(stores, (model, None), name)
 
