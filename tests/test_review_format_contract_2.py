@@ -28,6 +28,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 # one token each (the tiny tokenizer), so a text of n of them is n tokens
 WORDS = ["the", "is", "a", "of", "and", "to", "in", "it", "that", "for", "with", "can"]
+# best fit at seq_len 64: sequences 0 and 2 reach room 14 (in that order), then 16 takes
+# sequence 1 to 14 too: 10 goes to sequence 1 (the one that reached 14 last), 8 then to 2
 TIE_LENGTHS = [50, 34, 50, 16, 10, 8]
 EMPTY_TEXTS = ["", "   \n", None]  # skipped: FORMAT.md's `empty_text`
 COMPLETION_ROWS: list[dict[str, Any]] = [
@@ -158,6 +160,56 @@ def test_skipped_rows_documents_packing_and_counts(stores, target, name: str) ->
         assert len(docs[5][0]) > S and not any(docs[5][1][:S])
         assert a["counts"]["truncated_documents"] == 2 and a["counts"]["split_documents"] == 0
         assert a["counts"]["dropped_tokens"] == len(docs[2][0]) + len(docs[5][0]) - 2 * S
+
+
+def test_best_fit_ties_go_to_the_sequence_that_reached_the_room_last(stores) -> None:
+    """The tie rule decides the text store's plan: each other rule for equal rooms (first
+    opened, last opened, reached first) would place its pieces otherwise; the store is the
+    documented plan (test_skipped_rows_documents_packing_and_counts)."""
+    store = contract.read_store(stores["text_nvfp4"])
+    S = store.attrs["seq_len"]
+    assert store.attrs["extract_config"]["packing"]["strategy"] == "best_fit"
+    where, length = {}, {}
+    for i, shard in enumerate(store.shards):
+        x = shard.arrays
+        for d in range(len(x["doc_length"])):
+            key = (int(x["doc_source_index"][d]), int(x["doc_piece"][d]))
+            seq = i * store.attrs["sequences_per_shard"] + int(x["doc_sequence"][d])
+            where[key], length[key] = (seq, int(x["doc_start"][d])), int(x["doc_length"][d])
+    # the tie rows, around the skipped empty ones
+    first = [(r if r < 3 else r + len(EMPTY_TEXTS), 0) for r in range(len(TIE_LENGTHS))]
+    assert [length[p] for p in first] == TIE_LENGTHS
+    # 50, 34, 50 open sequences 0, 1, 2; 16 joins 1; 10 then 1 (reached 14 last); 8 then 2
+    want = [(0, 0), (1, 0), (2, 0), (1, 34), (1, 50), (2, 50)]
+    assert [where[p] for p in first] == want == tie_plan(TIE_LENGTHS, S, "reached_last")
+    for other in ("first_opened", "last_opened", "reached_first"):
+        assert tie_plan(TIE_LENGTHS, S, other) != tie_plan(TIE_LENGTHS, S, "reached_last"), other
+
+
+def tie_plan(lengths: list[int], seq_len: int, rule: str) -> list[tuple[int, int]]:
+    """(sequence, start) of each piece under best fit with `rule` among equal rooms."""
+    room: list[int] = []
+    reached: list[int] = []
+    out = []
+    for step, size in enumerate(lengths):
+        fits = [s for s in range(len(room)) if room[s] >= size]
+        if fits:
+            least = [s for s in fits if room[s] == min(room[f] for f in fits)]
+            pick = {
+                "first_opened": min(least),
+                "last_opened": max(least),
+                "reached_first": min(least, key=lambda s: reached[s]),
+                "reached_last": max(least, key=lambda s: reached[s]),
+            }
+            seq = pick[rule]
+        else:
+            seq = len(room)
+            room.append(seq_len)
+            reached.append(-1)
+        out.append((seq, seq_len - room[seq]))
+        room[seq] -= size
+        reached[seq] = step
+    return out
 
 
 @pytest.mark.parametrize("name", NAMES)
