@@ -11,7 +11,10 @@ from common.config import doc
 @dataclass
 class TargetConfig:
     model: str = doc("", "target causal LM: local folder or hub id")
-    revision: str | None = doc(None, "hub revision (branch, tag or commit); recorded in the store")
+    revision: str | None = doc(
+        None,
+        "hub revision (branch, tag or commit); recorded in the store; unused for a local folder",
+    )
     tokenizer: str | None = doc(None, "tokenizer folder or hub id; default: the model's")
     dtype: Literal["bfloat16", "float32"] = doc("bfloat16", "weights and activations dtype")
     attn_implementation: str = doc("sdpa", "transformers attention backend of the target")
@@ -65,7 +68,7 @@ class TargetConfig:
 class DataConfig:
     path: str = doc("", "dataset: local .json/.jsonl/.parquet file or folder, or a hub name")
     split: str = doc("train", "dataset split")
-    name: str | None = doc(None, "hub dataset config name")
+    name: str | None = doc(None, "hub dataset config name; unused for a local file or folder")
     format: Literal["auto", "messages", "sharegpt", "text", "completion"] = doc(
         "auto",
         "row shape: messages [{role, content}], sharegpt conversations [{from, value}], "

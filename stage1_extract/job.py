@@ -67,6 +67,7 @@ class ExtractJob:
     plan: PackingPlan
     num_shards: int
     attrs: dict[str, Any]  # root attributes (complete: false)
+    key_parts: dict[str, Any]  # what attrs["content_key"] hashes (store_root.key_parts)
 
     @property
     def source_documents(self) -> int:
@@ -274,7 +275,8 @@ def plan_job(cfg: ExtractConfig, model_name: str = "target.model") -> ExtractJob
     if manifest is not None:  # the data were written by `dflash generate`: keep where from
         attrs["generation"] = provenance(manifest)
     digest = hashlib.sha256(lengths.tobytes()).hexdigest()
-    attrs["content_key"] = content_key(key_parts(attrs, digest, prepared.skipped))
+    parts = key_parts(attrs, digest, prepared.skipped)
+    attrs["content_key"] = content_key(parts)
     attrs["fingerprints"] = {
         "documents_sha256": documents_sha256(documents),
         "target_weights_sha256": weights_fingerprint(cfg.target.model),
@@ -291,6 +293,7 @@ def plan_job(cfg: ExtractConfig, model_name: str = "target.model") -> ExtractJob
         plan,
         shards,
         attrs,
+        parts,
     )
 
 

@@ -216,7 +216,7 @@ def _worker(
                 _warn_logit_transform(job)
                 check_host_memory(job, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
                 holder = lock.enter_context(writer_lock(job.store))
-                prepare_store(job.store, job.attrs, cfg.store.overwrite)
+                prepare_store(job.store, job.attrs, cfg.store.overwrite, job.key_parts)
             gather_from_all_ranks(holder)  # hands the others `holder`
         else:
             with failure_shared():  # rank 0's preparation
@@ -324,7 +324,7 @@ def run_extract(cfg: ExtractConfig, model_name: str = "target.model") -> None:
     # this process holds the writer lock for its ranks, which never take it: they are handed
     # what it wrote into the lock file, and commit only while the file still names it
     with writer_lock(job.store) as holder:
-        prepare_store(job.store, job.attrs, cfg.store.overwrite)
+        prepare_store(job.store, job.attrs, cfg.store.overwrite, job.key_parts)
         with tempfile.TemporaryDirectory(prefix="dflash-extract-") as error_dir:
             try:
                 launch(_worker, devices, cfg, devices, error_dir, holder, model_name)

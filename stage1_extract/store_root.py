@@ -48,7 +48,7 @@ from common.store import (
 _EXPLAINED = [
     (
         "target",
-        lambda a: (_canonical_path(a["target"]["name_or_path"]), a["target"]["revision"]),
+        lambda a: (_canonical_path(a["target"]["name_or_path"]), keyed_revision(a["target"])),
     ),
     ("target config", lambda a: a["target"]["config"]),
     (
@@ -74,8 +74,9 @@ _EXPLAINED = [
     (
         "dataset",
         lambda a: (
-            {k: a["dataset"][k] for k in ("split", "name", "num_rows")}
+            {k: a["dataset"][k] for k in ("split", "num_rows")}
             | {"path": _canonical_path(a["dataset"]["path"])}
+            | {"name": None if is_local(a["dataset"]["path"]) else a["dataset"]["name"]}
         ),
     ),
     ("dataset format", lambda a: a["dataset"]["format"]),
@@ -133,6 +134,18 @@ def _canonical_path(name: str) -> str:
     return str(path.resolve()) if path.exists() else name
 
 
+def is_local(name: str) -> bool:
+    """Whether a target or data path names something on this machine (read as it is: its
+    target.revision or data.name goes unused), not a hub id."""
+    return Path(name).expanduser().exists()
+
+
+def keyed_revision(target: dict[str, Any]) -> str | None:
+    """The target's revision as the key has it: None for a local folder, which transformers
+    reads as it is whatever target.revision says (and which the weights fingerprint checks)."""
+    return None if is_local(target["name_or_path"]) else target.get("revision")
+
+
 def content_key(parts: dict[str, Any]) -> str:
     """sha256 of everything that decides the stored values, canonical JSON."""
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
@@ -141,12 +154,16 @@ def content_key(parts: dict[str, Any]) -> str:
 def keyed_data(data: dict[str, Any]) -> dict[str, Any]:
     """The data settings that decide the content. num_proc changes how fast rows are
     tokenized, never what is stored; options added since the first stores are left out at
-    their defaults, so those stores still resume."""
-    return {
+    their defaults, so those stores still resume; data.name (a hub dataset's config) is
+    null for a local file or folder, which never reads it."""
+    keyed = {
         k: v
         for k, v in data.items()
         if k != "num_proc" and (k not in LATER_DATA_DEFAULTS or v != LATER_DATA_DEFAULTS[k])
     }
+    if keyed.get("name") is not None and is_local(keyed["path"]):
+        keyed["name"] = None
+    return keyed
 
 
 def key_parts(
@@ -158,6 +175,8 @@ def key_parts(
     data = keyed_data(cfg["data"])
     data["path"] = _canonical_path(data["path"])
     target = dict(attrs["target"], name_or_path=_canonical_path(attrs["target"]["name_or_path"]))
+    if target.get("revision") is not None:
+        target["revision"] = keyed_revision(attrs["target"])
     tokenizer = dict(
         attrs["tokenizer"], name_or_path=_canonical_path(attrs["tokenizer"]["name_or_path"])
     )
@@ -192,6 +211,19 @@ def key_parts(
     if (precision := matmul_precision(cfg["target"])) != "highest":
         parts["matmul_precision"] = precision
     return parts
+
+
+def earlier_key(parts: dict[str, Any], stored: dict[str, Any]) -> str:
+    """The key of `parts` (this run's `key_parts`) as versions before local paths left
+    target.revision and data.name out of it computed it, with the `stored` store's own values
+    of those two where the path is local (a hub id's and a hub dataset's count as they are):
+    a store begun then with either set resumes under any value, as a new one does."""
+    target, data = dict(parts["target"]), dict(parts["data"])
+    if is_local(target["name_or_path"]):
+        target["revision"] = stored["target"].get("revision")
+    if is_local(data["path"]):
+        data["name"] = stored["extract_config"]["data"].get("name")
+    return content_key({**parts, "target": target, "data": data})
 
 
 def write_root_attrs(store: Path, attrs: dict[str, Any]) -> None:
@@ -319,9 +351,13 @@ def writer_lock(store: Path) -> Iterator[str]:
         yield holder
 
 
-def prepare_store(store: Path, attrs: dict[str, Any], overwrite: bool) -> list[int]:
+def prepare_store(
+    store: Path, attrs: dict[str, Any], overwrite: bool, parts: dict[str, Any] | None = None
+) -> list[int]:
     """Create the store or check it for resuming; return the shards already committed. The
-    caller holds `writer_lock(store)`, so --overwrite never deletes a store another run writes."""
+    caller holds `writer_lock(store)`, so --overwrite never deletes a store another run writes.
+    `parts`: the `key_parts` of `attrs["content_key"]`, to accept a store keyed before local
+    paths left target.revision and data.name out (`earlier_key`)."""
     log = get_logger()
     if overwrite and _has_content(store):
         read_root_attrs(store)  # never delete a folder that is not a dflash store
@@ -347,7 +383,10 @@ def prepare_store(store: Path, attrs: dict[str, Any], overwrite: bool) -> list[i
                 entry.unlink()
     if _has_content(store):
         info = open_store(store)  # format and version checks, with their own messages
-        if info.attrs.get("content_key") != attrs["content_key"]:
+        stored_key = info.attrs.get("content_key")
+        if stored_key != attrs["content_key"] and (
+            parts is None or stored_key != earlier_key(parts, info.attrs)
+        ):
             what, set_back = _explain_mismatch(info.attrs, attrs)
             resume = f"; to resume it, rerun with {' '.join(set_back)}" if set_back else ""
             raise StoreError(

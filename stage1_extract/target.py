@@ -131,8 +131,10 @@ def max_positions(config: PretrainedConfig | dict[str, Any]) -> MaxPositions | N
 
 
 def target_revision(config: PretrainedConfig, cfg: TargetConfig) -> str | None:
-    """The hub commit when transformers resolved one, else the revision asked for, else None."""
-    return getattr(config, "_commit_hash", None) or cfg.revision
+    """The hub commit when transformers resolved one, else the revision asked for of a hub id,
+    else None: a local folder is read as it is, whatever target.revision says."""
+    commit = getattr(config, "_commit_hash", None)
+    return commit or (None if Path(cfg.model).expanduser().exists() else cfg.revision)
 
 
 def config_dict(config: PretrainedConfig) -> dict[str, Any]:

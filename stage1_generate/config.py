@@ -16,7 +16,9 @@ from stage1_extract.config import DataConfig, TargetConfig
 @dataclass
 class GenTargetConfig:
     model: str = doc("", "target causal LM: local folder or hub id (the local backend loads it)")
-    revision: str | None = doc(None, "hub revision (branch, tag or commit); recorded")
+    revision: str | None = doc(
+        None, "hub revision (branch, tag or commit); recorded; unused for a local folder"
+    )
     tokenizer: str | None = doc(None, "tokenizer folder or hub id; default: the model's")
     dtype: Literal["bfloat16", "float32"] = doc(
         "bfloat16", "weights and activations dtype: generate in the dtype the target serves in"

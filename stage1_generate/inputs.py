@@ -14,7 +14,7 @@ from common.config import runs_tf32, to_dict
 from common.generated import FORMAT, PROMPT_SUFFIX_LEFT_OUT, VERSION
 from stage1_extract.data import detect_format, load_raw_dataset
 from stage1_extract.fingerprints import weights_fingerprint
-from stage1_extract.store_root import _canonical_path, content_key
+from stage1_extract.store_root import _canonical_path, content_key, is_local
 from stage1_generate.config import GenerateConfig
 
 # the content key that says a reply keeps the special tokens the target wrote in it
@@ -92,17 +92,19 @@ def build_manifest(
         target["matmul_precision"] = cfg.target.matmul_precision
     # stop_at_eos named only when off, so the keys of datasets generated before it existed stay
     text = {k: v for k, v in config["text"].items() if not (k == "stop_at_eos" and v)}
-    content: dict[str, Any] = {
-        "target": target,
-        "backend": backend,
-        "served_model": cfg.endpoint.model or cfg.target.model if backend == "openai" else None,
-        "data": data,
-        "data_fingerprint": raw._fingerprint,
-        "format": fmt,
-        "sampling": decisive_sampling(config["sampling"], fmt),
-        "text": text if fmt == "text" else None,
-        "rows_per_chunk": cfg.output.rows_per_chunk,
-    }
+    content: dict[str, Any] = decisive_content(
+        {
+            "target": target,
+            "backend": backend,
+            "served_model": cfg.endpoint.model or cfg.target.model if backend == "openai" else None,
+            "data": data,
+            "data_fingerprint": raw._fingerprint,
+            "format": fmt,
+            "sampling": config["sampling"],
+            "text": text if fmt == "text" else None,
+            "rows_per_chunk": cfg.output.rows_per_chunk,
+        }
+    )
     if fmt != "text" or cfg.text.stop_at_eos:
         # the rows whose replies versions before it wrote without the special tokens the
         # target wrote inside them: its key refuses to resume such a folder (rows of either
@@ -146,8 +148,17 @@ def decisive_sampling(sampling: dict[str, Any], fmt: str) -> dict[str, Any]:
 
 
 def decisive_content(content: dict[str, Any]) -> dict[str, Any]:
-    """`content` with only its decisive sampling settings (`decisive_sampling`)."""
-    return {**content, "sampling": decisive_sampling(content["sampling"], content["format"])}
+    """`content` with only its decisive sampling settings (`decisive_sampling`), and without
+    the target.revision of a local target folder or the data.name of a local data file or
+    folder, which neither reads (null, as when unset): a rerun that changes them resumes, and
+    so does a folder begun before with them set."""
+    out = {**content, "sampling": decisive_sampling(content["sampling"], content["format"])}
+    target, data = content["target"], content["data"]
+    if target.get("revision") is not None and is_local(target["model"]):
+        out["target"] = {**target, "revision": None}
+    if data.get("name") is not None and is_local(data["path"]):
+        out["data"] = {**data, "name": None}
+    return out
 
 
 class Inputs(NamedTuple):
