@@ -85,7 +85,9 @@ class DataConfig:
     )
     on_invalid: Literal["error", "skip"] = doc(
         "error",
-        "empty/assistant-less rows: stop with an error, or skip and count them in the store",
+        "invalid rows (empty, no assistant turn, no loss token, or none in the first "
+        "packing.seq_len under packing.overlong=truncate): stop with an error, or skip and "
+        "count them in the store",
     )
     chat_template_kwargs: dict[str, Any] = doc(
         factory=dict,

@@ -27,6 +27,7 @@ from typing import Any
 import datasets
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from stage1_extract.chat import (
@@ -41,6 +42,8 @@ from stage1_extract.data_files import LOCAL_BUILDERS, load_local, looks_local
 
 # the key of `PreparedData.skipped` counting assistant turns kept without loss tokens
 EMPTY_TURNS = "empty_assistant_turn"
+# the skip reason of a row whose loss tokens all lie past what packing.overlong=truncate keeps
+NO_LOSS_KEPT = "no_loss_tokens_after_truncation"
 DEFAULT_FIELDS = {"messages": "messages", "sharegpt": "conversations"}
 FEATURES = datasets.Features(
     {
@@ -380,12 +383,40 @@ def _prompt_completion(
     )
 
 
-def _is_valid(reasons: list[str]) -> list[bool]:
-    return [not r for r in reasons]
+def _no_loss_kept(docs: datasets.Dataset, keep: int) -> list[int]:
+    """Rows of `docs` (the tokenizing map's output, every row) longer than `keep` tokens whose
+    first `keep` hold no loss token: truncated to them, a row trains nothing (anchors are loss
+    tokens, and a sequence's documents do not see each other)."""
+    mask = docs.data.column("loss_mask")
+    over = np.flatnonzero(pc.list_value_length(mask).to_numpy(zero_copy_only=False) > keep)
+    if not len(over):
+        return []
+    head = pc.list_slice(mask.take(over).combine_chunks(), 0, keep)
+    loss = pc.list_flatten(head).to_numpy(zero_copy_only=False)
+    kept = np.bincount(pc.list_parent_indices(head).to_numpy(), weights=loss, minlength=len(over))
+    return over[kept == 0].tolist()
 
 
-def prepare_documents(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> PreparedData:
-    """Load `cfg.path` and tokenize every row (dataset order) into input_ids / loss_mask."""
+def _no_loss_kept_row(mask: list[int], keep: int, count: int) -> InvalidRow:
+    """The error of a row `_no_loss_kept` finds (`mask`: its loss mask), `count` such rows in
+    all: what truncation leaves of it, and the settings that would keep its loss."""
+    first = mask.index(1)
+    return InvalidRow(
+        NO_LOSS_KEPT,
+        f"its {len(mask)} tokens have loss from token {first} on, and packing.overlong=truncate "
+        f"keeps its first {keep} (packing.seq_len), none of them a loss token ({count} such "
+        f"row(s) in all); --set packing.seq_len={first + 1} or more (within the target's "
+        "positions), or --set packing.overlong=split to keep the rest as pieces of their own",
+    )
+
+
+def prepare_documents(
+    cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, truncate_to: int | None = None
+) -> PreparedData:
+    """Load `cfg.path` and tokenize every row (dataset order) into input_ids / loss_mask.
+    `truncate_to`: the tokens packing keeps of a row (packing.seq_len under
+    packing.overlong=truncate); a row with no loss token among them is invalid (NO_LOSS_KEPT),
+    as one with none at all is."""
     raw = load_raw_dataset(cfg)
     fmt, column = detect_format(cfg, raw.features)
     name = tokenizer.name_or_path or type(tokenizer).__name__
@@ -445,11 +476,20 @@ def prepare_documents(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Pr
         num_proc=cfg.num_proc if cfg.num_proc > 1 and len(raw) > 1 else None,
         desc="tokenizing",
     )
+    # after the map, which is cached by its arguments: packing.seq_len leaves the cache as it is
+    cut = _no_loss_kept(docs, truncate_to) if truncate_to is not None else []
+    if cut and cfg.on_invalid == "error":
+        row = docs[cut[0]]
+        err = _no_loss_kept_row(row["loss_mask"], truncate_to, len(cut))
+        raise err.refusal(cfg.path, row["source_index"])
     skipped: dict[str, int] = {}
     if cfg.on_invalid == "skip":
-        skipped = dict(Counter(r for r in docs["skip_reason"] if r))
+        reasons = docs["skip_reason"][:]
+        for i in cut:
+            reasons[i] = NO_LOSS_KEPT
+        skipped = dict(Counter(r for r in reasons if r))
         if skipped:
-            docs = docs.filter(_is_valid, input_columns="skip_reason", batched=True)
+            docs = docs.select([i for i, r in enumerate(reasons) if not r])
     # kept rows, counted with the skips: the turns that gave no loss tokens
     empty_turns = sum(docs["empty_turns"])
     if empty_turns:

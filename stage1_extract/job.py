@@ -208,7 +208,8 @@ def plan_job(cfg: ExtractConfig, model_name: str = "target.model") -> ExtractJob
     tokenizer = load_tokenizer(cfg, model_name)
     if manifest is not None:  # the data were written by `dflash generate`
         check_prompt_suffix(manifest, special_affixes(tokenizer)[1], cfg.data.path)
-    prepared = prepare_documents(cfg.data, tokenizer)
+    truncate_to = cfg.packing.seq_len if cfg.packing.overlong == "truncate" else None
+    prepared = prepare_documents(cfg.data, tokenizer, truncate_to)
     # one read of the tokenized documents (a copy when rows were filtered) for the lengths
     # and the fingerprint
     documents = prepared.dataset.with_format("arrow")[:]

@@ -288,8 +288,21 @@ def _explain_mismatch(old: dict[str, Any], new: dict[str, Any]) -> tuple[str, li
             )
             if a is not missing:
                 set_back.append(f"--set {prefix}{key}={shown(a)}")
-    what = ", ".join(changed) if changed else "the dataset contents (document lengths)"
+    what = ", ".join(changed) if changed else _contents_changed(new)
     return what, set_back if len(set_back) == len(changed) else []
+
+
+def _contents_changed(new: dict[str, Any]) -> str:
+    """What differs when no setting does: the documents, and under truncation one cause that
+    is no edit of the data: versions before `no_loss_tokens_after_truncation` kept the rows
+    it skips (or refuses)."""
+    if new["extract_config"]["packing"].get("overlong") != "truncate":
+        return "the dataset contents (document lengths)"
+    return (
+        "the dataset contents (document lengths; or the store was begun by a version that "
+        "kept rows whose first seq_len tokens hold no loss token, which this one skips as "
+        "no_loss_tokens_after_truncation under packing.overlong=truncate)"
+    )
 
 
 # fingerprint -> what differs when it does (the error adds the way out: --overwrite)

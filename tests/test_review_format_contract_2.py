@@ -38,7 +38,8 @@ COMPLETION_ROWS: list[dict[str, Any]] = [
     {"prompt": "the quick brown fox " * 3, "completion": " jumps over the lazy dog " * 4},
     {"prompt": None, "completion": " Blue."},  # skipped: bad_prompt
     {"prompt": "", "completion": " Blue."},  # an empty prompt still gets the BOS
-    {"prompt": "import os\n" * 12, "completion": " import sys"},  # the prompt alone > 64
+    # the prompt alone > 64: skipped, no_loss_tokens_after_truncation
+    {"prompt": "import os\n" * 12, "completion": " import sys"},
     {"prompt": "2+2?", "completion": " \n "},  # skipped: empty_completion
     {"prompt": "Name a color.", "completion": " Red.<|im_end|>"},  # an end the data hold
 ]
@@ -135,15 +136,20 @@ def test_skipped_rows_documents_packing_and_counts(stores, target, name: str) ->
     a = store.attrs
     rows = contract.rows_of(store)
     reasons = [skip_reason(row) for row in rows]
+    # the appended EOS is named, and left out of text and prompt alike
+    suffix = a["tokenizer"].get("suffix_left_out", [])
+    assert suffix == ([] if name == "text_nvfp4" else [tokenizer.convert_tokens_to_ids(EOS)])
+    S = a["seq_len"]
+    if name == "completion_truncate":  # a row whose first S tokens hold no loss token
+        for r, row in enumerate(rows):
+            if reasons[r] is None and not any(document(tokenizer, row, suffix)[1][:S]):
+                reasons[r] = "no_loss_tokens_after_truncation"
     skipped: dict[str, int] = {}
     for reason in filter(None, reasons):
         skipped[reason] = skipped.get(reason, 0) + 1
     assert a["counts"]["skipped_rows"] == skipped
     assert a["dataset"]["num_rows"] == len(rows)
     assert a["dataset"]["format"] == ("text" if name == "text_nvfp4" else "completion")
-    # the appended EOS is named, and left out of text and prompt alike
-    suffix = a["tokenizer"].get("suffix_left_out", [])
-    assert suffix == ([] if name == "text_nvfp4" else [tokenizer.convert_tokens_to_ids(EOS)])
     # documents keyed by their row of the input dataset, skipped rows counted there too
     docs = {r: document(tokenizer, row, suffix) for r, row in enumerate(rows) if reasons[r] is None}
     contract.check_packing(store, docs, tokenizer)
@@ -153,13 +159,14 @@ def test_skipped_rows_documents_packing_and_counts(stores, target, name: str) ->
         eos = suffix[0]  # the completion's own <|im_end|>: kept, with loss, once
         ids, mask = docs[7]
         assert ids[-1] == eos != ids[-2] and mask[-1] == 1
-        S = a["seq_len"]
         # what truncation leaves: row 2 its prompt and the start of its completion; row 5
-        # its prompt's first S tokens, no loss token, stored all the same
+        # its prompt's first S tokens, no loss token: skipped, not stored
         assert 0 < sum(docs[2][1][:S]) < sum(docs[2][1])
-        assert len(docs[5][0]) > S and not any(docs[5][1][:S])
-        assert a["counts"]["truncated_documents"] == 2 and a["counts"]["split_documents"] == 0
-        assert a["counts"]["dropped_tokens"] == len(docs[2][0]) + len(docs[5][0]) - 2 * S
+        ids5, mask5 = document(tokenizer, rows[5], suffix)
+        assert len(ids5) > S and not any(mask5[:S]) and 5 not in docs
+        assert reasons[5] == "no_loss_tokens_after_truncation"
+        assert a["counts"]["truncated_documents"] == 1 and a["counts"]["split_documents"] == 0
+        assert a["counts"]["dropped_tokens"] == len(docs[2][0]) - S
 
 
 def test_best_fit_ties_go_to_the_sequence_that_reached_the_room_last(stores) -> None:
