@@ -140,6 +140,16 @@ class TrainState:
         return {**self.__dict__, **dict(zip(FIT_KEYS, values, strict=True))}
 
 
+def saved_train_state(meta: dict[str, Any]) -> TrainState:
+    """A checkpoint's meta.json train_state as a TrainState (its fitted end: `fitted_end`);
+    DamagedCheckpoint when it is malformed."""
+    try:
+        saved = meta["train_state"]
+        return TrainState(**{key: v for key, v in saved.items() if key not in FIT_KEYS})
+    except (TypeError, AttributeError) as err:  # not a dict, or not TrainState's fields
+        raise DamagedCheckpoint(f"meta.json train_state is malformed ({err})") from err
+
+
 def fitted_end(train_state: dict[str, Any]) -> FittedEnd | None:
     """The fitted end a checkpoint's train_state records (`TrainState.to_dict`); None when
     none was fitted, or the checkpoint predates fitting."""
@@ -363,11 +373,7 @@ def load_checkpoint(
     # state it happened to have. RNG states stay on the CPU: torch.set_rng_state and cuda's
     # set_rng_state_all take CPU ByteTensors (mapped to the GPU, a GPU resume failed)
     rng = tensors(f"rng-rank{rank}.pt", weights_only=False, to="cpu")
-    try:
-        saved = meta["train_state"]
-        state = TrainState(**{key: v for key, v in saved.items() if key not in FIT_KEYS})
-    except (TypeError, AttributeError) as err:  # not a dict, or not TrainState's fields
-        raise DamagedCheckpoint(f"meta.json train_state is malformed ({err})") from err
+    state = saved_train_state(meta)
     model.load_state_dict(model_state)
     optimizer.load_state_dict(regroup_optimizer_state(optim_state, optimizer, model))
     scheduler.load_state_dict(sched_state)

@@ -29,8 +29,11 @@ from stage2_train.checkpoint import (
     list_checkpoints,
     remove_leftovers,
     resume_latest,
+    saved_train_state,
 )
 from stage2_train.config import OptimConfig, TrainConfig
+from stage2_train.follow import FollowPlan, check_stream_position
+from stage2_train.plan import EpochPlan
 from stage2_train.schedule import FittedEnd, refresh_lr
 
 # The drafter's weights, and the data position's meaning (order, split, batch layout).
@@ -197,15 +200,22 @@ def resume_run(
     device: torch.device,
     layers: list[int] | None = None,
     shape: dict[str, Any] | None = None,
+    plan: EpochPlan | FollowPlan | None = None,
 ) -> tuple[TrainState, FittedEnd | None] | None:
     """Resume from the newest readable checkpoint of `cfg.run.out`: its train state and the
     schedule's end it had fitted to a time limit (time_fit.restore_fitted puts it back in
-    force); None: a fresh run. First removes what a killed run left (remove_leftovers)."""
+    force); None: a fresh run. First removes what a killed run left (remove_leftovers).
+    `plan`: this run's data plan, whose order an unfinished epoch 0 must keep."""
     current = dataclasses.asdict(cfg)
     changes: list[str] = []
 
     def check(meta: dict[str, Any], path: Path) -> None:
         nonlocal changes
+        if plan is not None:
+            # first: an unfinished epoch 0 resumed with --follow switched (data.follow) is
+            # refused as such, not after asking for --allow-config-change, nor after logging
+            # that change as applied
+            check_stream_position(saved_train_state(meta), plan)
         changes = check_same_run(
             meta, current, world, path, store_key, cfg.run.allow_config_change, layers, shape
         )

@@ -279,6 +279,7 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
         device=device,
         layers=layers,
         shape=dataclasses.asdict(shape),
+        plan=plan,
     ) or (TrainState(step=0, epoch=0, step_in_epoch=0, stream=cfg.data.follow), None)
     check_stream_position(state, plan)
     # an end fitted to an earlier job's time limit holds on (time_fit.py)
