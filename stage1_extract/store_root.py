@@ -316,8 +316,11 @@ _FINGERPRINTS = {
 def check_fingerprints(store: Path, stored: dict[str, Any], current: dict[str, Any]) -> None:
     """Refuse to resume a store whose data or target weights changed under the same settings:
     new shards would silently mix with the old. Stores from before fingerprints resume as
-    they did, unchecked."""
-    old, new = stored.get("fingerprints"), current.get("fingerprints", {})
+    they did, unchecked. An import by `dflash convert` has none to check (its key names its
+    input file's size and modification time), and is told nothing."""
+    old, new = stored.get("fingerprints"), current.get("fingerprints")
+    if new is None:
+        return
     if old is None:
         get_logger().info(
             "store %s predates content fingerprints: the data and weights are not checked", store

@@ -5,6 +5,7 @@ array selection, an HDF5 file in the documented input layout imported into a sto
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -363,6 +364,36 @@ def test_import_resumes_and_refuses_another_file(extracted: Path, tmp_path: Path
     ).stat().st_mtime_ns == first
     code, text = convert(tmp_path / "in.h5", store, "--seq-len", "32")
     assert code == 2 and "--overwrite" in text, text
+
+
+def test_a_resumed_import_is_not_told_it_predates_fingerprints(
+    extracted: Path, tmp_path: Path
+) -> None:
+    """An import records no fingerprints (its key names the file's size and modification
+    time): its resume logged 'store ... predates content fingerprints' of a store it wrote
+    itself. An extract store from before fingerprints is still told."""
+    from log_capture import dflash_messages
+
+    from stage1_extract.store_root import check_fingerprints, write_root_attrs
+
+    write_input(extracted, tmp_path / "in.h5", verifier=False, head=True)
+    store = import_store(tmp_path / "in.h5", tmp_path / "store")
+    attrs = open_store(store).attrs
+    assert "fingerprints" not in attrs
+    # what an import killed after its first shard leaves
+    write_root_attrs(store, {k: v for k, v in attrs.items() if k != "counts"} | {"complete": False})
+    for index in committed_shards(store)[1:]:
+        shutil.rmtree(shards_dir(store) / shard_name(index))
+    with dflash_messages(logging.INFO) as logged:
+        import_store(tmp_path / "in.h5", store)
+    assert any(line.startswith(f"resuming {store}: 1/") for line in logged), logged
+    assert not [line for line in logged if "fingerprints" in line], logged
+    current = {"fingerprints": {"documents_sha256": "d", "target_weights_sha256": None}}
+    with dflash_messages(logging.INFO) as logged:
+        check_fingerprints(store, attrs, current)
+    assert logged == [
+        f"store {store} predates content fingerprints: the data and weights are not checked"
+    ]
 
 
 def bad_file(path: Path, tokens: int = 10, **datasets: np.ndarray) -> Path:
