@@ -17,15 +17,13 @@ JSON lines to stdout and $OUT/bench_evaluate.jsonl.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
-from shapes import QWEN3_8B  # bench/ is on sys.path: scripts run as bench/x.py
+from jsonl import emit_to  # bench/ is on sys.path: scripts run as bench/x.py
+from shapes import QWEN3_8B
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from common.tiny import tiny_config
@@ -37,13 +35,7 @@ from stage1_extract.target import resolve_tapped_layers
 from stage2_train.config import DrafterConfig
 from stage2_train.model import DFlashDrafter, drafter_shape
 
-
-def emit(record: dict[str, Any]) -> None:
-    line = json.dumps(record)
-    print(line, flush=True)
-    if os.environ.get("OUT"):
-        with open(Path(os.environ["OUT"]) / "bench_evaluate.jsonl", "a") as f:
-            f.write(line + "\n")
+emit = emit_to("bench_evaluate.jsonl")
 
 
 def synchronize(device: torch.device) -> None:

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 from head_post import time_head_post  # bench/ is on sys.path: scripts run as bench/x.py
+from jsonl import emit_to
 from shapes import QWEN3_8B
 
 from common.config import build_config
@@ -68,12 +69,7 @@ def disk_ceiling(folder: Path, total_bytes: int = 4 << 30, block: int = 64 << 20
     }
 
 
-def emit(record: dict) -> None:
-    line = json.dumps(record)
-    print(line, flush=True)
-    if os.environ.get("OUT"):
-        with open(Path(os.environ["OUT"]) / "bench_extract.jsonl", "a") as f:
-            f.write(line + "\n")
+emit = emit_to("bench_extract.jsonl")
 
 
 def build_target(folder: Path, shape: dict) -> None:

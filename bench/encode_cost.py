@@ -18,30 +18,16 @@ is set, $OUT/encode_cost.jsonl:
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
+from jsonl import emit_to  # bench/ is on sys.path: scripts run as bench/x.py
+from shapes import QWEN3_8B
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
 from common.store import encode_hidden
-
-QWEN3_8B_LAYER = dict(
-    hidden_size=4096,
-    intermediate_size=12288,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    num_hidden_layers=36,
-    rms_norm_eps=1e-6,
-    rope_theta=1_000_000.0,
-    vocab_size=151_936,
-    max_position_embeddings=40_960,
-)
 
 
 def _ms(run: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -60,17 +46,12 @@ def _ms(run: Callable[[], object], device: torch.device, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _emit(record: dict[str, object]) -> None:
-    line = json.dumps(record)
-    print(line, flush=True)
-    if os.environ.get("OUT"):
-        with open(Path(os.environ["OUT"]) / "encode_cost.jsonl", "a") as f:
-            f.write(line + "\n")
+emit = emit_to("encode_cost.jsonl")
 
 
 def layer_forward_ms(tokens: int, device: torch.device, repeats: int) -> float:
     """One Qwen3-8B decoder layer's forward (bf16, random weights, no grad) over one sequence."""
-    config = Qwen3Config(**QWEN3_8B_LAYER, attn_implementation="sdpa")
+    config = Qwen3Config(**QWEN3_8B, attn_implementation="sdpa")
     layer = Qwen3DecoderLayer(config, layer_idx=0).to(device, torch.bfloat16).eval()
     rotary = Qwen3RotaryEmbedding(config).to(device)
     hidden = torch.randn(1, tokens, config.hidden_size, device=device, dtype=torch.bfloat16)
@@ -103,7 +84,7 @@ def main() -> None:
         torch.cuda.synchronize(device)
     first_call_s = time.perf_counter() - t0
     eager_rows, eager_scales = encode_hidden(features, "nvfp4")
-    _emit(
+    emit(
         {
             "part": "nvfp4_compiled_vs_eager",
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -116,8 +97,8 @@ def main() -> None:
     )
 
     layer_ms = layer_forward_ms(args.tokens, device, args.repeats)
-    forward_ms = layer_ms * QWEN3_8B_LAYER["num_hidden_layers"]
-    _emit({"part": "yardstick", "layer_forward_ms": round(layer_ms, 3), "tokens": args.tokens})
+    forward_ms = layer_ms * QWEN3_8B["num_hidden_layers"]
+    emit({"part": "yardstick", "layer_forward_ms": round(layer_ms, 3), "tokens": args.tokens})
     cases: dict[str, Callable[[], object]] = {
         "bfloat16": lambda: encode_hidden(features, "bfloat16"),
         "float8_e4m3fn": lambda: encode_hidden(features, "float8_e4m3fn"),
@@ -126,7 +107,7 @@ def main() -> None:
     }
     for name, run in cases.items():
         ms = _ms(run, device, args.repeats)
-        _emit(
+        emit(
             {
                 "part": "encode",
                 "hidden_dtype": name,

@@ -1,8 +1,11 @@
-"""Reading the JSON-lines results a device call leaves (bench/*_summary.py)."""
+"""The JSON-lines results a device call leaves: written by the benchmarks (`emit_to`), read by
+bench/*_summary.py (`read_jsonl`)."""
 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,3 +22,17 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return rows
+
+
+def emit_to(file_name: str) -> Callable[[dict[str, Any]], None]:
+    """A benchmark's `emit(record)`: one JSON line to stdout and, where $OUT is set, appended to
+    $OUT/`file_name` (what comes back from a device call)."""
+
+    def emit(record: dict[str, Any]) -> None:
+        line = json.dumps(record)
+        print(line, flush=True)
+        if os.environ.get("OUT"):
+            with open(Path(os.environ["OUT"]) / file_name, "a") as f:
+                f.write(line + "\n")
+
+    return emit

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
+from jsonl import emit_to  # noqa: E402
 from store_factory import FactorySpec, build_store  # noqa: E402
 
 from common.config import build_config  # noqa: E402
@@ -55,11 +55,7 @@ PYSTD_STORE = FactorySpec(
 )
 
 
-def emit(result: dict) -> None:
-    print(json.dumps(result), flush=True)
-    if os.environ.get("OUT"):
-        with open(Path(os.environ["OUT"]) / "prefetch.jsonl", "a") as f:
-            f.write(json.dumps(result) + "\n")
+emit = emit_to("prefetch.jsonl")
 
 
 def measure(steps: int, warmup: int, device: str) -> bool:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import json
 import os
 import shutil
 import statistics
@@ -43,6 +42,7 @@ from typing import Any
 
 import torch
 from bench_train import MATRIX_RATE, model_flops  # bench/ is on sys.path: scripts run as bench/x.py
+from jsonl import emit_to
 from profile_events import breakdown, instrument
 from synthetic_batches import SHAPES, synthetic_batches
 from torch._dynamo.utils import counters
@@ -58,12 +58,7 @@ from stage2_train.trainstep import StepRunner, run_dtypes
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def emit(record: dict) -> None:
-    line = json.dumps(record)
-    print(line, flush=True)
-    if os.environ.get("OUT"):
-        with open(Path(os.environ["OUT"]) / "train_profile.jsonl", "a") as f:
-            f.write(line + "\n")
+emit = emit_to("train_profile.jsonl")
 
 
 class Bench:
