@@ -31,6 +31,7 @@ from common.store import HIDDEN_DTYPES, encode_hidden, hidden_row_width
 from common.target_config import text_config
 from stage1_extract.config import TargetConfig
 from stage1_extract.head_stats import head_chunk_stats
+from stage1_extract.store_root import is_local
 
 
 def _looks_local(name: str) -> bool:
@@ -134,7 +135,7 @@ def target_revision(config: PretrainedConfig, cfg: TargetConfig) -> str | None:
     """The hub commit when transformers resolved one, else the revision asked for of a hub id,
     else None: a local folder is read as it is, whatever target.revision says."""
     commit = getattr(config, "_commit_hash", None)
-    return commit or (None if Path(cfg.model).expanduser().exists() else cfg.revision)
+    return commit or (None if is_local(cfg.model) else cfg.revision)
 
 
 def config_dict(config: PretrainedConfig) -> dict[str, Any]:
