@@ -70,7 +70,7 @@ def _json_object(value: str) -> dict[str, Any]:
     default=128,
     show_default=True,
     type=int,
-    help="greedy tokens per prompt, at most",
+    help="tokens the target writes per prompt, at most",
 )
 @device_option
 @click.option(
@@ -98,6 +98,31 @@ def _json_object(value: str) -> dict[str, Any]:
     "[default: {}]",
 )
 @click.option(
+    "--temperature",
+    default=0.0,
+    show_default=True,
+    type=float,
+    help="0: the target's token at each position is its argmax (greedy verification). Above "
+    "0: a draw from its distribution at this temperature, so a drafted token d is accepted "
+    "with probability p(d), as a server verifies drafts when sampling; the text still "
+    "follows the target's distribution",
+)
+@click.option(
+    "--top-p",
+    default=1.0,
+    show_default=True,
+    type=float,
+    help="with --temperature: draw from the fewest most likely tokens holding this mass",
+)
+@click.option(
+    "--seed",
+    default=0,
+    show_default=True,
+    type=int,
+    help="with --temperature: prompt i draws from a generator seeded SEED + i, the same for "
+    "prompt lookup and the drafter",
+)
+@click.option(
     "--json-out",
     default=None,
     callback=check_out_file,
@@ -112,8 +137,9 @@ def _json_object(value: str) -> dict[str, Any]:
 )
 @cli_errors
 def evaluate(json_out: str | None, plot: str | None, **kwargs: Any) -> None:
-    """Online acceptance length (tau) of a drafter vs prompt lookup, greedy verification:
-    tau, acceptance by draft position and the histogram of accepted tokens per forward."""
+    """Online acceptance length (tau) of a drafter vs prompt lookup, under greedy
+    verification (or sampled, --temperature): tau, acceptance by draft position and the
+    histogram of accepted tokens per forward."""
 
     from evaluation.online import EvaluateConfig, run_evaluate
 

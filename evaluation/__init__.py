@@ -1,1 +1,2 @@
-"""Measuring drafters: online acceptance under greedy verification, and the offline estimate."""
+"""Measuring drafters: online acceptance (greedy or sampled verification) and the offline
+estimate."""

@@ -1,9 +1,16 @@
-"""Online acceptance length under greedy verification: what a drafter really buys.
+"""Online acceptance length: what a drafter really buys.
 
 The target verifies each drafted block with one forward: the longest prefix equal to the
-target's own greedy tokens is accepted, then the target's next token is added. tau is the
-number of tokens gained per target forward (accepted + 1), averaged over the forwards of a
-prompt, then over prompts (the prefill forward, which drafts nothing, is not counted).
+target's own tokens is accepted, then the target's next token is added. tau is the number of
+tokens gained per target forward (accepted + 1), averaged over the forwards of a prompt, then
+over prompts (the prefill forward, which drafts nothing, is not counted).
+
+The target's token at each position is its argmax (greedy, the default), or a draw from its
+distribution at a temperature (`Sampling`): then a drafted token d is accepted with
+probability p(d), and at the first rejection the target's token is a draw from p without d.
+That is rejection sampling of drafts given as tokens without draft probabilities (a one-hot
+draft distribution), the rule a server applies to n-gram and DFlash drafts: the text follows
+the target's own distribution exactly, and tau is what that server measures, in expectation.
 Drafters: prompt lookup (copy the continuation of the longest earlier n-gram match, n = 4..1,
 no training) and DFlash (evaluation.dflash_draft).
 
@@ -22,6 +29,7 @@ forward (the newest token + the draft), K tapped layers, D hidden.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -37,6 +45,68 @@ DraftFn = Callable[[list[int], torch.Tensor | None], list[int]]
 # graph for every new sequence length, which here grows every step. At Qwen3-8B shape on an
 # H200 that cost ~2 ms of CPU per layer per step: 117 ms per verification instead of ~10.
 DECODE_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the target picks its token at each position: temperature 0 takes the argmax
+    (greedy); above it, a draw from softmax(logits / temperature) cut to the `top_p` nucleus
+    (the fewest most likely tokens holding that mass), as `dflash generate` samples."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0  # prompt i draws from a generator seeded seed + i, the same for every method
+
+    def problems(self) -> list[str]:
+        out = []
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            out.append(f"--temperature must be a number >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            out.append(f"--top-p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.seed < 2**63:
+            out.append(f"--seed must be within [0, 2**63), got {self.seed}")
+        return out
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def to_json(self) -> dict:
+        return {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
+
+
+def nucleus(probs_JV: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`probs_JV` with every token outside each row's top-`top_p` nucleus zeroed: a token
+    stays while the mass ranked above it is below top_p (so the most likely always stays)."""
+    sorted_JV, order_JV = probs_JV.sort(-1, descending=True)
+    above_JV = sorted_JV.cumsum(-1) - sorted_JV
+    sorted_JV = sorted_JV.masked_fill(above_JV >= top_p, 0.0)
+    return torch.zeros_like(probs_JV).scatter_(-1, order_JV, sorted_JV)
+
+
+class TokenPicker:
+    """The target's token after each row of logits [J, V]: argmax, or a draw (`Sampling`)
+    from a generator on the logits' device, reseeded per prompt (`start`)."""
+
+    def __init__(self, sampling: Sampling | None = None) -> None:
+        self.sampling = sampling or Sampling()
+        self._generator: torch.Generator | None = None
+        self._seed = self.sampling.seed
+
+    def start(self, prompt_index: int) -> None:
+        """Reseed for prompt `prompt_index`: its draws depend on no other prompt's."""
+        self._seed = self.sampling.seed + prompt_index
+        self._generator = None
+
+    def __call__(self, logits_JV: torch.Tensor) -> list[int]:
+        if self.sampling.greedy:
+            return logits_JV.argmax(-1).tolist()
+        if self._generator is None:
+            self._generator = torch.Generator(logits_JV.device).manual_seed(self._seed)
+        probs_JV = torch.softmax(logits_JV.float() / self.sampling.temperature, -1)
+        if self.sampling.top_p < 1:
+            probs_JV = nucleus(probs_JV, self.sampling.top_p)
+        return torch.multinomial(probs_JV, 1, generator=self._generator)[:, 0].tolist()
 
 
 @dataclass
@@ -96,7 +166,8 @@ def prompt_lookup_draft(tokens: list[int], num_draft: int, max_ngram: int = 4) -
 
 
 class CachedTarget:
-    """Greedy target forwards over a KV cache, with a running buffer of tapped features.
+    """Target forwards over a KV cache, with a running buffer of tapped features; `picker`
+    turns each forward's logits into the target's tokens (default: greedy).
 
     `prefill(prompt)` starts a sequence; `verify(token, draft)` runs the newest token and a
     draft on top of the cache; `commit(n)` keeps the first n of those inputs (cache and
@@ -104,9 +175,15 @@ class CachedTarget:
     token the target has run and kept: all tokens but the newest.
     """
 
-    def __init__(self, model: torch.nn.Module, tapped_layers: list[int] | None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tapped_layers: list[int] | None,
+        picker: TokenPicker | None = None,
+    ) -> None:
         self.model = model
         self.tapped_layers = tapped_layers
+        self.picker = picker or TokenPicker()
         self.device = next(model.parameters()).device
         # transformers 5 renamed `past_key_values` to `cache` (the old name still warns).
         params = inspect.signature(model.forward).parameters
@@ -132,7 +209,7 @@ class CachedTarget:
             self._pending_JKD = torch.stack(
                 [out.hidden_states[i + 1][0] for i in self.tapped_layers], 1
             )
-        return out.logits[0].argmax(-1).tolist()
+        return self.picker(out.logits[0])
 
     def prefill(self, prompt: list[int], capacity: int) -> int:
         """Run the prompt on a fresh cache; returns the target's next token. `capacity`:
@@ -147,7 +224,7 @@ class CachedTarget:
         return next_token
 
     def verify(self, token: int, draft: list[int]) -> list[int]:
-        """Greedy tokens [J] after each prefix of [token, *draft] (J = 1 + len(draft))."""
+        """The target's tokens [J] after each prefix of [token, *draft] (J = 1 + len(draft))."""
         return self._forward([token, *draft])
 
     def commit(self, num_inputs: int) -> None:
@@ -179,7 +256,7 @@ def speculative_generate(
     stop_ids: frozenset[int] = frozenset(),
     max_positions: int | None = None,
 ) -> tuple[list[int], list[int], list[int]]:
-    """Greedy speculative decoding; returns (generated tokens, tokens gained per forward,
+    """Speculative decoding; returns (generated tokens, tokens gained per forward,
     drafted tokens accepted per forward among those gained: a forward cut by the budget or at a
     stop token counts only the drafted tokens it kept).
     Decoding ends after `num_new` tokens, or at the first of `stop_ids` the target writes (kept,
@@ -198,12 +275,14 @@ def speculative_generate(
         if max_positions is not None:
             # the newest token runs at position len(tokens) - 1, the draft after it
             draft = draft[: max(max_positions - len(tokens), 0)]
-        greedy_J = target.verify(tokens[-1], draft)  # greedy_J[j]: the token after draft[:j]
+        # target_J[j]: the target's token after draft[:j]; the first j where it differs from
+        # draft[j] ends the accepted prefix (under sampling: d kept with probability p(d))
+        target_J = target.verify(tokens[-1], draft)
         accepted = 0
-        while accepted < len(draft) and draft[accepted] == greedy_J[accepted]:
+        while accepted < len(draft) and draft[accepted] == target_J[accepted]:
             accepted += 1
         room = num_new - (len(tokens) - len(prompt))
-        gained = [*draft[:accepted], greedy_J[accepted]][:room]
+        gained = [*draft[:accepted], target_J[accepted]][:room]
         ends = [i for i, token in enumerate(gained) if token in stop_ids]
         if ends:
             gained, stopped = gained[: ends[0] + 1], True
@@ -243,6 +322,7 @@ def measure_acceptance(
     start = time.perf_counter()
     with tqdm(total=len(prompts) * num_new, desc=desc, unit="tok", dynamic_ncols=True) as bar:
         for index, prompt in enumerate(prompts):
+            target.picker.start(index)
             generated, gains, accepted_counts = speculative_generate(
                 target, prompt, make_draft(), num_new, bar, stop_ids, max_positions
             )

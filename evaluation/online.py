@@ -2,8 +2,9 @@
 
 Loads the target (its embedding and LM head serve the drafter, as at serving time), takes
 the first `prompt_tokens` tokens of the first `num_prompts` documents of a text dataset as
-prompts, and generates `new_tokens` greedily with each drafter (target KV cache, drafter
-context cache: evaluation.acceptance). Returns tau per method, acceptance by draft position
+prompts, and generates `new_tokens` with each drafter (target KV cache, drafter
+context cache: evaluation.acceptance), or sampled at a temperature (the same seeds for every
+method). Returns tau per method, acceptance by draft position
 and the histogram of accepted tokens per forward; `plot` also draws them (evaluation.plot).
 Every prompt with its `new_tokens` must fit the target's positions (check_positions, before
 the weights load); drafts are cut at that limit as a server cuts them.
@@ -19,7 +20,13 @@ import torch
 
 from common.logging import get_logger
 from common.target_config import text_config
-from evaluation.acceptance import CachedTarget, measure_acceptance, prompt_lookup_draft
+from evaluation.acceptance import (
+    CachedTarget,
+    Sampling,
+    TokenPicker,
+    measure_acceptance,
+    prompt_lookup_draft,
+)
 
 if TYPE_CHECKING:
     from stage1_extract.target import MaxPositions
@@ -39,7 +46,7 @@ class EvaluateConfig:
     drafter: str | None = None  # exported drafter folder; None: prompt lookup only
     num_prompts: int = 12  # the first N rows of `data`
     prompt_tokens: int = 256  # prompt length (text: first tokens; chat: last tokens)
-    new_tokens: int = 128  # greedy tokens generated per prompt
+    new_tokens: int = 128  # tokens generated per prompt, at most
     device: str = "cpu"
     dtype: str = "float32"
     text_field: str = "text"
@@ -50,6 +57,15 @@ class EvaluateConfig:
     # passed to the chat template (prompts and its end of turn), e.g. {"enable_thinking": False}
     # for Qwen3: as `dflash generate` wrote the training replies
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # 0: the target's argmax (greedy verification); above: a draw at that temperature from the
+    # top_p nucleus, prompt i seeded seed + i (evaluation.acceptance.Sampling)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(self.temperature, self.top_p, self.seed)
 
     def validate(self) -> None:
         # named by their flags, as evaluate-offline names its own (the fields' names are not
@@ -59,6 +75,7 @@ class EvaluateConfig:
             for name, low in (("num_prompts", 1), ("prompt_tokens", 1), ("new_tokens", 2))
             if getattr(self, name) < low
         ]
+        problems += self.sampling.problems()
         if problems:
             raise ValueError("invalid evaluate settings: " + "; ".join(problems))
 
@@ -241,6 +258,14 @@ def run_evaluate(cfg: EvaluateConfig) -> dict:
     from stage2_train.export import load_export, other_target, read_export_config
 
     cfg.validate()
+    if cfg.sampling.greedy and (cfg.top_p != 1 or cfg.seed != 0):
+        # the argmax takes no draw: a --top-p or --seed without --temperature changes nothing
+        get_logger().warning(
+            "--top-p %s / --seed %s have no effect at --temperature 0 (greedy): pass "
+            "--temperature T > 0 to sample",
+            cfg.top_p,
+            cfg.seed,
+        )
     dtype = getattr(torch, cfg.dtype)
     # the target's positions from its config alone, and the prompts, before any weights load
     # (a missing folder or an unreachable hub id is named with the fix)
@@ -318,13 +343,14 @@ def _evaluate(
         # (the ids, or False) had readers test its truth where they meant either
         "stop_at_eos": cfg.stop_at_eos,
         "stop_ids": sorted(stop_ids),
+        "sampling": cfg.sampling.to_json(),
     }
 
     def lookup_draft(tokens: list[int], _feats: torch.Tensor | None) -> list[int]:
         return prompt_lookup_draft(tokens, num_draft)
 
     lookup = measure_acceptance(
-        CachedTarget(model, None),
+        CachedTarget(model, None, TokenPicker(cfg.sampling)),
         prompts,
         lambda: lookup_draft,
         cfg.new_tokens,
@@ -354,7 +380,7 @@ def _evaluate(
         embed_VD = model.get_input_embeddings().weight.detach()
         head_VD = model.get_output_embeddings().weight.detach()
         dflash = measure_acceptance(
-            CachedTarget(model, tapped),
+            CachedTarget(model, tapped, TokenPicker(cfg.sampling)),
             prompts,
             lambda: dflash_draft_fn(drafter, embed_VD, head_VD),
             cfg.new_tokens,

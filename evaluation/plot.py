@@ -49,9 +49,12 @@ def plot_acceptance(results: dict[str, Any], path: str | Path) -> Path:
     for axes in (by_position, histogram):
         axes.grid(alpha=0.3)
         axes.legend()
+    # files written before sampling existed hold no "sampling": they were greedy
+    temperature = results.get("sampling", {}).get("temperature", 0)
+    verification = f"sampled at temperature {temperature}" if temperature else "greedy"
     fig.suptitle(
-        f"greedy verification, {results['num_prompts']} prompts x {results['new_tokens']} "
-        "new tokens"
+        f"{verification} verification, {results['num_prompts']} prompts x "
+        f"{results['new_tokens']} new tokens"
     )
     fig.tight_layout()
     path = Path(path)

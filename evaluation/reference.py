@@ -12,48 +12,57 @@ from __future__ import annotations
 
 import torch
 
-from evaluation.acceptance import DraftFn
+from evaluation.acceptance import DraftFn, TokenPicker
 
 
 class TappedTarget:
-    """Greedy target forward over a whole sequence, with the tapped layers' hidden states."""
+    """Target forward over a whole sequence, with the tapped layers' hidden states; `picker`
+    gives the target's tokens after the last rows (default: greedy)."""
 
-    def __init__(self, model: torch.nn.Module, tapped_layers: list[int] | None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tapped_layers: list[int] | None,
+        picker: TokenPicker | None = None,
+    ) -> None:
         self.model = model
         self.tapped_layers = tapped_layers
+        self.picker = picker or TokenPicker()
         self.device = next(model.parameters()).device
 
     @torch.inference_mode()
-    def __call__(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def __call__(self, tokens: list[int], num_picked: int) -> tuple[list[int], torch.Tensor | None]:
+        """The target's tokens after each of the last `num_picked` positions (only those draw
+        from a sampling picker, as the cached path draws), and the features of all."""
         ids_1T = torch.tensor([tokens], device=self.device)
         out = self.model(ids_1T, output_hidden_states=self.tapped_layers is not None)
-        greedy_T = out.logits[0].argmax(-1)
+        picked = self.picker(out.logits[0, -num_picked:])
         if self.tapped_layers is None:
-            return greedy_T, None
+            return picked, None
         # layer i = output of decoder layer i = hidden_states[i + 1]
         feats_TKD = torch.stack([out.hidden_states[i + 1][0] for i in self.tapped_layers], 1)
-        return greedy_T, feats_TKD
+        return picked, feats_TKD
 
 
 def reference_generate(
     target: TappedTarget, prompt: list[int], draft_fn: DraftFn, num_new: int
 ) -> tuple[list[int], list[int], list[int]]:
-    """Greedy speculative decoding, all recomputed; returns (generated tokens, tokens gained
-    per forward, drafted tokens accepted per forward among those gained)."""
-    greedy_T, feats_TKD = target(prompt)
-    tokens = [*prompt, int(greedy_T[-1])]
+    """Speculative decoding, all recomputed; returns (generated tokens, tokens gained per
+    forward, drafted tokens accepted per forward among those gained)."""
+    (first,), feats_TKD = target(prompt, 1)
+    tokens = [*prompt, first]
     # Features exist for every token but the last (the target has not run on it yet).
     feats = feats_TKD
     gains: list[int] = []
     accepted_counts: list[int] = []
     while len(tokens) - len(prompt) < num_new:
         draft = draft_fn(tokens, feats)
-        greedy_T, all_feats = target(tokens + draft)
-        base = len(tokens) - 1  # greedy_T[base + j] is the target's token after tokens+draft[:j]
+        # picked[j]: the target's token after tokens + draft[:j]
+        picked, all_feats = target(tokens + draft, len(draft) + 1)
         accepted = 0
-        while accepted < len(draft) and draft[accepted] == int(greedy_T[base + accepted]):
+        while accepted < len(draft) and draft[accepted] == picked[accepted]:
             accepted += 1
-        bonus = int(greedy_T[base + accepted])
+        bonus = picked[accepted]
         room = num_new - (len(tokens) - len(prompt))
         gained = [*draft[:accepted], bonus][:room]
         tokens += gained

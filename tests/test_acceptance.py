@@ -134,7 +134,7 @@ def test_cached_path_equals_recompute_reference(target: torch.nn.Module, method:
         if method == "dflash":
             assert all(len(p) == 5 for p in proposals)
             # the buffer holds the target's features of every token but the newest
-            _, feats_TKD = reference_target([*prompt, *generated])
+            _, feats_TKD = reference_target([*prompt, *generated], 1)
             assert cached_target.features is not None
             torch.testing.assert_close(cached_target.features, feats_TKD[:-1], rtol=1e-4, atol=1e-5)
 

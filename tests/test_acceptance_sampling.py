@@ -1,0 +1,235 @@
+"""Online acceptance under sampling (`dflash evaluate --temperature`).
+
+The target's token at each position is a draw from its distribution at the temperature (cut
+to the top-p nucleus); a draft is accepted while it equals those draws. The draws must follow
+that distribution (checked against transformers' own temperature and top-p warpers, and by
+frequency), so a drafted token d is accepted with probability p(d); the cached path must draw
+exactly what the recompute reference draws; temperature near 0 must be greedy decoding; and
+the command must report the sampling it ran and refuse settings out of range.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from log_capture import dflash_messages
+from transformers import AutoModelForCausalLM
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+from dflash_offline.cli import main
+from evaluation.acceptance import (
+    CachedTarget,
+    DraftFn,
+    Sampling,
+    TokenPicker,
+    nucleus,
+    prompt_lookup_draft,
+    speculative_generate,
+)
+from evaluation.dflash_draft import dflash_draft_fn
+from evaluation.reference import TappedTarget, reference_dflash_draft_fn, reference_generate
+from stage2_train.config import DrafterConfig
+from stage2_train.model import DFlashDrafter, drafter_shape
+
+PROMPTS = [[5, 17, 42, 8, 5, 17, 42], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3]]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_qwen3: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
+
+
+def tiny_drafter(target: torch.nn.Module) -> DFlashDrafter:
+    config = target.config.to_dict()
+    shape = drafter_shape(
+        DrafterConfig(num_layers=1, block_size=5), config, 2, config["vocab_size"], 3
+    )
+    torch.manual_seed(0)
+    return DFlashDrafter(shape).eval()
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999, 1.0])
+def test_nucleus_keeps_what_transformers_top_p_keeps(top_p: float) -> None:
+    """The tokens kept are those transformers' TopPLogitsWarper keeps (`dflash generate`'s
+    local backend samples through it), with their probabilities unchanged."""
+    torch.manual_seed(1)
+    logits_JV = torch.randn(6, 50) * 3
+    logits_JV[0, :4] = 2.0  # a tie at the top
+    probs_JV = torch.softmax(logits_JV, -1)
+    kept_JV = nucleus(probs_JV, top_p)
+    warped_JV = TopPLogitsWarper(top_p)(None, logits_JV.clone())
+    assert torch.equal(kept_JV > 0, torch.isfinite(warped_JV))
+    torch.testing.assert_close(kept_JV[kept_JV > 0], probs_JV[kept_JV > 0], rtol=0, atol=0)
+    assert (kept_JV > 0).sum(-1).min() >= 1
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(0.7, 1.0), (1.5, 0.8)])
+def test_draws_follow_the_target_distribution(temperature: float, top_p: float) -> None:
+    """Frequencies of 40,000 draws (one row per draw) within 4.5 standard errors of
+    transformers' warped distribution; so the chance that a drafted token d equals the draw,
+    its acceptance, is p(d)."""
+    torch.manual_seed(2)
+    logits_V = torch.randn(12) * 2
+    warped_V = TopPLogitsWarper(top_p)(
+        None, TemperatureLogitsWarper(temperature)(None, logits_V[None])
+    )
+    expected_V = torch.softmax(warped_V[0], -1).double()
+    draws = TokenPicker(Sampling(temperature, top_p, seed=3))(logits_V.expand(40_000, -1))
+    counts_V = torch.bincount(torch.tensor(draws), minlength=12).double()
+    frequency_V = counts_V / len(draws)
+    error_V = (expected_V * (1 - expected_V) / len(draws)).sqrt()
+    assert ((frequency_V - expected_V).abs() <= 4.5 * error_V + 1e-12).all(), (
+        frequency_V,
+        expected_V,
+    )
+    assert counts_V[expected_V == 0].sum() == 0  # nothing outside the nucleus, ever
+
+
+def test_picker_is_greedy_at_zero_and_reseeded_per_prompt() -> None:
+    logits_JV = torch.randn(5, 30)
+    assert TokenPicker()(logits_JV) == logits_JV.argmax(-1).tolist()
+    picker = TokenPicker(Sampling(1.0, 1.0, seed=7))
+    picker.start(2)
+    first = picker(logits_JV)
+    picker.start(2)
+    assert picker(logits_JV) == first  # prompt 2's draws depend on nothing before it
+    picker.start(3)
+    other = [picker(logits_JV) for _ in range(4)]
+    assert any(draws != first for draws in other)
+
+
+def greedy_continuation(model: torch.nn.Module, num_draft: int) -> DraftFn:
+    """Drafts the target's own argmax continuation: at a low temperature most draws equal it,
+    some do not, so both acceptance and rejection happen."""
+
+    @torch.inference_mode()
+    def draft(tokens: list[int], _feats: torch.Tensor | None) -> list[int]:
+        grown = list(tokens)
+        for _ in range(num_draft):
+            grown.append(int(model(torch.tensor([grown])).logits[0, -1].argmax()))
+        return grown[len(tokens) :]
+
+    return draft
+
+
+@pytest.mark.parametrize("method", ["argmax", "dflash"])
+def test_cached_path_draws_what_the_reference_draws(target: torch.nn.Module, method: str) -> None:
+    """Under sampling the cached path (KV cache cropped, feature buffer, drafter context cache)
+    and the recompute reference take the same draws, accept the same drafts and write the same
+    text. The tiny target's distribution is near uniform, so temperature 0.02 makes it peaked
+    enough that drafting its argmax is accepted often but not always."""
+    drafter = tiny_drafter(target)
+    embed_VD = target.get_input_embeddings().weight
+    head_VD = target.get_output_embeddings().weight
+    tapped = [0, 2] if method == "dflash" else None
+    sampling = Sampling(temperature=0.02, top_p=0.9, seed=11)
+    accepted, forwards, new = 0, 0, 0
+    for index, prompt in enumerate(PROMPTS):
+        cached_picker, reference_picker = TokenPicker(sampling), TokenPicker(sampling)
+        cached_picker.start(index)
+        reference_picker.start(index)
+        if method == "dflash":
+            cached_draft = dflash_draft_fn(drafter, embed_VD, head_VD)
+            reference_draft = reference_dflash_draft_fn(drafter, embed_VD, head_VD)
+        else:
+            cached_draft = reference_draft = greedy_continuation(target, 4)
+        cached = speculative_generate(
+            CachedTarget(target, tapped, cached_picker), prompt, cached_draft, 24
+        )
+        reference = reference_generate(
+            TappedTarget(target, tapped, reference_picker), prompt, reference_draft, 24
+        )
+        assert cached == reference
+        accepted, forwards, new = accepted + sum(cached[2]), forwards + len(cached[1]), new + 23
+    if method == "argmax":
+        # some drafts accepted, some rejected (all accepted: 24 tokens in 5 forwards a prompt)
+        assert 0 < accepted < new and forwards > 2 * 5
+
+
+def test_near_zero_temperature_is_greedy(target: torch.nn.Module) -> None:
+    """At a temperature near 0 the draws are the argmax: the same text, gains and accepted
+    counts as greedy verification."""
+    draft = lambda toks, _f: prompt_lookup_draft(toks, 4)  # noqa: E731
+    for prompt in PROMPTS:
+        greedy = speculative_generate(CachedTarget(target, None), prompt, draft, 20)
+        cold = CachedTarget(target, None, TokenPicker(Sampling(1e-6, 1.0, seed=5)))
+        assert speculative_generate(cold, prompt, draft, 20) == greedy
+
+
+def test_sampled_text_differs_from_greedy_and_by_seed(target: torch.nn.Module) -> None:
+    """At temperature 1 the text is the target's draws, not its argmax: another seed, another
+    text; the same seed, the same text."""
+    draft = lambda toks, _f: prompt_lookup_draft(toks, 4)  # noqa: E731
+
+    def texts(seed: int) -> list[list[int]]:
+        picker, out = TokenPicker(Sampling(1.0, 1.0, seed)), []
+        for index, prompt in enumerate(PROMPTS):
+            picker.start(index)
+            out.append(
+                speculative_generate(CachedTarget(target, None, picker), prompt, draft, 16)[0]
+            )
+        return out
+
+    greedy = [speculative_generate(CachedTarget(target, None), p, draft, 16)[0] for p in PROMPTS]
+    assert texts(0) == texts(0)
+    assert texts(0) != texts(1)
+    assert all(a != b for a, b in zip(texts(0), greedy, strict=True))
+
+
+def _data(tmp_path: Path) -> Path:
+    path = tmp_path / "dev.jsonl"
+    texts = ["def f(x):\n    return x\n" * 2, "import os\nimport sys\n" * 2]
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    return path
+
+
+def test_evaluate_command_reports_its_sampling(tiny_qwen3: Path, tmp_path: Path) -> None:
+    data = _data(tmp_path)
+    out = tmp_path / "sampled.json"
+    args = ["evaluate", "--target", str(tiny_qwen3), "--data", str(data), "--num-prompts", "2"]
+    args += ["--new-tokens", "12", "--no-stop-at-eos", "--plot", str(tmp_path / "p.png")]
+    result = CliRunner().invoke(
+        main, [*args, "--temperature", "0.9", "--top-p", "0.95", "--seed", "4", "--json-out", out]
+    )
+    assert result.exit_code == 0, result.output
+    figures = json.loads(out.read_text())
+    assert figures["sampling"] == {"temperature": 0.9, "top_p": 0.95, "seed": 4}
+    assert len(figures["prompt_lookup"]["tau_per_prompt"]) == 2
+    greedy = CliRunner().invoke(main, [*args, "--json-out", tmp_path / "greedy.json"])
+    assert greedy.exit_code == 0, greedy.output
+    assert json.loads((tmp_path / "greedy.json").read_text())["sampling"]["temperature"] == 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--temperature", "-0.5"], "--temperature must be a number >= 0, got -0.5"),
+        (["--temperature", "nan"], "--temperature must be a number >= 0, got nan"),
+        (["--temperature", "1", "--top-p", "0"], r"--top-p must be in \(0, 1\], got 0.0"),
+        (["--temperature", "1", "--top-p", "1.5"], r"--top-p must be in \(0, 1\], got 1.5"),
+        (["--temperature", "1", "--seed", "-1"], r"--seed must be within \[0, 2\*\*63\), got -1"),
+    ],
+)
+def test_sampling_out_of_range_is_refused_by_flag(
+    tiny_qwen3: Path, tmp_path: Path, flags: list[str], message: str
+) -> None:
+    args = ["evaluate", "--target", str(tiny_qwen3), "--data", str(_data(tmp_path)), *flags]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code != 0
+    assert re.search(message, result.output), result.output
+
+
+def test_top_p_without_temperature_is_warned(tiny_qwen3: Path, tmp_path: Path) -> None:
+    from evaluation.online import EvaluateConfig, run_evaluate
+
+    cfg = EvaluateConfig(str(tiny_qwen3), str(_data(tmp_path)), num_prompts=1, new_tokens=4)
+    cfg.top_p, cfg.stop_at_eos = 0.9, False
+    with dflash_messages(logging.WARNING) as seen:
+        run_evaluate(cfg)
+    assert any("--top-p 0.9 / --seed 0 have no effect at --temperature 0" in m for m in seen)
