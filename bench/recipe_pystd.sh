@@ -33,6 +33,9 @@ IFS=',' read -ra TRAIN_GPUS <<< "${TRAIN_GPUS:-${DEVICE%%,*}}"
 # extra --set arguments per stage (a CPU dry run shrinks everything with these)
 read -ra GEN_SETS <<< "${GEN_SETS:-}"
 read -ra EXTRACT_SETS <<< "${EXTRACT_SETS:-}"
+# a fifth evaluation, sampled as a server at this temperature samples (empty: none): tau
+# when the target draws its tokens, replies ending at their end of sequence
+read -ra SAMPLED_EVAL <<< "${SAMPLED_EVAL---temperature 0.6 --top-p 0.95}"
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 # a data stage whose command fails makes the script exit 1 at its end (bench/recipe_call.sh
 # marks a stage done on exit 0 only)
@@ -224,7 +227,7 @@ variant() {  # $1 = name, $2 = GPU, $3 = its store (a folder in $WORK), the rest
   fi
   if has evaluate; then
     t=$(date +%s)
-    # the four evaluations at once (each is mostly start-up and a small model's decoding: 151 s
+    # the evaluations at once (each is mostly start-up and a small model's decoding: 151 s
     # one after another in the eighteenth session); tokens/s in their JSON are then shared-GPU
     # figures, tau is not affected.
     # --no-stop-at-eos: the 12-prompt figure as every session measured it (the shared harness
@@ -241,6 +244,12 @@ variant() {  # $1 = name, $2 = GPU, $3 = its store (a folder in $WORK), the rest
       --device "$eval_device" > "$OUT/$name-acceptance-server.json" \
       2> "$OUT/$name-evaluate-server.log" &
     evaluations+=($!)
+    if [ ${#SAMPLED_EVAL[@]} -gt 0 ]; then
+      dflash evaluate --target $M --drafter "$WORK/run-$name/export" --data .carry/dev.jsonl.gz \
+        --device "$eval_device" "${SAMPLED_EVAL[@]}" > "$OUT/$name-acceptance-sampled.json" \
+        2> "$OUT/$name-evaluate-sampled.log" &
+      evaluations+=($!)
+    fi
     dflash evaluate-offline --drafter "$WORK/run-$name/export" --store "$WORK/dev-store" \
       --device "$eval_device" --json-out "$OUT/$name-offline-dev.json" > /dev/null 2>&1 &
     evaluations+=($!)
@@ -269,6 +278,7 @@ def read(path):
         return {}
 online = read(f"{out}/{name}-acceptance.json")  # {} when evaluate failed (its log says why)
 server = read(f"{out}/{name}-acceptance-server.json")
+sampled = read(f"{out}/{name}-acceptance-sampled.json")
 offline = read(f"{out}/{name}-offline-dev.json")
 offline_all = read(f"{out}/{name}-offline-dev-all.json")
 try:
@@ -280,6 +290,9 @@ print(json.dumps({"variant": name, "dflash_tau": online.get("dflash", {}).get("t
                   "prompt_lookup_tau": online.get("prompt_lookup", {}).get("tau"),
                   "server_dflash_tau": server.get("dflash", {}).get("tau"),
                   "server_prompt_lookup_tau": server.get("prompt_lookup", {}).get("tau"),
+                  "sampled_dflash_tau": sampled.get("dflash", {}).get("tau"),
+                  "sampled_prompt_lookup_tau": sampled.get("prompt_lookup", {}).get("tau"),
+                  "sampling": sampled.get("sampling"),
                   "chained_dev_tau": offline.get("chained_tau"),
                   "random_anchor_dev_tau": offline.get("eval_tau"),
                   "chained_dev_all_tau": offline_all.get("chained_tau"),

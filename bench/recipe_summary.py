@@ -10,7 +10,8 @@ reports of it, read from the results folder a device call brings back.
 - online tau per prompt, DFlash and prompt lookup (VARIANT-acceptance.json: 128 tokens past a
   reply's end, the shared harness's definition), and the means; the same as `dflash evaluate`
   reports by default, replies ending at their end of sequence (VARIANT-acceptance-server.json,
-  keys prefixed server_),
+  keys prefixed server_), and sampled as a server samples (VARIANT-acceptance-sampled.json,
+  `dflash evaluate --temperature`: keys prefixed sampled_, its settings in `sampling`),
 - the first step's seconds (its compilation: what the recipe's warm-up compile saves) and the
   stages' seconds (timings.json, with `wall_s`, the pipeline's wall time).
 """
@@ -90,6 +91,9 @@ def summarize_variant(results: Path, variant: str, skip: int) -> dict[str, Any]:
         **online(results / f"{variant}-acceptance.json"),
         # as `dflash evaluate` reports by default (each reply ends at its end of sequence)
         **online(results / f"{variant}-acceptance-server.json", "server_"),
+        # the target sampling (recipe_pystd.sh's SAMPLED_EVAL: temperature 0.6, top-p 0.95)
+        **online(results / f"{variant}-acceptance-sampled.json", "sampled_"),
+        "sampling": read_json(results / f"{variant}-acceptance-sampled.json").get("sampling"),
         "timings": read_json(results / "timings.json"),  # the stages' seconds, wall_s
     }
 

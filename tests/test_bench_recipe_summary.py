@@ -40,6 +40,12 @@ def write_results(folder: Path) -> None:
         "prompt_lookup": {"tau": 1.5, "tau_per_prompt": [1.5]},
     }
     (folder / "v-acceptance-server.json").write_text(json.dumps(server))
+    sampled = {  # dflash evaluate --temperature 0.6 --top-p 0.95
+        "sampling": {"temperature": 0.6, "top_p": 0.95, "seed": 0},
+        "dflash": {"tau": 2.5, "tau_per_prompt": [2.5]},
+        "prompt_lookup": {"tau": 1.25, "tau_per_prompt": [1.25]},
+    }
+    (folder / "v-acceptance-sampled.json").write_text(json.dumps(sampled))
     (folder / "timings.json").write_text('{"generate_s": 300, "wall_s": 1400}\n')
 
 
@@ -63,6 +69,8 @@ def test_recipe_summary_reads_the_figures(tmp_path: Path) -> None:
     assert summary["prompt_lookup_tau_per_prompt"] == [1.5, 2.5]
     assert (summary["server_dflash_tau"], summary["server_prompt_lookup_tau"]) == (3.0, 1.5)
     assert summary["server_dflash_tau_per_prompt"] == [3.0]
+    assert (summary["sampled_dflash_tau"], summary["sampled_prompt_lookup_tau"]) == (2.5, 1.25)
+    assert summary["sampling"] == {"temperature": 0.6, "top_p": 0.95, "seed": 0}
     assert summary["first_step_s"] == 30.0
     assert summary["timings"] == {"generate_s": 300, "wall_s": 1400}
 
