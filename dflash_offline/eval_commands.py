@@ -36,6 +36,8 @@ def _json_object(value: str) -> dict[str, Any]:
 @click.command(short_help="Online acceptance (tau) of a drafter vs prompt lookup.")
 @click.option(
     "--target",
+    "--model",
+    "target",
     required=True,
     help="target model: local folder or hub id (the one the drafter was trained for)",
 )

@@ -22,7 +22,12 @@ def _model_name(model: str | None) -> str:
 
 @click.command(short_help="Let the target write its own training text (stage 1).")
 @config_options("sampling.max_new_tokens=2048")
-@click.option("--model", help="target model: local folder or hub id (target.model)")
+@click.option(
+    "--model",
+    "--target",
+    "model",
+    help="target model: local folder or hub id (target.model)",
+)
 @click.option("--data", help="dataset file/folder or hub name, as for extract (data.path)")
 @click.option("--out", help="folder of generated rows to write (output.out)")
 @click.option("--devices", help="GPU ids like 0,1, or cpu (run.devices; default 0,1)")
@@ -74,7 +79,12 @@ def generate(
 
 @click.command(short_help="Write a store of the target's features (stage 1).")
 @config_options("packing.seq_len=4096")
-@click.option("--model", help="target model: local folder or hub id (target.model)")
+@click.option(
+    "--model",
+    "--target",
+    "model",
+    help="target model: local folder or hub id (target.model)",
+)
 @click.option(
     "--data", help="dataset file/folder or hub name, e.g. a `dflash generate` output (data.path)"
 )

@@ -116,6 +116,8 @@ def plot(run: str) -> None:
 )
 @click.option(
     "--target",
+    "--model",
+    "target",
     help="import: target model folder (config, tokenizer, LM head) [default: the file's root "
     "attribute target, else its target_config and /target_head]",
 )
