@@ -76,12 +76,18 @@ class Sampling:
 
 
 def nucleus(probs_JV: torch.Tensor, top_p: float) -> torch.Tensor:
-    """`probs_JV` with every token outside each row's top-`top_p` nucleus zeroed: a token
-    stays while the mass ranked above it is below top_p (so the most likely always stays)."""
-    sorted_JV, order_JV = probs_JV.sort(-1, descending=True)
-    above_JV = sorted_JV.cumsum(-1) - sorted_JV
-    sorted_JV = sorted_JV.masked_fill(above_JV >= top_p, 0.0)
-    return torch.zeros_like(probs_JV).scatter_(-1, order_JV, sorted_JV)
+    """`probs_JV` with every token outside each row's top-`top_p` nucleus zeroed, by the rule
+    and in the order of transformers' TopPLogitsWarper (vLLM's top-p is the same): ranked from
+    the least likely up, a token whose running mass is at most 1 - top_p is dropped; the most
+    likely always stays. The edge is found from the tail's own mass: a float32 softmax row over
+    a 150k vocabulary sums to 1 + ~2e-5, and counting from the top (the mass ranked above a
+    token against top_p) took that excess as head mass, dropping edge tokens of a flat row
+    (one to hundreds at top_p 0.95-0.999). Tokens tied at the edge (frequent with bf16 logits)
+    are kept as generate keeps them: the same ascending sort."""
+    sorted_JV, order_JV = probs_JV.sort(-1)
+    dropped_JV = sorted_JV.cumsum(-1) <= 1 - top_p
+    dropped_JV[..., -1] = False
+    return probs_JV.masked_fill(dropped_JV.scatter(-1, order_JV, dropped_JV), 0.0)
 
 
 class TokenPicker:

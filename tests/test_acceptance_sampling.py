@@ -233,3 +233,45 @@ def test_top_p_without_temperature_is_warned(tiny_qwen3: Path, tmp_path: Path) -
     with dflash_messages(logging.WARNING) as seen:
         run_evaluate(cfg)
     assert any("--top-p 0.9 / --seed 0 have no effect at --temperature 0" in m for m in seen)
+
+
+# --- the nucleus over a real vocabulary -------------------------------------------------------
+
+
+def test_nucleus_keeps_what_transformers_keeps_with_bf16_ties() -> None:
+    """bf16 logits tie often, also at the nucleus' edge; the tokens kept there must be those
+    TopPLogitsWarper keeps (generate's), not other tokens of the same probability (a descending
+    sort kept others in ~2 rows of 3 here)."""
+    torch.manual_seed(4)
+    logits_JV = (torch.randn(24, 4096) * 4).bfloat16().float()
+    for temperature in (0.6, 1.0):
+        scaled_JV = TemperatureLogitsWarper(temperature)(None, logits_JV.clone())
+        probs_JV = torch.softmax(logits_JV / temperature, -1)
+        for top_p in (0.5, 0.9, 0.95, 0.999):
+            kept_JV = nucleus(probs_JV, top_p) > 0
+            warped_JV = TopPLogitsWarper(top_p)(None, scaled_JV.clone())
+            # rows whose running tail mass passes within float32 rounding of 1 - top_p may
+            # round either way (the two softmaxes sum in different orders): left out
+            tail_JV = torch.softmax(logits_JV.double() / temperature, -1).sort(-1).values
+            clear_J = ((tail_JV.cumsum(-1) - (1 - top_p)).abs() > 3e-7).all(-1)
+            assert clear_J.sum() >= 12
+            assert torch.equal(kept_JV[clear_J], torch.isfinite(warped_JV)[clear_J]), (
+                temperature,
+                top_p,
+            )
+
+
+@pytest.mark.parametrize("top_p", [0.9, 0.95, 0.999])
+def test_nucleus_edge_over_a_150k_vocabulary(top_p: float) -> None:
+    """A float32 softmax row over 151,936 tokens sums to 1 + ~2e-5: the nucleus must still hold
+    the fewest most likely tokens whose mass reaches top_p, within one token of the count in
+    float64 (counted from the top, that excess dropped ~300 edge tokens of these flat rows at
+    top_p 0.999)."""
+    torch.manual_seed(5)
+    logits_JV = torch.randn(4, 151_936) * 4
+    probs_JV = torch.softmax(logits_JV, -1)
+    exact_JV = torch.softmax(logits_JV.double(), -1).sort(-1, descending=True).values
+    # the exact nucleus: the fewest top tokens whose mass reaches top_p
+    exact_J = (exact_JV.cumsum(-1) < top_p).sum(-1) + 1
+    kept_J = (nucleus(probs_JV, top_p) > 0).sum(-1)
+    assert ((kept_J - exact_J).abs() <= 1).all(), (kept_J.tolist(), exact_J.tolist())
