@@ -235,7 +235,7 @@ def test_top_p_without_temperature_is_warned(tiny_qwen3: Path, tmp_path: Path) -
     assert any("--top-p 0.9 / --seed 0 have no effect at --temperature 0" in m for m in seen)
 
 
-# --- the nucleus over a real vocabulary -------------------------------------------------------
+# --- the nucleus over a real vocabulary, and losslessness end to end --------------------------
 
 
 def test_nucleus_keeps_what_transformers_keeps_with_bf16_ties() -> None:
@@ -275,3 +275,84 @@ def test_nucleus_edge_over_a_150k_vocabulary(top_p: float) -> None:
     exact_J = (exact_JV.cumsum(-1) < top_p).sum(-1) + 1
     kept_J = (nucleus(probs_JV, top_p) > 0).sum(-1)
     assert ((kept_J - exact_J).abs() <= 1).all(), (kept_J.tolist(), exact_J.tolist())
+
+
+def test_speculative_sampling_is_lossless_end_to_end() -> None:
+    """The text written by speculative decoding under sampling follows the target's own
+    sampled distribution, whatever the drafter proposes. A 6-token target (one layer, its LM
+    head scaled so rows are peaked) samples at temperature 0.9, top-p 0.8; the exact
+    distribution of its first three tokens (the prefill's, then two verified after a 2-token
+    draft) is computed from its logits with transformers' warpers and compared with 1,600
+    seeded runs of speculative_generate under a drafter proposing, by context, the likeliest
+    token, a token outside the nucleus, or a fixed one: never a token outside the support, and
+    a chi-square p-value far from rejection (the seeds are fixed: the same counts every run).
+    Checked against broken rules: top-p applied after the acceptance test (79 runs outside the
+    support), a rejection redrawn from p with d left in (p ~1e-98), the token after a rejection
+    taken from the next row or no nucleus (~590 outside), temperature applied twice (p ~5e-8),
+    drafts compared with the next row's draw (the acceptance bounds)."""
+    from common.tiny import tiny_config
+
+    vocab, temperature, top_p, runs = 6, 0.9, 0.8, 1600
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3", vocab, 1, 16)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(12)
+    prompt = [1, 4, 2, 5, 3]
+
+    with torch.inference_mode():
+        # every prompt + (x1, x2): its logits give p(x1), p(x2 | x1), p(x3 | x1, x2)
+        pairs_N2 = torch.cartesian_prod(torch.arange(vocab), torch.arange(vocab))
+        ids_NT = torch.cat([torch.tensor(prompt).expand(len(pairs_N2), -1), pairs_N2], 1)
+        logits_NTV = model(ids_NT).logits.float()
+
+    def sampled(logits_JV: torch.Tensor) -> torch.Tensor:
+        """The distribution generate samples, by transformers' own warpers, in float64."""
+        warped_JV = TopPLogitsWarper(top_p)(
+            None, TemperatureLogitsWarper(temperature)(None, logits_JV)
+        )
+        return torch.softmax(warped_JV.double(), -1)
+
+    n = len(prompt)
+    first_V = sampled(logits_NTV[:1, n - 1])[0]
+    second_VV = sampled(logits_NTV[::vocab, n])  # [x1, x2]
+    third_VVV = sampled(logits_NTV[:, n + 1]).view(vocab, vocab, vocab)  # [x1, x2, x3]
+    exact_VVV = first_V[:, None, None] * second_VV[:, :, None] * third_VVV
+    # the fixture itself: a support wide enough to test, no row near its nucleus' edge (where
+    # the cached forward's rounding could move a token across it)
+    assert 30 <= int((exact_VVV > 0).sum()) < vocab**3
+    for logits_JV in (logits_NTV[:1, n - 1], logits_NTV[::vocab, n], logits_NTV[:, n + 1]):
+        tail_JV = torch.softmax(logits_JV.double() / temperature, -1).sort(-1).values.cumsum(-1)
+        assert ((tail_JV - (1 - top_p)).abs() > 1e-4).all()
+
+    def drafter(tokens: list[int], _feats: torch.Tensor | None) -> list[int]:
+        new = tokens[n:]
+        if len(new) == 1:  # after the prefill: a 2-token draft for x2, x3
+            (x1,) = new
+            d1 = int(second_VV[x1].argmax() if x1 % 2 == 0 else second_VV[x1].argmin())
+            d2 = int(third_VVV[x1, d1].argmax() if x1 % 3 else third_VVV[x1, d1].argmin())
+            return [d1, d2]
+        x1, x2 = new  # x2 was the correction of a rejected d1: a draft for x3
+        return [int(third_VVV[x1, x2].argmax()) if (x1 + x2) % 2 else (x1 + 2 * x2) % vocab]
+
+    counts_VVV = torch.zeros(vocab, vocab, vocab, dtype=torch.float64)
+    accepted_at = [0, 0]  # runs whose first verification accepted >= 1, >= 2 drafted tokens
+    picker = TokenPicker(Sampling(temperature, top_p, seed=7))
+    target = CachedTarget(model, None, picker)
+    for run in range(runs):
+        picker.start(run)
+        generated, _gains, accepted = speculative_generate(target, prompt, drafter, 3)
+        counts_VVV[tuple(generated)] += 1
+        accepted_at[0] += accepted[0] >= 1
+        accepted_at[1] += accepted[0] >= 2
+    # both drafted positions were accepted in some runs and rejected in others (422 and 91 of
+    # the 1,600 accepted the first, both)
+    assert 0.1 * runs < accepted_at[0] < 0.9 * runs
+    assert 0.02 * runs < accepted_at[1] < 0.9 * accepted_at[0]
+
+    expected_VVV = exact_VVV * runs
+    support = expected_VVV > 0
+    assert counts_VVV[~support].sum() == 0  # nothing the target's sampling could not write
+    chi2 = ((counts_VVV - expected_VVV)[support] ** 2 / expected_VVV[support]).sum()
+    dof = torch.tensor((int(support.sum()) - 1) / 2, dtype=torch.float64)
+    p_value = float(torch.special.gammaincc(dof, chi2 / 2))
+    assert p_value > 1e-6, (float(chi2), int(support.sum()), p_value)
