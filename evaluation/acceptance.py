@@ -9,8 +9,13 @@ The target's token at each position is its argmax (greedy, the default), or a dr
 distribution at a temperature (`Sampling`): then a drafted token d is accepted with
 probability p(d), and at the first rejection the target's token is a draw from p without d.
 That is rejection sampling of drafts given as tokens without draft probabilities (a one-hot
-draft distribution), the rule a server applies to n-gram and DFlash drafts: the text follows
-the target's own distribution exactly, and tau is what that server measures, in expectation.
+draft distribution), p cut by temperature and top-p before the test: vLLM's default (argmax
+drafts, draft_sample_method 'greedy', rejection_sample_method 'standard') and SGLang's DFlash
+verification (accept thresholds at their default 1). The text follows the target's own
+distribution exactly, and each verification accepts as many drafted tokens as such a server's
+would, in distribution. A server that samples its drafts and tests them with their
+probabilities (vLLM 'probabilistic'), verifies a block jointly (vLLM 'block') or relaxes the
+test (SGLang thresholds below 1) accepts more.
 Drafters: prompt lookup (copy the continuation of the longest earlier n-gram match, n = 4..1,
 no training) and DFlash (evaluation.dflash_draft).
 
