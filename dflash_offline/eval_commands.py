@@ -121,8 +121,8 @@ def _json_object(value: str) -> dict[str, Any]:
     default=0,
     show_default=True,
     type=int,
-    help="with --temperature: prompt i draws from a generator seeded SEED + i, the same for "
-    "prompt lookup and the drafter",
+    help="with --temperature: the draws are keyed by (SEED, prompt, token index), so prompt "
+    "lookup and the drafter meet the same sampled text",
 )
 @click.option(
     "--json-out",

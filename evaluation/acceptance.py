@@ -33,8 +33,10 @@ forward (the newest token + the draft), K tapped layers, D hidden.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import math
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -60,7 +62,8 @@ class Sampling:
 
     temperature: float = 0.0
     top_p: float = 1.0
-    seed: int = 0  # prompt i draws from a generator seeded seed + i, the same for every method
+    # the draws of prompt i are keyed by (seed, i, the token's index): the same for every method
+    seed: int = 0
 
     def problems(self) -> list[str]:
         out = []
@@ -96,28 +99,45 @@ def nucleus(probs_JV: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 class TokenPicker:
-    """The target's token after each row of logits [J, V]: argmax, or a draw (`Sampling`)
-    from a generator on the logits' device, reseeded per prompt (`start`)."""
+    """The target's token after each row of logits [J, V]: argmax, or a draw (`Sampling`).
+
+    A draw is exact (the exponential race: argmax of p(x) / E_x, E_x ~ Exp(1) iid, picks x
+    with probability p(x)), and its noise is keyed by the seed, the prompt (`start`) and the
+    index in the sequence of the token drawn, not by how many draws came before. So every
+    drafter meets the same sampled text (the token at index t depends on the text before it and
+    the key alone, whatever was drafted), and their taus differ by the drafters, not by the
+    text each happened to draw; the cached path and the recompute reference draw alike too.
+    """
 
     def __init__(self, sampling: Sampling | None = None) -> None:
         self.sampling = sampling or Sampling()
-        self._generator: torch.Generator | None = None
-        self._seed = self.sampling.seed
+        self._prompt_index = 0
 
     def start(self, prompt_index: int) -> None:
-        """Reseed for prompt `prompt_index`: its draws depend on no other prompt's."""
-        self._seed = self.sampling.seed + prompt_index
-        self._generator = None
+        """Key the draws of prompt `prompt_index`: its text depends on no other prompt's."""
+        self._prompt_index = prompt_index
 
-    def __call__(self, logits_JV: torch.Tensor) -> list[int]:
+    def _noise(self, index: int, size: int, device: torch.device) -> torch.Tensor:
+        """Exp(1) noise [size] for the token at `index` of the current prompt."""
+        key = struct.pack("<QQQ", self.sampling.seed, self._prompt_index, index)
+        seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+        generator = torch.Generator(device).manual_seed(seed)
+        noise = torch.empty(size, device=device).exponential_(generator=generator)
+        # exponential_ may return 0: p / 0 would pick a token of any probability, zero included
+        return noise.clamp_(min=torch.finfo(torch.float32).tiny)
+
+    def __call__(self, logits_JV: torch.Tensor, first_index: int) -> list[int]:
+        """Row j picks the token at index `first_index` + j of the sequence."""
         if self.sampling.greedy:
             return logits_JV.argmax(-1).tolist()
-        if self._generator is None:
-            self._generator = torch.Generator(logits_JV.device).manual_seed(self._seed)
         probs_JV = torch.softmax(logits_JV.float() / self.sampling.temperature, -1)
         if self.sampling.top_p < 1:
             probs_JV = nucleus(probs_JV, self.sampling.top_p)
-        return torch.multinomial(probs_JV, 1, generator=self._generator)[:, 0].tolist()
+        size, device = probs_JV.size(-1), probs_JV.device
+        noise_JV = torch.stack(
+            [self._noise(first_index + j, size, device) for j in range(probs_JV.size(0))]
+        )
+        return (probs_JV / noise_JV).argmax(-1).tolist()
 
 
 @dataclass
@@ -220,7 +240,9 @@ class CachedTarget:
             self._pending_JKD = torch.stack(
                 [out.hidden_states[i + 1][0] for i in self.tapped_layers], 1
             )
-        return self.picker(out.logits[0])
+        logits_JV = out.logits[0]
+        # row j picks the token after input j; the last input's index is num_kept + len - 1
+        return self.picker(logits_JV, self.num_kept + len(ids) - logits_JV.size(0) + 1)
 
     def prefill(self, prompt: list[int], capacity: int) -> int:
         """Run the prompt on a fresh cache; returns the target's next token. `capacity`:

@@ -58,7 +58,7 @@ class EvaluateConfig:
     # for Qwen3: as `dflash generate` wrote the training replies
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # 0: the target's argmax (greedy verification); above: a draw at that temperature from the
-    # top_p nucleus, prompt i seeded seed + i (evaluation.acceptance.Sampling)
+    # top_p nucleus, keyed by (seed, prompt, token index) (evaluation.acceptance.Sampling)
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0

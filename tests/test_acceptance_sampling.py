@@ -80,7 +80,7 @@ def test_draws_follow_the_target_distribution(temperature: float, top_p: float) 
         None, TemperatureLogitsWarper(temperature)(None, logits_V[None])
     )
     expected_V = torch.softmax(warped_V[0], -1).double()
-    draws = TokenPicker(Sampling(temperature, top_p, seed=3))(logits_V.expand(40_000, -1))
+    draws = TokenPicker(Sampling(temperature, top_p, seed=3))(logits_V.expand(40_000, -1), 0)
     counts_V = torch.bincount(torch.tensor(draws), minlength=12).double()
     frequency_V = counts_V / len(draws)
     error_V = (expected_V * (1 - expected_V) / len(draws)).sqrt()
@@ -91,17 +91,63 @@ def test_draws_follow_the_target_distribution(temperature: float, top_p: float) 
     assert counts_V[expected_V == 0].sum() == 0  # nothing outside the nucleus, ever
 
 
-def test_picker_is_greedy_at_zero_and_reseeded_per_prompt() -> None:
+def test_picker_is_greedy_at_zero_and_keyed_by_prompt_and_index() -> None:
+    """A draw depends on the seed, the prompt and the token's index alone: not on the draws
+    before it, nor on which rows of a forward it shares."""
+    torch.manual_seed(4)
     logits_JV = torch.randn(5, 30)
-    assert TokenPicker()(logits_JV) == logits_JV.argmax(-1).tolist()
+    assert TokenPicker()(logits_JV, 9) == logits_JV.argmax(-1).tolist()
     picker = TokenPicker(Sampling(1.0, 1.0, seed=7))
     picker.start(2)
-    first = picker(logits_JV)
+    first = picker(logits_JV, 10)
+    picker.start(5)
+    picker(logits_JV, 10)  # another prompt's draws in between change nothing
     picker.start(2)
-    assert picker(logits_JV) == first  # prompt 2's draws depend on nothing before it
+    assert picker(logits_JV, 10) == first
+    # the same indices drawn one row at a time, in another order
+    assert [picker(logits_JV[j : j + 1], 10 + j)[0] for j in (3, 0, 4, 1, 2)] == [
+        first[j] for j in (3, 0, 4, 1, 2)
+    ]
+    assert picker(logits_JV[1:], 11) == first[1:]
+    others = [picker(logits_JV, 10 + 5 * k) for k in range(1, 4)]  # other indices
     picker.start(3)
-    other = [picker(logits_JV) for _ in range(4)]
-    assert any(draws != first for draws in other)
+    others.append(picker(logits_JV, 10))  # another prompt
+    assert all(draws != first for draws in others)
+    other_seed = TokenPicker(Sampling(1.0, 1.0, seed=8))
+    other_seed.start(2)
+    assert other_seed(logits_JV, 10) != first
+
+
+def test_every_drafter_meets_the_same_sampled_text(target: torch.nn.Module) -> None:
+    """The text under sampling is plain sampling's, token by token (each draw keyed by its
+    index), whatever was drafted: no draft, prompt lookup, a DFlash drafter and the target's
+    own argmax continuation all write it, though they accept different counts."""
+    sampling = Sampling(temperature=0.05, top_p=0.95, seed=3)
+    drafter = tiny_drafter(target)
+    embed_VD = target.get_input_embeddings().weight
+    head_VD = target.get_output_embeddings().weight
+    for index, prompt in enumerate(PROMPTS):
+        picker = TokenPicker(sampling)
+        picker.start(index)
+        plain = list(prompt)
+        with torch.inference_mode():
+            while len(plain) < len(prompt) + 20:
+                logits_1V = target(torch.tensor([plain])).logits[0, -1:]
+                plain += picker(logits_1V, len(plain))
+        texts, accepted = [], []
+        for tapped, draft in [
+            (None, lambda toks, _f: []),
+            (None, lambda toks, _f: prompt_lookup_draft(toks, 4)),
+            ([0, 2], dflash_draft_fn(drafter, embed_VD, head_VD)),
+            (None, greedy_continuation(target, 4)),
+        ]:
+            generated, _gains, counts = speculative_generate(
+                CachedTarget(target, tapped, picker), prompt, draft, 20
+            )
+            texts.append(generated)
+            accepted.append(sum(counts))
+        assert all(text == plain[len(prompt) :] for text in texts)
+        assert accepted[0] == 0 and accepted[-1] > 0
 
 
 def greedy_continuation(model: torch.nn.Module, num_draft: int) -> DraftFn:
