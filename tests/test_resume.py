@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from log_capture import dflash_messages
+from rank_pair import run_in_pair
 from store_factory import FactorySpec, build_store
 
 from common.config import build_config
@@ -97,22 +98,24 @@ def test_damaged_newest_checkpoint_falls_back(tmp_path: Path, damage: str, warni
 
 
 def _resume_as_rank(rank: int, folder: Path, store_file: str, seen: multiprocessing.Queue) -> None:
-    """Rank `rank` of 2 (gloo): resume_latest on `folder`; puts (rank, its path, its warnings)."""
+    """Rank `rank` of 2 (gloo): resume_latest on `folder`; puts (rank, (its path, its
+    warnings))."""
     dist.init_process_group("gloo", store=dist.FileStore(store_file, 2), rank=rank, world_size=2)
+    logged: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: logged.append(record.getMessage())
     try:
         model = torch.nn.Linear(3, 2)
         optimizer = torch.optim.AdamW(model.parameters())
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-        logged: list[str] = []
-        handler = logging.Handler(logging.WARNING)
-        handler.emit = lambda record: logged.append(record.getMessage())
         get_logger().addHandler(handler)
         objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
         _, _, path = resume_latest(
             folder, lambda m, p: None, **objects, rank=rank, device=torch.device("cpu")
         )
-        seen.put((rank, path.name, logged))
+        seen.put((rank, (path.name, logged)))
     finally:
+        get_logger().removeHandler(handler)  # the pair's process runs other tests' jobs next
         dist.destroy_process_group()
 
 
@@ -128,15 +131,8 @@ def test_another_ranks_missing_rng_file_is_named_where_rank_0_logs(tmp_path: Pat
         folder = tmp_path / f"step-{step:06d}"
         (folder / "rng-rank1.pt").write_bytes((folder / "rng-rank0.pt").read_bytes())
     (tmp_path / "step-000002" / "rng-rank1.pt").unlink()
-    spawn = multiprocessing.get_context("spawn")
-    seen = spawn.Queue()
-    args = (tmp_path, str(tmp_path / "store"), seen)
-    ranks = [spawn.Process(target=_resume_as_rank, args=(r, *args)) for r in range(2)]
-    for rank in ranks:
-        rank.start()
-    results = sorted(seen.get(timeout=120) for _ in ranks)
-    for rank in ranks:
-        rank.join(timeout=60)
+    seen = run_in_pair(_resume_as_rank, tmp_path, str(tmp_path / "store"))
+    results = sorted((rank, name, logged) for rank, (name, logged) in seen.items())
     assert [(r, name) for r, name, _ in results] == [(0, "step-000001"), (1, "step-000001")]
     [warning] = results[0][2]
     assert "step-000002/rng-rank1.pt is missing; falling back to" in warning, warning

@@ -65,7 +65,8 @@ def _meeting_rank(rank: int, root: Path, seen: Any) -> None:
 
 
 def test_a_rank_waiting_in_the_meeting_learns_of_an_interrupt(tmp_path: Path) -> None:
-    told = _run_ranks(_meeting_rank, tmp_path, reports=1)[0]  # rank 1 is gone
+    # rank 1 is gone (its process ends): a pair of processes of their own
+    told = _run_ranks(_meeting_rank, tmp_path, reports=1, own_processes=True)[0]
     assert told.startswith("Stopped: rank 1 was interrupted (Ctrl-C, SIGINT)"), told
     assert "rerun the same command to resume" in told
 
@@ -97,7 +98,8 @@ def _store_rank(rank: int, root: Path, port: int, seen: Any) -> None:
 
 
 def test_a_lost_store_ends_the_section_at_the_next_unit(tmp_path: Path) -> None:
-    told = _run_ranks(_store_rank, tmp_path, _free_port(), reports=1)[1]  # rank 0 is gone
+    # rank 0 is gone (its process ends): a pair of processes of their own
+    told = _run_ranks(_store_rank, tmp_path, _free_port(), reports=1, own_processes=True)[1]
     assert told.startswith("RankFailed: the ranks could not meet (DistNetworkError"), told
     assert "torchrun's first node (the store's host) stopped" in told
     assert "(1000 units)" not in told  # stopped at its next unit, not after all of them

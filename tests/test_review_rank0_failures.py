@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from rank_pair import run_in_pair
 
 from common.distributed import HeldFailure
 from stage2_train.checkpoint import TrainState, remove_leftovers, save_checkpoint
@@ -111,18 +112,7 @@ def test_a_failure_of_rank_0_alone_fails_every_rank_at_once(tmp_path: Path) -> N
             (out / ".tmp-step-000007").mkdir(parents=True)  # a killed run's save
         else:  # the checkpoint a rerun would resume from
             _save(out, 1, 0)
-    spawn = multiprocessing.get_context("spawn")
-    seen = spawn.Queue()
-    ranks = [spawn.Process(target=_as_rank, args=(r, tmp_path, seen)) for r in range(2)]
-    for rank in ranks:
-        rank.start()
-    try:
-        outcomes = dict(seen.get(timeout=6 * TIMEOUT_S * len(SCENARIOS)) for _ in ranks)
-    finally:
-        for rank in ranks:
-            rank.join(timeout=10)
-            if rank.is_alive():  # a safety net only
-                rank.kill()
+    outcomes = run_in_pair(_as_rank, tmp_path, timeout=6 * TIMEOUT_S * len(SCENARIOS))
     for scenario, (name, fix) in SCENARIOS.items():
         path = str(tmp_path / scenario / name)
         own, took_0 = outcomes[0][scenario]

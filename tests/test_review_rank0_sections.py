@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from rank_pair import run_in_pair
 from store_factory import FactorySpec, build_store
 
 from common.config import build_config
@@ -153,9 +154,14 @@ def _wait_for(path: Path) -> None:
         time.sleep(0.01)
 
 
-def _run_ranks(target: Any, root: Path, *args: Any, reports: int = 2) -> dict[int, Any]:
+def _run_ranks(
+    target: Any, root: Path, *args: Any, reports: int = 2, own_processes: bool = False
+) -> dict[int, Any]:
     """`target(rank, root, *args, seen)` as two spawned ranks; the (rank, outcome) pairs that
-    `reports` of them put on `seen`."""
+    `reports` of them put on `seen`. The ranks are the session's pair (tests/rank_pair.py),
+    unless `own_processes`: two fresh processes, for a target whose rank ends its process."""
+    if not own_processes:
+        return run_in_pair(target, root, *args, reports=reports)
     spawn = multiprocessing.get_context("spawn")
     seen = spawn.Queue()
     ranks = [spawn.Process(target=target, args=(r, root, *args, seen)) for r in range(2)]
