@@ -148,28 +148,32 @@ def test_metrics_read_late_count_each_step_once(
     assert sorted(read_late)[len(read_late) // 2] < 0.9, read_late  # counted twice: >= 1.0
 
 
-def test_two_gloo_processes_disjoint_data_identical_weights(store: Path, tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    args = [
-        "train",
-        "--config",
-        str(DEBUG),
-        "--store",
-        str(store),
-        "--out",
-        str(out),
-        "--devices",
-        "cpu,cpu",
-        "--set",
-        "optim.epochs=1",
-        "--set",
-        "run.progress=false",
-        "--set",
-        "data.holdout_sequences=2",
-    ]
-    result = CliRunner().invoke(cli, args)
-    assert result.exit_code == 0, result.output
-    rows = read_metrics(out)
+@pytest.fixture(scope="module")
+def two_rank_runs(store: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """`dflash train --devices cpu,cpu` for one epoch, reading each step's metrics late (the
+    default) and at once: the folder of both runs (late-True, late-False) and their metrics
+    lines without the timing fields. Both tests below read them: each launch of two gloo
+    processes costs seconds of start-up."""
+    root = tmp_path_factory.mktemp("two-ranks")
+    sets = ["optim.epochs=1", "run.eval_every=2", "run.checkpoint_every=2", "run.log_every=1"]
+    sets += ["run.progress=false", "data.holdout_sequences=2"]
+    rows = {}
+    for late in (True, False):
+        out = root / f"late-{late}"
+        args = ["train", "--config", str(DEBUG), "--store", str(store), "--out", str(out)]
+        args += ["--devices", "cpu,cpu"]
+        for s in [*sets, f"run.read_metrics_late={str(late).lower()}"]:
+            args += ["--set", s]
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 0, result.output
+        rows[late] = [{k: v for k, v in r.items() if k not in TIMING} for r in read_metrics(out)]
+    return root, rows
+
+
+def test_two_gloo_processes_disjoint_data_identical_weights(two_rank_runs) -> None:
+    root, runs = two_rank_runs
+    out = root / "late-True"  # as the default runs
+    rows = runs[True]
     assert len(rows) == 6  # 11 training sequences over 2 ranks: 6 steps, one padding item
     seen = [r["seqs"] for r in rows]
     rank0 = [i for step in seen for i in step[0]]
@@ -182,26 +186,15 @@ def test_two_gloo_processes_disjoint_data_identical_weights(store: Path, tmp_pat
     assert "eval_tau" in rows[-1] and (out / "export" / "config.json").is_file()
 
 
-def test_two_ranks_read_late_write_what_reading_at_once_writes(store: Path, tmp_path: Path) -> None:
+def test_two_ranks_read_late_write_what_reading_at_once_writes(two_rank_runs) -> None:
     """With several ranks run.read_metrics_late reads the metrics (and the stop agreement) a
     step later; the lines and the checkpoints are those of reading at once."""
-    sets = ["optim.max_steps=5", "run.eval_every=2", "run.checkpoint_every=2", "run.log_every=1"]
-    sets += ["run.progress=false", "data.holdout_sequences=2"]
-    rows = {}
-    for late in (True, False):
-        out = tmp_path / f"late-{late}"
-        args = ["train", "--config", str(DEBUG), "--store", str(store), "--out", str(out)]
-        args += ["--devices", "cpu,cpu"]
-        for s in [*sets, f"run.read_metrics_late={str(late).lower()}"]:
-            args += ["--set", s]
-        result = CliRunner().invoke(cli, args)
-        assert result.exit_code == 0, result.output
-        rows[late] = [{k: v for k, v in r.items() if k not in TIMING} for r in read_metrics(out)]
-    assert [r["step"] for r in rows[True]] == list(range(1, 6))
+    root, rows = two_rank_runs
+    assert [r["step"] for r in rows[True]] == list(range(1, 7))
     assert rows[True] == rows[False]
-    for step in ("step-000004", "step-000005"):  # the newest two are kept
+    for step in ("step-000004", "step-000006"):  # the newest two are kept
         metas = [
-            json.loads((tmp_path / f"late-{late}" / step / "meta.json").read_text())
+            json.loads((root / f"late-{late}" / step / "meta.json").read_text())
             for late in (True, False)
         ]
         assert metas[0]["train_state"] == metas[1]["train_state"]
