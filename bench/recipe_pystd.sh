@@ -34,8 +34,9 @@ IFS=',' read -ra TRAIN_GPUS <<< "${TRAIN_GPUS:-${DEVICE%%,*}}"
 read -ra GEN_SETS <<< "${GEN_SETS:-}"
 read -ra EXTRACT_SETS <<< "${EXTRACT_SETS:-}"
 # a fifth evaluation, sampled as a server at this temperature samples (empty: none): tau
-# when the target draws its tokens, replies ending at their end of sequence
-read -ra SAMPLED_EVAL <<< "${SAMPLED_EVAL---temperature 0.6 --top-p 0.95}"
+# when the target draws its tokens, replies ending at their end of sequence; three seeds, as
+# one moves the 12 prompts' mean by ~10% at this temperature
+read -ra SAMPLED_EVAL <<< "${SAMPLED_EVAL---temperature 0.6 --top-p 0.95 --num-seeds 3}"
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 # a data stage whose command fails makes the script exit 1 at its end (bench/recipe_call.sh
 # marks a stage done on exit 0 only)

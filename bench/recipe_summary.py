@@ -91,7 +91,8 @@ def summarize_variant(results: Path, variant: str, skip: int) -> dict[str, Any]:
         **online(results / f"{variant}-acceptance.json"),
         # as `dflash evaluate` reports by default (each reply ends at its end of sequence)
         **online(results / f"{variant}-acceptance-server.json", "server_"),
-        # the target sampling (recipe_pystd.sh's SAMPLED_EVAL: temperature 0.6, top-p 0.95)
+        # the target sampling (recipe_pystd.sh's SAMPLED_EVAL: temperature 0.6, top-p 0.95,
+        # three seeds)
         **online(results / f"{variant}-acceptance-sampled.json", "sampled_"),
         "sampling": read_json(results / f"{variant}-acceptance-sampled.json").get("sampling"),
         "timings": read_json(results / "timings.json"),  # the stages' seconds, wall_s

@@ -64,9 +64,13 @@ class Sampling:
     top_p: float = 1.0
     # the draws of prompt i are keyed by (seed, i, the token's index): the same for every method
     seed: int = 0
+    # each prompt decoded under seeds seed .. seed + num_seeds - 1, its tau their mean
+    num_seeds: int = 1
 
     def problems(self) -> list[str]:
         out = []
+        if self.num_seeds < 1:
+            out.append(f"--num-seeds must be >= 1, got {self.num_seeds}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             out.append(f"--temperature must be a number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -80,7 +84,12 @@ class Sampling:
         return self.temperature == 0
 
     def to_json(self) -> dict:
-        return {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "num_seeds": self.num_seeds,
+        }
 
 
 def nucleus(probs_JV: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -112,14 +121,17 @@ class TokenPicker:
     def __init__(self, sampling: Sampling | None = None) -> None:
         self.sampling = sampling or Sampling()
         self._prompt_index = 0
+        self._seed = self.sampling.seed
 
-    def start(self, prompt_index: int) -> None:
-        """Key the draws of prompt `prompt_index`: its text depends on no other prompt's."""
+    def start(self, prompt_index: int, seed_offset: int = 0) -> None:
+        """Key the draws of prompt `prompt_index` under seed + `seed_offset`: its text depends
+        on no other prompt's or seed's."""
         self._prompt_index = prompt_index
+        self._seed = self.sampling.seed + seed_offset
 
     def _noise(self, index: int, size: int, device: torch.device) -> torch.Tensor:
         """Exp(1) noise [size] for the token at `index` of the current prompt."""
-        key = struct.pack("<QQQ", self.sampling.seed, self._prompt_index, index)
+        key = struct.pack("<QQQ", self._seed, self._prompt_index, index)
         seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
         generator = torch.Generator(device).manual_seed(seed)
         noise = torch.empty(size, device=device).exponential_(generator=generator)
@@ -151,10 +163,13 @@ class AcceptanceResult:
     # past the cut.
     accepted_histogram: list[int] = field(default_factory=list)
     seconds: float = 0.0
-    stopped_at_eos: int = 0  # prompts whose reply ended at a stop token before the budget
-    # of those, the prompts (indices) whose reply was the stop token alone: not in
+    stopped_at_eos: int = 0  # replies (prompt x seed) that ended at a stop token
+    # the prompts (indices) whose reply was the stop token alone under every seed: not in
     # tau_per_prompt, which then lists the other prompts in order
     ended_at_prefill: list[int] = field(default_factory=list)
+    # the mean over prompts of each seed's replies (one entry when greedy): the spread a
+    # sampled tau has between seeds
+    tau_per_seed: list[float] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
@@ -179,6 +194,7 @@ class AcceptanceResult:
             "seconds": self.seconds,
             "stopped_at_eos": self.stopped_at_eos,
             "ended_at_prefill": self.ended_at_prefill,
+            "tau_per_seed": self.tau_per_seed,
             "tokens_per_s": self.new_tokens / self.seconds if self.seconds else None,
         }
 
@@ -343,32 +359,49 @@ def measure_acceptance(
 ) -> AcceptanceResult:
     """tau and acceptance by draft position over `prompts`; `make_draft` gives a fresh
     draft function per prompt (a drafter may cache its context), `num_draft` its block.
-    With `stop_ids`, a prompt whose first token (the prefill's) is one of them verified no
-    draft: it is left out of tau and listed in `ended_at_prefill`. `max_positions`: see
+    Sampled with num_seeds > 1 (target.picker), each prompt is decoded once per seed and its
+    tau is the mean of those replies'. With `stop_ids`, a reply whose first token (the
+    prefill's) is one of them verified no draft: it is left out of tau, and a prompt whose
+    every reply was that is listed in `ended_at_prefill`. `max_positions`: see
     speculative_generate."""
     import time
 
-    taus: list[float] = []
+    sampling = target.picker.sampling
+    num_seeds = 1 if sampling.greedy else sampling.num_seeds
+    runs: list[list[float]] = [[] for _ in prompts]  # per prompt: its replies' taus
+    per_seed: list[list[float]] = [[] for _ in range(num_seeds)]
     histogram = [0] * (num_draft + 1)
     forwards = new = stopped = 0
-    ended_at_prefill: list[int] = []
     start = time.perf_counter()
-    with tqdm(total=len(prompts) * num_new, desc=desc, unit="tok", dynamic_ncols=True) as bar:
+    total = len(prompts) * num_new * num_seeds
+    with tqdm(total=total, desc=desc, unit="tok", dynamic_ncols=True) as bar:
         for index, prompt in enumerate(prompts):
-            target.picker.start(index)
-            generated, gains, accepted_counts = speculative_generate(
-                target, prompt, make_draft(), num_new, bar, stop_ids, max_positions
-            )
-            bar.update(num_new - len(generated))  # what a stopped reply left of its budget
-            stopped += generated[-1] in stop_ids
-            if not gains:  # the target ended at once: there was nothing to draft
-                ended_at_prefill.append(index)
-                continue
-            taus.append(sum(gains) / len(gains))
-            forwards += len(gains)
-            new += len(generated)
-            for accepted in accepted_counts:
-                histogram[accepted] += 1
-            bar.set_postfix(tau=f"{sum(taus) / len(taus):.2f}")
+            for offset in range(num_seeds):
+                target.picker.start(index, offset)
+                generated, gains, accepted_counts = speculative_generate(
+                    target, prompt, make_draft(), num_new, bar, stop_ids, max_positions
+                )
+                bar.update(num_new - len(generated))  # what a stopped reply left of its budget
+                stopped += generated[-1] in stop_ids
+                if not gains:  # the target ended at once: there was nothing to draft
+                    continue
+                runs[index].append(sum(gains) / len(gains))
+                per_seed[offset].append(runs[index][-1])
+                forwards += len(gains)
+                new += len(generated)
+                for accepted in accepted_counts:
+                    histogram[accepted] += 1
+            taus = [sum(r) / len(r) for r in runs[: index + 1] if r]
+            if taus:
+                bar.set_postfix(tau=f"{sum(taus) / len(taus):.2f}")
     seconds = time.perf_counter() - start
-    return AcceptanceResult(taus, forwards, new, histogram, seconds, stopped, ended_at_prefill)
+    return AcceptanceResult(
+        [sum(r) / len(r) for r in runs if r],
+        forwards,
+        new,
+        histogram,
+        seconds,
+        stopped,
+        [index for index, r in enumerate(runs) if not r],
+        [sum(t) / len(t) for t in per_seed if t],
+    )

@@ -62,10 +62,11 @@ class EvaluateConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    num_seeds: int = 1  # sampled: each prompt under seeds seed .. seed + num_seeds - 1
 
     @property
     def sampling(self) -> Sampling:
-        return Sampling(self.temperature, self.top_p, self.seed)
+        return Sampling(self.temperature, self.top_p, self.seed, self.num_seeds)
 
     def validate(self) -> None:
         # named by their flags, as evaluate-offline names its own (the fields' names are not
@@ -258,13 +259,15 @@ def run_evaluate(cfg: EvaluateConfig) -> dict:
     from stage2_train.export import load_export, other_target, read_export_config
 
     cfg.validate()
-    if cfg.sampling.greedy and (cfg.top_p != 1 or cfg.seed != 0):
-        # the argmax takes no draw: a --top-p or --seed without --temperature changes nothing
+    if cfg.sampling.greedy and (cfg.top_p != 1 or cfg.seed != 0 or cfg.num_seeds != 1):
+        # the argmax takes no draw: a --top-p or --seed without --temperature changes nothing,
+        # and every seed would decode the same text (one is run)
         get_logger().warning(
-            "--top-p %s / --seed %s have no effect at --temperature 0 (greedy): pass "
-            "--temperature T > 0 to sample",
+            "--top-p %s / --seed %s / --num-seeds %s have no effect at --temperature 0 "
+            "(greedy: each prompt decoded once): pass --temperature T > 0 to sample",
             cfg.top_p,
             cfg.seed,
+            cfg.num_seeds,
         )
     dtype = getattr(torch, cfg.dtype)
     # the target's positions from its config alone, and the prompts, before any weights load

@@ -28,6 +28,7 @@ from evaluation.acceptance import (
     DraftFn,
     Sampling,
     TokenPicker,
+    measure_acceptance,
     nucleus,
     prompt_lookup_draft,
     speculative_generate,
@@ -240,13 +241,14 @@ def test_evaluate_command_reports_its_sampling(tiny_qwen3: Path, tmp_path: Path)
     out = tmp_path / "sampled.json"
     args = ["evaluate", "--target", str(tiny_qwen3), "--data", str(data), "--num-prompts", "2"]
     args += ["--new-tokens", "12", "--no-stop-at-eos", "--plot", str(tmp_path / "p.png")]
-    result = CliRunner().invoke(
-        main, [*args, "--temperature", "0.9", "--top-p", "0.95", "--seed", "4", "--json-out", out]
-    )
+    sampled = ["--temperature", "0.9", "--top-p", "0.95", "--seed", "4", "--num-seeds", "2"]
+    result = CliRunner().invoke(main, [*args, *sampled, "--json-out", out])
     assert result.exit_code == 0, result.output
     figures = json.loads(out.read_text())
-    assert figures["sampling"] == {"temperature": 0.9, "top_p": 0.95, "seed": 4}
+    assert figures["sampling"] == {"temperature": 0.9, "top_p": 0.95, "seed": 4, "num_seeds": 2}
     assert len(figures["prompt_lookup"]["tau_per_prompt"]) == 2
+    assert len(figures["prompt_lookup"]["tau_per_seed"]) == 2
+    assert figures["prompt_lookup"]["new_tokens"] == 2 * 2 * 12  # 2 prompts x 2 seeds
     greedy = CliRunner().invoke(main, [*args, "--json-out", tmp_path / "greedy.json"])
     assert greedy.exit_code == 0, greedy.output
     assert json.loads((tmp_path / "greedy.json").read_text())["sampling"]["temperature"] == 0
@@ -260,6 +262,7 @@ def test_evaluate_command_reports_its_sampling(tiny_qwen3: Path, tmp_path: Path)
         (["--temperature", "1", "--top-p", "0"], r"--top-p must be in \(0, 1\], got 0.0"),
         (["--temperature", "1", "--top-p", "1.5"], r"--top-p must be in \(0, 1\], got 1.5"),
         (["--temperature", "1", "--seed", "-1"], r"--seed must be within \[0, 2\*\*63\), got -1"),
+        (["--temperature", "1", "--num-seeds", "0"], "--num-seeds must be >= 1, got 0"),
     ],
 )
 def test_sampling_out_of_range_is_refused_by_flag(
@@ -275,10 +278,68 @@ def test_top_p_without_temperature_is_warned(tiny_qwen3: Path, tmp_path: Path) -
     from evaluation.online import EvaluateConfig, run_evaluate
 
     cfg = EvaluateConfig(str(tiny_qwen3), str(_data(tmp_path)), num_prompts=1, new_tokens=4)
-    cfg.top_p, cfg.stop_at_eos = 0.9, False
+    cfg.top_p, cfg.num_seeds, cfg.stop_at_eos = 0.9, 3, False
     with dflash_messages(logging.WARNING) as seen:
-        run_evaluate(cfg)
-    assert any("--top-p 0.9 / --seed 0 have no effect at --temperature 0" in m for m in seen)
+        figures = run_evaluate(cfg)
+    warning = "--top-p 0.9 / --seed 0 / --num-seeds 3 have no effect at --temperature 0"
+    assert any(warning in m for m in seen), seen
+    # greedy: each prompt decoded once, whatever --num-seeds says
+    assert figures["prompt_lookup"]["new_tokens"] == 4
+    assert len(figures["prompt_lookup"]["tau_per_seed"]) == 1
+
+
+def test_num_seeds_is_the_mean_of_single_seed_runs(target: torch.nn.Module) -> None:
+    """--seed 5 --num-seeds 3 decodes what --seed 5, 6 and 7 decode one by one: each prompt's
+    tau is the mean of its three replies', tau_per_seed the three runs' taus, and the counts
+    (forwards, tokens, histogram) their sums."""
+
+    def measure(seed: int, num_seeds: int):
+        picker = TokenPicker(Sampling(0.05, 0.95, seed, num_seeds))
+        return measure_acceptance(
+            CachedTarget(target, None, picker),
+            PROMPTS,
+            lambda: greedy_continuation(target, 3),
+            12,
+            3,
+        )
+
+    together = measure(5, 3)
+    alone = [measure(seed, 1) for seed in (5, 6, 7)]
+    assert together.tau_per_seed == pytest.approx([run.tau for run in alone])
+    assert together.tau_per_prompt == pytest.approx(
+        [sum(run.tau_per_prompt[i] for run in alone) / 3 for i in range(len(PROMPTS))]
+    )
+    assert together.forwards == sum(run.forwards for run in alone)
+    assert together.new_tokens == sum(run.new_tokens for run in alone) == 3 * 2 * 12
+    assert together.accepted_histogram == [
+        sum(counts) for counts in zip(*(run.accepted_histogram for run in alone), strict=True)
+    ]
+    assert len(set(together.tau_per_seed)) > 1  # the seeds wrote different texts
+
+
+def test_a_prompt_ended_at_once_under_some_seeds_keeps_its_other_replies(
+    target: torch.nn.Module,
+) -> None:
+    """A reply that is the stop token alone is left out of its prompt's mean; the prompt is
+    listed in ended_at_prefill only when every seed's reply was."""
+    picker = TokenPicker(Sampling(1.0, 1.0, 0, 4))
+    firsts = []
+    for offset in range(4):
+        picker.start(0, offset)
+        firsts.append(CachedTarget(target, None, picker).prefill(PROMPTS[0], len(PROMPTS[0]) + 1))
+    assert len(set(firsts)) > 1, firsts  # the seeds draw different first tokens
+    draft = lambda: lambda toks, _f: prompt_lookup_draft(toks, 3)  # noqa: E731
+    stop = frozenset({firsts[0]})
+    result = measure_acceptance(
+        CachedTarget(target, None, picker), PROMPTS[:1], draft, 6, 3, stop_ids=stop
+    )
+    assert result.ended_at_prefill == [] and len(result.tau_per_prompt) == 1
+    assert result.stopped_at_eos >= firsts.count(firsts[0])
+    everything = frozenset(firsts)
+    result = measure_acceptance(
+        CachedTarget(target, None, picker), PROMPTS[:1], draft, 6, 3, stop_ids=everything
+    )
+    assert result.ended_at_prefill == [0] and result.tau_per_prompt == []
 
 
 # --- the nucleus over a real vocabulary, and losslessness end to end --------------------------
