@@ -35,15 +35,15 @@ from stage2_train.masks import (
 def dense_mask(anchors: list[int], doc_ids: list[int], block_size: int) -> torch.Tensor:
     """Expected [Q, KV] mask from the definition, by loops (no intervals, no mask_mod)."""
     n_ctx, n_q = len(doc_ids), len(anchors) * block_size
-    out = torch.zeros(n_q, n_ctx + n_q, dtype=torch.bool)
-    for q in range(n_q):
+    out = [[False] * (n_ctx + n_q) for _ in range(n_q)]  # Python lists: a tensor's per-element
+    for q in range(n_q):  # assignment took ~3 us, 2 s for the largest mask here
         p = anchors[q // block_size]
         for kv in range(n_ctx + n_q):
             if kv < n_ctx:
-                out[q, kv] = p >= 0 and kv < p and doc_ids[kv] == doc_ids[p]
+                out[q][kv] = p >= 0 and kv < p and doc_ids[kv] == doc_ids[p]
             else:
-                out[q, kv] = (kv - n_ctx) // block_size == q // block_size
-    return out
+                out[q][kv] = (kv - n_ctx) // block_size == q // block_size
+    return torch.tensor(out, dtype=torch.bool).reshape(n_q, n_ctx + n_q)
 
 
 def packed(lengths: list[int], pad: int) -> list[int]:
