@@ -8,9 +8,12 @@ uncached reference (evaluation.reference: every forward over the whole sequence)
 method and path: seconds, new tokens/s, target forwards, tau, and whether both paths
 generated the same tokens (on the CPU in float32 they must; in bf16 on a GPU rounding may
 differ). Random weights say nothing about acceptance: the figures are about speed.
+`--temperature T` decodes sampled as `dflash evaluate --temperature` does (keyed draws, per
+prompt), so the draws' cost per verification shows beside greedy's.
 JSON lines to stdout and $OUT/bench_evaluate.jsonl.
 
     python bench/bench_evaluate.py --device cuda:0                 # Qwen3-8B shape, bf16
+    python bench/bench_evaluate.py --device cuda:0 --temperature 0.6 --top-p 0.95
     python bench/bench_evaluate.py --tiny --device cpu --dtype float32   # seconds, CPU
 """
 
@@ -27,7 +30,14 @@ from shapes import QWEN3_8B
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from common.tiny import tiny_config
-from evaluation.acceptance import CachedTarget, DraftFn, prompt_lookup_draft, speculative_generate
+from evaluation.acceptance import (
+    CachedTarget,
+    DraftFn,
+    Sampling,
+    TokenPicker,
+    prompt_lookup_draft,
+    speculative_generate,
+)
 from evaluation.dflash_draft import dflash_draft_fn
 from evaluation.reference import TappedTarget, reference_dflash_draft_fn, reference_generate
 from stage1_extract.config import TargetConfig
@@ -50,14 +60,20 @@ def decode_all(
     make_draft: Callable[[], DraftFn],
     prompts: list[list[int]],
     num_new: int,
+    sampling: Sampling,
 ) -> tuple[dict[str, Any], list[list[int]]]:
     """Decode every prompt on one path; its figures and the generated tokens."""
     device = next(target.parameters()).device
-    runner = CachedTarget(target, tapped) if path == "cached" else TappedTarget(target, tapped)
+    picker = TokenPicker(sampling)
+    runner_type = CachedTarget if path == "cached" else TappedTarget
+    runner = runner_type(target, tapped, picker)
     generate = speculative_generate if path == "cached" else reference_generate
     synchronize(device)
     start = time.perf_counter()
-    outputs = [generate(runner, prompt, make_draft(), num_new) for prompt in prompts]
+    outputs = []
+    for index, prompt in enumerate(prompts):
+        picker.start(index)  # as measure_acceptance keys each prompt's draws
+        outputs.append(generate(runner, prompt, make_draft(), num_new))
     synchronize(device)
     seconds = time.perf_counter() - start
     forwards = sum(len(gains) for _, gains, _ in outputs)
@@ -85,7 +101,12 @@ def main() -> None:
     parser.add_argument("--drafter-layers", type=int, default=5)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-reference", action="store_true", help="time the cached path only")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
     args = parser.parse_args()
+    sampling = Sampling(args.temperature, args.top_p)
+    if problems := sampling.problems():
+        parser.error("; ".join(problems))
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     config = tiny_config("qwen3", 512) if args.tiny else Qwen3Config(**QWEN3_8B)
@@ -136,16 +157,18 @@ def main() -> None:
         "drafter_layers": args.drafter_layers,
         "block_size": args.block_size,
         "tapped_layers": tapped,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
     }
     paths = ["cached"] if args.no_reference else ["cached", "reference"]
     for method, (layers, makers) in methods.items():
         # warm-up: allocator, kernels, lazy inits; not timed
-        decode_all("cached", target, layers, makers["cached"], prompts[:1], 4)
+        decode_all("cached", target, layers, makers["cached"], prompts[:1], 4, sampling)
         figures: dict[str, dict[str, Any]] = {}
         generated: dict[str, list[list[int]]] = {}
         for path in paths:
             figures[path], generated[path] = decode_all(
-                path, target, layers, makers[path], prompts, args.new_tokens
+                path, target, layers, makers[path], prompts, args.new_tokens, sampling
             )
             emit({"what": "evaluate", "method": method, "path": path, **setting, **figures[path]})
         if "reference" in figures:
