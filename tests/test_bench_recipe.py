@@ -35,7 +35,14 @@ def _stubbed_recipe(
     shim = tmp_path / "shim"
     shim.mkdir()
     (shim / "dflash").write_text(f"#!/bin/bash\n{dflash_body}")
-    (shim / "dflash").chmod(0o755)
+    # bench/loader_cost.py, the store diagnostics' second command, reads a real store (there is
+    # none: it failed, its output unread, after ~2.5 s of imports); any other python3 runs
+    python3 = shutil.which("python3") or sys.executable
+    (shim / "python3").write_text(
+        f'#!/bin/bash\n[ "$1" = bench/loader_cost.py ] && exit 0\nexec {python3} "$@"\n'
+    )
+    for stub in shim.iterdir():
+        stub.chmod(0o755)
     tree = tmp_path / "tree"
     shutil.copytree(ROOT / "bench", tree / "bench")
     out = tmp_path / "results"
