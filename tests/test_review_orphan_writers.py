@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import importlib
 import os
 import signal
 import subprocess
@@ -301,10 +302,20 @@ def _wait(condition: object, seconds: float) -> bool:
     return bool(condition())  # type: ignore[operator]
 
 
+# what a function run by `_once_locked` imports itself: imported before the wait for the lock
+PRELOADS = {
+    "_rank_zero_loading_its_target": ("transformers", "common.tiny", "stage1_extract.run"),
+    "_launched_worker": ("stage1_extract.run",),
+}
+
+
 def _once_locked(store: Path, function: str, *args: int | str) -> None:
     """Run `function` of this file once the lock holder holds the lock (`locked`): a child
-    started with the holder, so that their imports (seconds each) overlap, yet `function` runs
-    only where it ran when started after the holder had locked."""
+    started with the holder, so that their imports (seconds each, `function`'s own PRELOADS
+    too) overlap, yet `function` runs only where it ran when started after the holder had
+    locked."""
+    for module in PRELOADS.get(function, ()):
+        importlib.import_module(module)
     locked = Path(os.environ[CONTROL_ENV]) / "locked"
     deadline = time.monotonic() + 180
     while not locked.exists() and time.monotonic() < deadline:
