@@ -3,8 +3,8 @@
 Loads the target (its embedding and LM head serve the drafter, as at serving time), takes
 the first `prompt_tokens` tokens of the first `num_prompts` documents of a text dataset as
 prompts, and generates `new_tokens` with each drafter (target KV cache, drafter
-context cache: evaluation.acceptance), or sampled at a temperature (the same seeds for every
-method). Returns tau per method, acceptance by draft position
+context cache: evaluation.acceptance), greedily or sampled at a temperature (keyed draws: every
+method meets the same sampled text). Returns tau per method, acceptance by draft position
 and the histogram of accepted tokens per forward; `plot` also draws them (evaluation.plot).
 Every prompt with its `new_tokens` must fit the target's positions (check_positions, before
 the weights load); drafts are cut at that limit as a server cuts them.
