@@ -38,7 +38,7 @@ import inspect
 import math
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -84,12 +84,7 @@ class Sampling:
         return self.temperature == 0
 
     def to_json(self) -> dict:
-        return {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "seed": self.seed,
-            "num_seeds": self.num_seeds,
-        }
+        return asdict(self)
 
 
 def nucleus(probs_JV: torch.Tensor, top_p: float) -> torch.Tensor:
