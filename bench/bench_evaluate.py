@@ -103,8 +103,9 @@ def main() -> None:
     parser.add_argument("--no-reference", action="store_true", help="time the cached path only")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0: every token")
     args = parser.parse_args()
-    sampling = Sampling(args.temperature, args.top_p)
+    sampling = Sampling(args.temperature, args.top_p, top_k=args.top_k)
     if problems := sampling.problems():
         parser.error("; ".join(problems))
 
@@ -159,6 +160,7 @@ def main() -> None:
         "tapped_layers": tapped,
         "temperature": args.temperature,
         "top_p": args.top_p,
+        "top_k": args.top_k,
     }
     paths = ["cached"] if args.no_reference else ["cached", "reference"]
     for method, (layers, makers) in methods.items():

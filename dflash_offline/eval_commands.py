@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from common.errors import cli_errors
-from common.logging import init_logger
+from common.logging import get_logger, init_logger
 from dflash_offline.options import (
     check_out_file,
     device_option,
@@ -117,6 +117,22 @@ def _json_object(value: str) -> dict[str, Any]:
     help="with --temperature: draw from the fewest most likely tokens holding this mass",
 )
 @click.option(
+    "--top-k",
+    default=0,
+    show_default=True,
+    type=int,
+    help="with --temperature: draw from the K most likely tokens only, before --top-p (0: "
+    "all). Servers apply the target's generation_config.json to what a request leaves out "
+    "(Qwen3's: temperature 0.6, top-p 0.95, top-k 20): pass what your server applies",
+)
+@click.option(
+    "--server-sampling",
+    is_flag=True,
+    help="sample as vLLM and SGLang serve a request that sets no sampling: --temperature, "
+    "--top-p and --top-k from the target's generation_config.json where it sets them, else "
+    "the servers' defaults (temperature 1.0, every token); those flags given here still win",
+)
+@click.option(
     "--seed",
     default=0,
     show_default=True,
@@ -148,21 +164,41 @@ def _json_object(value: str) -> dict[str, Any]:
     "none without it]",
 )
 @cli_errors
-def evaluate(json_out: str | None, plot: str | None, **kwargs: Any) -> None:
+def evaluate(json_out: str | None, plot: str | None, server_sampling: bool, **kwargs: Any) -> None:
     """Online acceptance length (tau) of a drafter vs prompt lookup, under greedy
-    verification (or sampled, --temperature): tau, acceptance by draft position and the
-    histogram of accepted tokens per forward."""
+    verification (or sampled, --temperature or --server-sampling): tau, acceptance by draft
+    position and the histogram of accepted tokens per forward."""
 
     from evaluation.online import EvaluateConfig, run_evaluate
 
     if plot is None and json_out:
         plot = plot_beside(json_out)
     init_logger()
+    if server_sampling:
+        _fill_served_sampling(kwargs)
     try:
         results = run_evaluate(EvaluateConfig(plot=plot, **kwargs))
     except KeyboardInterrupt:
         exit_interrupted(NOTHING_WRITTEN.format("prompt"))
     echo_json(results, json_out)
+
+
+def _fill_served_sampling(kwargs: dict[str, Any]) -> None:
+    """--server-sampling: the sampling flags left at their defaults take the served values."""
+    from click.core import ParameterSource
+
+    from evaluation.served import served_sampling
+
+    context = click.get_current_context()
+    for key, value in served_sampling(kwargs["target"]).items():
+        if context.get_parameter_source(key) is ParameterSource.DEFAULT:
+            kwargs[key] = value
+    get_logger().info(
+        "--server-sampling: temperature %s, top-p %s, top-k %s",
+        kwargs["temperature"],
+        kwargs["top_p"],
+        kwargs["top_k"],
+    )
 
 
 @click.command(

@@ -9,7 +9,7 @@ The target's token at each position is its argmax (greedy, the default), or a dr
 distribution at a temperature (`Sampling`): then a drafted token d is accepted with
 probability p(d), and at the first rejection the target's token is a draw from p without d.
 That is rejection sampling of drafts given as tokens without draft probabilities (a one-hot
-draft distribution), p cut by temperature and top-p before the test: vLLM's default (argmax
+draft distribution), p cut by temperature, top-k and top-p before the test: vLLM's default (argmax
 drafts, draft_sample_method 'greedy', rejection_sample_method 'standard') and SGLang's DFlash
 verification (accept thresholds at their default 1). The text follows the target's own
 distribution exactly, and each verification accepts as many drafted tokens as such a server's
@@ -57,8 +57,9 @@ DECODE_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBa
 @dataclass(frozen=True)
 class Sampling:
     """How the target picks its token at each position: temperature 0 takes the argmax
-    (greedy); above it, a draw from softmax(logits / temperature) cut to the `top_p` nucleus
-    (the fewest most likely tokens holding that mass), as `dflash generate` samples."""
+    (greedy); above it, a draw from softmax(logits / temperature) cut to its `top_k` most likely
+    tokens (0: all), then to the `top_p` nucleus of what is left (the fewest most likely tokens
+    holding that mass), as `dflash generate`, transformers and vLLM sample."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -66,6 +67,8 @@ class Sampling:
     seed: int = 0
     # each prompt decoded under seeds seed .. seed + num_seeds - 1, its tau their mean
     num_seeds: int = 1
+    # last, so the positional (temperature, top_p, seed, num_seeds) of earlier callers holds
+    top_k: int = 0
 
     def problems(self) -> list[str]:
         out = []
@@ -75,6 +78,8 @@ class Sampling:
             out.append(f"--temperature must be a number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             out.append(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            out.append(f"--top-k must be >= 0 (0: every token), got {self.top_k}")
         if not 0 <= self.seed < 2**63:
             out.append(f"--seed must be within [0, 2**63), got {self.seed}")
         return out
@@ -100,6 +105,17 @@ def nucleus(probs_JV: torch.Tensor, top_p: float) -> torch.Tensor:
     dropped_JV = sorted_JV.cumsum(-1) <= 1 - top_p
     dropped_JV[..., -1] = False
     return probs_JV.masked_fill(dropped_JV.scatter(-1, order_JV, dropped_JV), 0.0)
+
+
+def top_k_only(probs_JV: torch.Tensor, top_k: int) -> torch.Tensor:
+    """`probs_JV` with every token less likely than each row's `top_k`-th zeroed (tokens tied
+    with it stay), renormalized: transformers' TopKLogitsWarper and vLLM's top-k, which cut
+    before top-p, so the nucleus is taken of what is left."""
+    if top_k >= probs_JV.size(-1):
+        return probs_JV
+    kth_J1 = probs_JV.topk(top_k, -1).values[..., -1:]
+    kept_JV = probs_JV.masked_fill(probs_JV < kth_J1, 0.0)
+    return kept_JV / kept_JV.sum(-1, keepdim=True)
 
 
 class TokenPicker:
@@ -138,6 +154,8 @@ class TokenPicker:
         if self.sampling.greedy:
             return logits_JV.argmax(-1).tolist()
         probs_JV = torch.softmax(logits_JV.float() / self.sampling.temperature, -1)
+        if self.sampling.top_k:
+            probs_JV = top_k_only(probs_JV, self.sampling.top_k)
         if self.sampling.top_p < 1:
             probs_JV = nucleus(probs_JV, self.sampling.top_p)
         size, device = probs_JV.size(-1), probs_JV.device

@@ -58,15 +58,17 @@ class EvaluateConfig:
     # for Qwen3: as `dflash generate` wrote the training replies
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # 0: the target's argmax (greedy verification); above: a draw at that temperature from the
-    # top_p nucleus, keyed by (seed, prompt, token index) (evaluation.acceptance.Sampling)
+    # top_k most likely tokens (0: all), cut to their top_p nucleus, keyed by (seed, prompt,
+    # token index) (evaluation.acceptance.Sampling)
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0
     seed: int = 0
     num_seeds: int = 1  # sampled: each prompt under seeds seed .. seed + num_seeds - 1
 
     @property
     def sampling(self) -> Sampling:
-        return Sampling(self.temperature, self.top_p, self.seed, self.num_seeds)
+        return Sampling(self.temperature, self.top_p, self.seed, self.num_seeds, self.top_k)
 
     def validate(self) -> None:
         # named by their flags, as evaluate-offline names its own (the fields' names are not
@@ -259,13 +261,17 @@ def run_evaluate(cfg: EvaluateConfig) -> dict:
     from stage2_train.export import load_export, other_target, read_export_config
 
     cfg.validate()
-    if cfg.sampling.greedy and (cfg.top_p != 1 or cfg.seed != 0 or cfg.num_seeds != 1):
-        # the argmax takes no draw: a --top-p or --seed without --temperature changes nothing,
-        # and every seed would decode the same text (one is run)
+    if cfg.sampling.greedy and (
+        cfg.top_p != 1 or cfg.top_k != 0 or cfg.seed != 0 or cfg.num_seeds != 1
+    ):
+        # the argmax takes no draw: a --top-p, --top-k or --seed without --temperature changes
+        # nothing, and every seed would decode the same text (one is run)
         get_logger().warning(
-            "--top-p %s / --seed %s / --num-seeds %s have no effect at --temperature 0 "
-            "(greedy: each prompt decoded once): pass --temperature T > 0 to sample",
+            "--top-p %s / --top-k %s / --seed %s / --num-seeds %s have no effect at "
+            "--temperature 0 (greedy: each prompt decoded once): pass --temperature T > 0 to "
+            "sample",
             cfg.top_p,
+            cfg.top_k,
             cfg.seed,
             cfg.num_seeds,
         )

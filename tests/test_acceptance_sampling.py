@@ -20,7 +20,11 @@ import torch
 from click.testing import CliRunner
 from log_capture import dflash_messages
 from transformers import AutoModelForCausalLM
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from dflash_offline.cli import main
 from evaluation.acceptance import (
@@ -32,6 +36,7 @@ from evaluation.acceptance import (
     nucleus,
     prompt_lookup_draft,
     speculative_generate,
+    top_k_only,
 )
 from evaluation.dflash_draft import dflash_draft_fn
 from evaluation.reference import TappedTarget, reference_dflash_draft_fn, reference_generate
@@ -70,18 +75,42 @@ def test_nucleus_keeps_what_transformers_top_p_keeps(top_p: float) -> None:
     assert (kept_JV > 0).sum(-1).min() >= 1
 
 
-@pytest.mark.parametrize(("temperature", "top_p"), [(0.7, 1.0), (1.5, 0.8)])
-def test_draws_follow_the_target_distribution(temperature: float, top_p: float) -> None:
+@pytest.mark.parametrize("top_k", [1, 3, 7, 50])
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 1.0])
+def test_top_k_then_nucleus_keeps_what_transformers_keeps(top_k: int, top_p: float) -> None:
+    """Top-k, then the nucleus of what is left: the tokens transformers' TopKLogitsWarper then
+    TopPLogitsWarper keep (their order in `generate`, and vLLM's), ties at the k-th kept, with
+    the kept distribution transformers samples from."""
+    torch.manual_seed(5)
+    logits_JV = torch.randn(8, 40) * 2
+    logits_JV[0, :6] = 9.0  # a tie at the top, across the k-th place
+    logits_JV[1, 10:13] = 1.0
+    probs_JV = torch.softmax(logits_JV, -1)
+    kept_JV = nucleus(top_k_only(probs_JV, top_k), top_p)
+    warped_JV = TopPLogitsWarper(top_p)(None, TopKLogitsWarper(top_k)(None, logits_JV.clone()))
+    assert torch.equal(kept_JV > 0, torch.isfinite(warped_JV))
+    torch.testing.assert_close(kept_JV / kept_JV.sum(-1, keepdim=True), warped_JV.softmax(-1))
+    if top_p == 1:
+        assert (top_k_only(probs_JV, top_k) > 0).sum(-1)[0] == min(max(6, top_k), 40)
+    assert top_k_only(probs_JV, 40) is probs_JV  # k = the vocabulary: nothing cut
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_p", "top_k"), [(0.7, 1.0, 0), (1.5, 0.8, 0), (1.2, 0.9, 4)]
+)
+def test_draws_follow_the_target_distribution(temperature: float, top_p: float, top_k: int) -> None:
     """Frequencies of 40,000 draws (one row per draw) within 4.5 standard errors of
     transformers' warped distribution; so the chance that a drafted token d equals the draw,
     its acceptance, is p(d)."""
     torch.manual_seed(2)
     logits_V = torch.randn(12) * 2
-    warped_V = TopPLogitsWarper(top_p)(
-        None, TemperatureLogitsWarper(temperature)(None, logits_V[None])
-    )
+    scaled_1V = TemperatureLogitsWarper(temperature)(None, logits_V[None])
+    if top_k:
+        scaled_1V = TopKLogitsWarper(top_k)(None, scaled_1V)
+    warped_V = TopPLogitsWarper(top_p)(None, scaled_1V)
     expected_V = torch.softmax(warped_V[0], -1).double()
-    draws = TokenPicker(Sampling(temperature, top_p, seed=3))(logits_V.expand(40_000, -1), 0)
+    picker = TokenPicker(Sampling(temperature, top_p, seed=3, top_k=top_k))
+    draws = picker(logits_V.expand(40_000, -1), 0)
     counts_V = torch.bincount(torch.tensor(draws), minlength=12).double()
     frequency_V = counts_V / len(draws)
     error_V = (expected_V * (1 - expected_V) / len(draws)).sqrt()
@@ -242,10 +271,16 @@ def test_evaluate_command_reports_its_sampling(tiny_qwen3: Path, tmp_path: Path)
     args = ["evaluate", "--target", str(tiny_qwen3), "--data", str(data), "--num-prompts", "2"]
     args += ["--new-tokens", "12", "--no-stop-at-eos", "--plot", str(tmp_path / "p.png")]
     sampled = ["--temperature", "0.9", "--top-p", "0.95", "--seed", "4", "--num-seeds", "2"]
-    result = CliRunner().invoke(main, [*args, *sampled, "--json-out", out])
+    result = CliRunner().invoke(main, [*args, *sampled, "--top-k", "20", "--json-out", out])
     assert result.exit_code == 0, result.output
     figures = json.loads(out.read_text())
-    assert figures["sampling"] == {"temperature": 0.9, "top_p": 0.95, "seed": 4, "num_seeds": 2}
+    assert figures["sampling"] == {
+        "temperature": 0.9,
+        "top_p": 0.95,
+        "seed": 4,
+        "num_seeds": 2,
+        "top_k": 20,
+    }
     assert len(figures["prompt_lookup"]["tau_per_prompt"]) == 2
     assert len(figures["prompt_lookup"]["tau_per_seed"]) == 2
     assert figures["prompt_lookup"]["new_tokens"] == 2 * 2 * 12  # 2 prompts x 2 seeds
@@ -263,6 +298,7 @@ def test_evaluate_command_reports_its_sampling(tiny_qwen3: Path, tmp_path: Path)
         (["--temperature", "1", "--top-p", "1.5"], r"--top-p must be in \(0, 1\], got 1.5"),
         (["--temperature", "1", "--seed", "-1"], r"--seed must be within \[0, 2\*\*63\), got -1"),
         (["--temperature", "1", "--num-seeds", "0"], "--num-seeds must be >= 1, got 0"),
+        (["--temperature", "1", "--top-k", "-1"], r"--top-k must be >= 0 \(0: every token\)"),
     ],
 )
 def test_sampling_out_of_range_is_refused_by_flag(
@@ -278,10 +314,10 @@ def test_top_p_without_temperature_is_warned(tiny_qwen3: Path, tmp_path: Path) -
     from evaluation.online import EvaluateConfig, run_evaluate
 
     cfg = EvaluateConfig(str(tiny_qwen3), str(_data(tmp_path)), num_prompts=1, new_tokens=4)
-    cfg.top_p, cfg.num_seeds, cfg.stop_at_eos = 0.9, 3, False
+    cfg.top_p, cfg.top_k, cfg.num_seeds, cfg.stop_at_eos = 0.9, 20, 3, False
     with dflash_messages(logging.WARNING) as seen:
         figures = run_evaluate(cfg)
-    warning = "--top-p 0.9 / --seed 0 / --num-seeds 3 have no effect at --temperature 0"
+    warning = "--top-p 0.9 / --top-k 20 / --seed 0 / --num-seeds 3 have no effect at"
     assert any(warning in m for m in seen), seen
     # greedy: each prompt decoded once, whatever --num-seeds says
     assert figures["prompt_lookup"]["new_tokens"] == 4

@@ -14,7 +14,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("sampled", [[], ["--temperature", "0.8", "--top-p", "0.9"]])
+@pytest.mark.parametrize(
+    "sampled", [[], ["--temperature", "0.8", "--top-p", "0.9", "--top-k", "5"]]
+)
 def test_bench_evaluate_tiny_runs_and_paths_agree(tmp_path: Path, sampled: list[str]) -> None:
     # one thread: the bench's ops are tiny, and the test machine's cores are shared
     env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -32,3 +34,4 @@ def test_bench_evaluate_tiny_runs_and_paths_agree(tmp_path: Path, sampled: list[
     speedups = [r for r in records if r["what"] == "evaluate_speedup"]
     assert len(speedups) == 2 and all(r["identical_tokens"] for r in speedups)
     assert all(r["temperature"] == (0.8 if sampled else 0.0) for r in timed)
+    assert all(r["top_k"] == (5 if sampled else 0) for r in timed)

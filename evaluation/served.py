@@ -1,0 +1,65 @@
+"""The sampling a server applies to a request that sets none (`dflash evaluate --server-sampling`).
+
+vLLM (`--generation-config auto`, its default) and SGLang (`--sampling-defaults model`) fill a
+request's missing sampling parameters from the target's generation_config.json, where it sets
+them apart from transformers' defaults: Qwen3's temperature 0.6, top_p 0.95, top_k 20. What
+it does not set falls to the server's own defaults: temperature 1.0, every token. So a team
+whose clients send no sampling parameters is served at those settings, and its drafter's tau
+is the tau at those settings.
+
+Of what the servers fill, the repetition penalty and min-p are not modelled by `dflash
+evaluate` (its draws depend on the logits alone): a generation config that sets them is
+warned of by name, as the measured tau is then not quite the served one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from common.logging import get_logger
+
+# a server's own defaults for what neither the request nor the generation config sets
+SERVER_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+# filled from the generation config by the servers too, but not modelled by evaluate's draws,
+# with the value at which each changes nothing
+UNMODELLED = {"repetition_penalty": 1.0, "min_p": 0.0}
+
+
+def served_sampling(target: str) -> dict[str, Any]:
+    """temperature, top_p and top_k as a server samples `target` for a request that sets
+    none: its generation_config.json's where set, else the servers' defaults. A hub target
+    whose generation config is not in the local cache is taken to set none, with a warning."""
+    from transformers import GenerationConfig
+
+    try:
+        # to_diff_dict: what the file sets apart from transformers' defaults, as vLLM reads it
+        found = GenerationConfig.from_pretrained(target).to_diff_dict()
+    except OSError:
+        where = "folder" if Path(target).expanduser().is_dir() else "hub id"
+        if where == "hub id":
+            get_logger().warning(
+                f"--target {target}: its generation_config.json is not in the local hub cache "
+                "(HF_HUB_OFFLINE, or the hub unreachable): --server-sampling assumes it sets "
+                "no sampling (temperature 1.0, every token); fetch it first (`hf download "
+                f"{target} generation_config.json`) to measure at the settings it sets"
+            )
+        found = {}
+    served = dict(SERVER_DEFAULTS)
+    for key in served:
+        if found.get(key) is not None:
+            served[key] = found[key]
+    served["top_k"] = max(int(served["top_k"]), 0)  # -1 and 0 both mean every token
+    unmodelled = {
+        key: found[key]
+        for key, neutral in UNMODELLED.items()
+        if found.get(key) is not None and found[key] != neutral
+    }
+    if unmodelled:
+        settings = ", ".join(f"{key} {value}" for key, value in unmodelled.items())
+        get_logger().warning(
+            f"--target {target}: its generation_config.json sets {settings}, which a server "
+            "applies to a request that sets none and `dflash evaluate` does not model: the "
+            "tau measured is at its temperature, top-p and top-k alone"
+        )
+    return served
