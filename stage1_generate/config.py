@@ -56,6 +56,11 @@ class GenTargetConfig:
 class SamplingConfig:
     temperature: float = doc(0.0, "0: greedy (what a greedy-verified drafter must predict)")
     top_p: float = doc(1.0, "nucleus sampling mass when temperature > 0")
+    top_k: int = doc(
+        0,
+        "when temperature > 0: sample from the k most likely tokens only, before top_p (0: "
+        "all); e.g. Qwen3's served defaults are temperature 0.6, top_p 0.95, top_k 20",
+    )
     max_new_tokens: int = doc(
         1024,
         "longest reply per assistant turn (chat rows) or completion (completion rows; text "
@@ -72,6 +77,8 @@ class SamplingConfig:
             out.append(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             out.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            out.append(f"top_k must be >= 0 (0: every token), got {self.top_k}")
         if self.max_new_tokens < 1:
             out.append(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         # torch.manual_seed(seed + chunk) takes 64 bits: past them the first chunk failed after

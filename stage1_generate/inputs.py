@@ -138,12 +138,16 @@ def build_manifest(
 def decisive_sampling(sampling: dict[str, Any], fmt: str) -> dict[str, Any]:
     """The sampling settings that decide the rows of format `fmt`: text windows write
     text.new_tokens (sampling.max_new_tokens is never read for them), and a greedy run
-    (temperature 0) takes the target's argmax, which no seed or top-p changes. Left out of the
-    content only there, so a rerun that changes them resumes; the content of a folder begun
-    before (which named them) is read through this too, so it resumes with its same settings."""
+    (temperature 0) takes the target's argmax, which no seed, top-p or top-k changes. Left out
+    of the content only there, so a rerun that changes them resumes; the content of a folder
+    begun before (which named them) is read through this too, so it resumes with its same
+    settings. top_k 0 (every token) is left out as well: folders begun before the key existed
+    sampled so, and name none."""
     unused = {"max_new_tokens"} if fmt == "text" else set()
     if sampling.get("temperature") == 0:
-        unused |= {"seed", "top_p"}
+        unused |= {"seed", "top_p", "top_k"}
+    if sampling.get("top_k") == 0:
+        unused.add("top_k")
     return {k: v for k, v in sampling.items() if k not in unused}
 
 

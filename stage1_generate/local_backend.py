@@ -227,10 +227,16 @@ class LocalBackend:
             ids_BT[b, width - len(prompt) :] = torch.tensor(prompt)
             mask_BT[b, width - len(prompt) :] = 1
         sampling = self.sampling
+        # top_k None: transformers' default of 50 is not applied (0 is every token here too)
         kwargs = (
-            {"do_sample": False}
+            {"do_sample": False, "top_k": None}
             if sampling.greedy
-            else {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p}
+            else {
+                "do_sample": True,
+                "temperature": sampling.temperature,
+                "top_p": sampling.top_p,
+                "top_k": sampling.top_k or None,
+            }
         )
         cache = cache_kwargs(self.model, width + max_new) if self.preallocated else {}
         ticker = [StepTicker(self.on_step, batch, width, max_new)] if self.on_step else []
@@ -241,7 +247,6 @@ class LocalBackend:
             min_new_tokens=0,
             eos_token_id=self.stop_ids if stop else None,  # None: the model's is not used
             pad_token_id=self.pad_id,
-            top_k=None,
             use_cache=True,
             **self.cache_kwargs,
             stopping_criteria=StoppingCriteriaList(ticker),  # empty: transformers' default

@@ -129,7 +129,7 @@ class OpenAIBackend:
             # out (Qwen2.5-Instruct's repetition penalty 1.05, Qwen3's top_k 20): the rows follow
             # sampling.* alone, as the local backend's (greedy: the target's argmax)
             "repetition_penalty": 1.0,
-            "top_k": -1,
+            "top_k": self.sampling.top_k or -1,  # vLLM's and SGLang's "every token"
             "min_p": 0.0,
             "stop_token_ids": self.stop_ids if stop else [],
             "ignore_eos": not stop,

@@ -41,8 +41,8 @@ def _killed_after_first_chunk(cfg, monkeypatch: pytest.MonkeyPatch) -> None:  # 
     "shape,changed",
     [
         ("text", ("sampling.max_new_tokens=9",)),  # text windows write text.new_tokens
-        ("text", ("sampling.seed=5", "sampling.top_p=0.5")),  # greedy
-        ("chat", ("sampling.seed=5", "sampling.top_p=0.5")),  # greedy
+        ("text", ("sampling.seed=5", "sampling.top_p=0.5", "sampling.top_k=3")),  # greedy
+        ("chat", ("sampling.seed=5", "sampling.top_p=0.5", "sampling.top_k=3")),  # greedy
     ],
 )
 def test_a_resume_that_changes_only_unused_sampling_settings_goes_on(
@@ -69,6 +69,7 @@ def test_a_resume_that_changes_only_unused_sampling_settings_goes_on(
         ("text", ("sampling.temperature=0.5",), r"temperature: 0\.0 -> 0\.5"),
         ("sampled", ("sampling.seed=5",), r"seed: 0 -> 5"),
         ("sampled", ("sampling.top_p=0.5",), r"top_p: 1\.0 -> 0\.5"),
+        ("sampled", ("sampling.top_k=3",), r"top_k: .* -> 3"),
     ],
 )
 def test_a_resume_that_changes_what_decides_the_rows_is_refused(
@@ -116,3 +117,19 @@ def test_a_folder_begun_before_resumes_with_its_settings(
     _as_begun_before(out, everything)
     with pytest.raises(ValueError, match=r"other settings \(.*sampling\.temperature: 0\.0 -> 0\.5"):
         run_generate(config(tiny_qwen3, data, out, "sampling.temperature=0.5"))
+
+
+def test_a_sampled_folder_begun_before_top_k_resumes(tiny_qwen3: Path, tmp_path: Path) -> None:
+    """A sampled folder begun before sampling.top_k existed named no top_k (it sampled from
+    every token): top_k 0, the default, resumes it; another top_k is refused."""
+    data = write_jsonl(tmp_path / "rows.jsonl", chat_rows())
+    out, sampled = tmp_path / "out", "sampling.temperature=0.7"
+    run_generate(config(tiny_qwen3, data, out, sampled))
+    before = digests(out)
+    old = {"temperature": 0.7, "top_p": 1.0, "max_new_tokens": 6, "seed": 0}
+    _as_begun_before(out, old)
+    assert run_generate(config(tiny_qwen3, data, out, sampled))["complete"]
+    assert digests(out) == before
+    _as_begun_before(out, old)
+    with pytest.raises(ValueError, match=r"other settings \(.*sampling\.top_k"):
+        run_generate(config(tiny_qwen3, data, out, sampled, "sampling.top_k=3"))
