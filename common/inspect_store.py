@@ -277,6 +277,8 @@ def _generation_rows(generation: dict[str, Any] | None) -> list[tuple[str, str]]
     )
     if sampling.get("temperature") and sampling.get("top_k"):  # absent or 0: every token
         how += f", top-k {sampling['top_k']}"
+    if sampling.get("repetition_penalty", 1) != 1:  # greedy too
+        how += f", repetition penalty {sampling['repetition_penalty']}"
     # a hub id or a server has no weights fingerprint: its name (and revision) says it
     weights = f", weights {target['weights_sha256'][:12]}" if target.get("weights_sha256") else ""
     # text windows write text.new_tokens each (the line below), whatever sampling.max_new_tokens

@@ -126,11 +126,21 @@ def _json_object(value: str) -> dict[str, Any]:
     "(Qwen3's: temperature 0.6, top-p 0.95, top-k 20): pass what your server applies",
 )
 @click.option(
+    "--repetition-penalty",
+    default=1.0,
+    show_default=True,
+    type=float,
+    help="above 1: the logit of each token already in the prompt or reply divided by it "
+    "(multiplied when negative) before sampling, greedy included: transformers' and vLLM's "
+    "rule (Qwen2.5-Instruct's generation_config.json sets 1.05)",
+)
+@click.option(
     "--server-sampling",
     is_flag=True,
     help="sample as vLLM and SGLang serve a request that sets no sampling: --temperature, "
-    "--top-p and --top-k from the target's generation_config.json where it sets them, else "
-    "the servers' defaults (temperature 1.0, every token); those flags given here still win",
+    "--top-p, --top-k and --repetition-penalty from the target's generation_config.json "
+    "where it sets them, else the servers' defaults (temperature 1.0, every token, no "
+    "penalty); those flags given here still win",
 )
 @click.option(
     "--seed",
@@ -194,10 +204,11 @@ def _fill_served_sampling(kwargs: dict[str, Any]) -> None:
         if context.get_parameter_source(key) is ParameterSource.DEFAULT:
             kwargs[key] = value
     get_logger().info(
-        "--server-sampling: temperature %s, top-p %s, top-k %s",
+        "--server-sampling: temperature %s, top-p %s, top-k %s, repetition penalty %s",
         kwargs["temperature"],
         kwargs["top_p"],
         kwargs["top_k"],
+        kwargs["repetition_penalty"],
     )
 
 

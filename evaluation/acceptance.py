@@ -37,7 +37,7 @@ import hashlib
 import inspect
 import math
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -69,6 +69,10 @@ class Sampling:
     num_seeds: int = 1
     # last, so the positional (temperature, top_p, seed, num_seeds) of earlier callers holds
     top_k: int = 0
+    # above 1: the logit of every token already in the sequence (prompt included) divided by
+    # it when positive, multiplied when negative, before the temperature: transformers' and
+    # vLLM's repetition penalty, which changes greedy decoding too
+    repetition_penalty: float = 1.0
 
     def problems(self) -> list[str]:
         out = []
@@ -80,6 +84,11 @@ class Sampling:
             out.append(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             out.append(f"--top-k must be >= 0 (0: every token), got {self.top_k}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            out.append(
+                f"--repetition-penalty must be a number > 0 (1: none), got "
+                f"{self.repetition_penalty}"
+            )
         if not 0 <= self.seed < 2**63:
             out.append(f"--seed must be within [0, 2**63), got {self.seed}")
         return out
@@ -118,6 +127,27 @@ def top_k_only(probs_JV: torch.Tensor, top_k: int) -> torch.Tensor:
     return kept_JV / kept_JV.sum(-1, keepdim=True)
 
 
+def penalize_repeats(
+    logits_JV: torch.Tensor, context: Sequence[int], first_index: int, penalty: float
+) -> torch.Tensor:
+    """`logits_JV` with transformers' and vLLM's repetition penalty: row j picks the token at
+    index `first_index` + j, so the tokens it penalizes are context[:first_index + j]."""
+    num_rows = logits_JV.size(0)
+    if len(context) < first_index + num_rows - 1:
+        raise ValueError(
+            f"a repetition penalty needs the tokens before each row: {len(context)} given, "
+            f"{first_index + num_rows - 1} needed"
+        )
+    ids = torch.tensor(list(context[: first_index + num_rows - 1]), device=logits_JV.device)
+    seen_JV = torch.zeros(logits_JV.shape, dtype=torch.bool, device=logits_JV.device)
+    seen_JV[:, ids[:first_index]] = True
+    for j in range(1, num_rows):
+        seen_JV[j:, ids[first_index + j - 1]] = True
+    logits_JV = logits_JV.float()
+    penalized_JV = torch.where(logits_JV < 0, logits_JV * penalty, logits_JV / penalty)
+    return torch.where(seen_JV, penalized_JV, logits_JV)
+
+
 class TokenPicker:
     """The target's token after each row of logits [J, V]: argmax, or a draw (`Sampling`).
 
@@ -149,8 +179,16 @@ class TokenPicker:
         # exponential_ may return 0: p / 0 would pick a token of any probability, zero included
         return noise.clamp_(min=torch.finfo(torch.float32).tiny)
 
-    def __call__(self, logits_JV: torch.Tensor, first_index: int) -> list[int]:
-        """Row j picks the token at index `first_index` + j of the sequence."""
+    def __call__(
+        self, logits_JV: torch.Tensor, first_index: int, context: Sequence[int] = ()
+    ) -> list[int]:
+        """Row j picks the token at index `first_index` + j of the sequence; `context`: the
+        sequence's tokens (at least those before the last row's; read by a repetition
+        penalty alone)."""
+        if self.sampling.repetition_penalty != 1:
+            logits_JV = penalize_repeats(
+                logits_JV, context, first_index, self.sampling.repetition_penalty
+            )
         if self.sampling.greedy:
             return logits_JV.argmax(-1).tolist()
         probs_JV = torch.softmax(logits_JV.float() / self.sampling.temperature, -1)
@@ -250,6 +288,8 @@ class CachedTarget:
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self.cache = DynamicCache()
         self.num_kept = 0
+        # the kept tokens, then the last forward's inputs: a repetition penalty reads them
+        self._ids: list[int] = []
         self._feats_TKD: torch.Tensor | None = None
         self._pending_JKD: torch.Tensor | None = None
 
@@ -270,14 +310,18 @@ class CachedTarget:
                 [out.hidden_states[i + 1][0] for i in self.tapped_layers], 1
             )
         logits_JV = out.logits[0]
+        del self._ids[self.num_kept :]
+        self._ids += ids
         # row j picks the token after input j; the last input's index is num_kept + len - 1
-        return self.picker(logits_JV, self.num_kept + len(ids) - logits_JV.size(0) + 1)
+        first_index = self.num_kept + len(ids) - logits_JV.size(0) + 1
+        return self.picker(logits_JV, first_index, self._ids)
 
     def prefill(self, prompt: list[int], capacity: int) -> int:
         """Run the prompt on a fresh cache; returns the target's next token. `capacity`:
         the most tokens the sequence will hold (sizes the feature buffer once)."""
         self.cache = DynamicCache()
         self.num_kept = 0
+        self._ids = []
         (next_token,) = self._forward(prompt, logits_to_keep=1)
         if self._pending_JKD is not None:
             shape = (capacity, *self._pending_JKD.shape[1:])

@@ -65,10 +65,18 @@ class EvaluateConfig:
     top_k: int = 0
     seed: int = 0
     num_seeds: int = 1  # sampled: each prompt under seeds seed .. seed + num_seeds - 1
+    repetition_penalty: float = 1.0  # greedy or sampled: as transformers and vLLM apply it
 
     @property
     def sampling(self) -> Sampling:
-        return Sampling(self.temperature, self.top_p, self.seed, self.num_seeds, self.top_k)
+        return Sampling(
+            self.temperature,
+            self.top_p,
+            self.seed,
+            self.num_seeds,
+            self.top_k,
+            self.repetition_penalty,
+        )
 
     def validate(self) -> None:
         # named by their flags, as evaluate-offline names its own (the fields' names are not

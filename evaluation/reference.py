@@ -37,7 +37,7 @@ class TappedTarget:
         ids_1T = torch.tensor([tokens], device=self.device)
         out = self.model(ids_1T, output_hidden_states=self.tapped_layers is not None)
         # the last row picks the token at index len(tokens)
-        picked = self.picker(out.logits[0, -num_picked:], len(tokens) - num_picked + 1)
+        picked = self.picker(out.logits[0, -num_picked:], len(tokens) - num_picked + 1, tokens)
         if self.tapped_layers is None:
             return picked, None
         # layer i = output of decoder layer i = hidden_states[i + 1]

@@ -7,9 +7,8 @@ it does not set falls to the server's own defaults: temperature 1.0, every token
 whose clients send no sampling parameters is served at those settings, and its drafter's tau
 is the tau at those settings.
 
-Of what the servers fill, the repetition penalty and min-p are not modelled by `dflash
-evaluate` (its draws depend on the logits alone): a generation config that sets them is
-warned of by name, as the measured tau is then not quite the served one.
+Of what the servers fill, min-p is not modelled by `dflash evaluate`: a generation config
+that sets it is warned of by name, as the measured tau is then not quite the served one.
 """
 
 from __future__ import annotations
@@ -20,14 +19,20 @@ from typing import Any
 from common.logging import get_logger
 
 # a server's own defaults for what neither the request nor the generation config sets
-SERVER_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+SERVER_DEFAULTS: dict[str, Any] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "repetition_penalty": 1.0,
+}
 # filled from the generation config by the servers too, but not modelled by evaluate's draws,
-# with the value at which each changes nothing
-UNMODELLED = {"repetition_penalty": 1.0, "min_p": 0.0}
+# with the value at which it changes nothing (vLLM applies min-p between the temperature and
+# top-k, transformers after top-p: no one order to model)
+UNMODELLED = {"min_p": 0.0}
 
 
 def served_sampling(target: str) -> dict[str, Any]:
-    """temperature, top_p and top_k as a server samples `target` for a request that sets
+    """temperature, top_p, top_k and repetition_penalty as a server samples `target` for a request that sets
     none: its generation_config.json's where set, else the servers' defaults. A hub target
     whose generation config is not in the local cache is taken to set none, with a warning."""
     from transformers import GenerationConfig
@@ -60,6 +65,6 @@ def served_sampling(target: str) -> dict[str, Any]:
         get_logger().warning(
             f"--target {target}: its generation_config.json sets {settings}, which a server "
             "applies to a request that sets none and `dflash evaluate` does not model: the "
-            "tau measured is at its temperature, top-p and top-k alone"
+            "tau measured is at its temperature, top-p, top-k and repetition penalty alone"
         )
     return served

@@ -61,6 +61,12 @@ class SamplingConfig:
         "when temperature > 0: sample from the k most likely tokens only, before top_p (0: "
         "all); e.g. Qwen3's served defaults are temperature 0.6, top_p 0.95, top_k 20",
     )
+    repetition_penalty: float = doc(
+        1.0,
+        "above 1: the logit of each token already in the prompt or reply divided by it "
+        "(multiplied when negative) before sampling, greedy included, as transformers and vLLM "
+        "apply it (Qwen2.5-Instruct's generation_config.json sets 1.05); 1: none",
+    )
     max_new_tokens: int = doc(
         1024,
         "longest reply per assistant turn (chat rows) or completion (completion rows; text "
@@ -79,6 +85,8 @@ class SamplingConfig:
             out.append(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             out.append(f"top_k must be >= 0 (0: every token), got {self.top_k}")
+        if self.repetition_penalty <= 0:
+            out.append(f"repetition_penalty must be > 0 (1: none), got {self.repetition_penalty}")
         if self.max_new_tokens < 1:
             out.append(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         # torch.manual_seed(seed + chunk) takes 64 bits: past them the first chunk failed after

@@ -141,13 +141,16 @@ def decisive_sampling(sampling: dict[str, Any], fmt: str) -> dict[str, Any]:
     (temperature 0) takes the target's argmax, which no seed, top-p or top-k changes. Left out
     of the content only there, so a rerun that changes them resumes; the content of a folder
     begun before (which named them) is read through this too, so it resumes with its same
-    settings. top_k 0 (every token) is left out as well: folders begun before the key existed
-    sampled so, and name none."""
+    settings. top_k 0 (every token) and repetition_penalty 1 (none) are left out as well:
+    folders begun before those keys existed sampled so, and name neither. (A repetition
+    penalty changes greedy rows too: it stays in a greedy run's content.)"""
     unused = {"max_new_tokens"} if fmt == "text" else set()
     if sampling.get("temperature") == 0:
         unused |= {"seed", "top_p", "top_k"}
     if sampling.get("top_k") == 0:
         unused.add("top_k")
+    if sampling.get("repetition_penalty") == 1:
+        unused.add("repetition_penalty")
     return {k: v for k, v in sampling.items() if k not in unused}
 
 

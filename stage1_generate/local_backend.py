@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from transformers import (
     GenerationConfig,
+    LogitsProcessorList,
     PreTrainedTokenizerBase,
     StoppingCriteria,
     StoppingCriteriaList,
@@ -26,6 +27,7 @@ from transformers import (
 from common.logging import get_logger
 from stage1_extract.target import max_positions
 from stage1_generate.config import SamplingConfig
+from stage1_generate.penalty import PaddedRepetitionPenalty
 from stage1_generate.preallocated_cache import cache_kwargs, unsupported_reason
 
 KV_CACHES = ("auto", "dynamic", "static", "preallocated")
@@ -238,6 +240,10 @@ class LocalBackend:
                 "top_k": sampling.top_k or None,
             }
         )
+        if sampling.repetition_penalty != 1:  # greedy too: it moves the argmax
+            pads_B = torch.tensor([width - len(p) for p in prompts])
+            penalty = PaddedRepetitionPenalty(sampling.repetition_penalty, pads_B)
+            kwargs["logits_processor"] = LogitsProcessorList([penalty])
         cache = cache_kwargs(self.model, width + max_new) if self.preallocated else {}
         ticker = [StepTicker(self.on_step, batch, width, max_new)] if self.on_step else []
         seq_BX = self.model.generate(

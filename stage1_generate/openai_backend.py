@@ -127,8 +127,9 @@ class OpenAIBackend:
             "top_p": self.sampling.top_p,
             # vLLM applies the target's generation_config.json defaults to what a request leaves
             # out (Qwen2.5-Instruct's repetition penalty 1.05, Qwen3's top_k 20): the rows follow
-            # sampling.* alone, as the local backend's (greedy: the target's argmax)
-            "repetition_penalty": 1.0,
+            # sampling.* alone, as the local backend's (greedy: the target's argmax, after
+            # sampling.repetition_penalty where set)
+            "repetition_penalty": self.sampling.repetition_penalty,
             "top_k": self.sampling.top_k or -1,  # vLLM's and SGLang's "every token"
             "min_p": 0.0,
             "stop_token_ids": self.stop_ids if stop else [],

@@ -194,17 +194,21 @@ def greedy_continuation(model: torch.nn.Module, num_draft: int) -> DraftFn:
     return draft
 
 
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
 @pytest.mark.parametrize("method", ["argmax", "dflash"])
-def test_cached_path_draws_what_the_reference_draws(target: torch.nn.Module, method: str) -> None:
+def test_cached_path_draws_what_the_reference_draws(
+    target: torch.nn.Module, method: str, penalty: float
+) -> None:
     """Under sampling the cached path (KV cache cropped, feature buffer, drafter context cache)
     and the recompute reference take the same draws, accept the same drafts and write the same
-    text. The tiny target's distribution is near uniform, so temperature 0.02 makes it peaked
-    enough that drafting its argmax is accepted often but not always."""
+    text, with a repetition penalty too (each reads the tokens before a row its own way). The
+    tiny target's distribution is near uniform, so temperature 0.02 makes it peaked enough
+    that drafting its argmax is accepted often but not always."""
     drafter = tiny_drafter(target)
     embed_VD = target.get_input_embeddings().weight
     head_VD = target.get_output_embeddings().weight
     tapped = [0, 2] if method == "dflash" else None
-    sampling = Sampling(temperature=0.02, top_p=0.9, seed=11)
+    sampling = Sampling(temperature=0.02, top_p=0.9, seed=11, repetition_penalty=penalty)
     accepted, forwards, new = 0, 0, 0
     for index, prompt in enumerate(PROMPTS):
         cached_picker, reference_picker = TokenPicker(sampling), TokenPicker(sampling)
@@ -280,6 +284,7 @@ def test_evaluate_command_reports_its_sampling(tiny_qwen3: Path, tmp_path: Path)
         "seed": 4,
         "num_seeds": 2,
         "top_k": 20,
+        "repetition_penalty": 1.0,
     }
     assert len(figures["prompt_lookup"]["tau_per_prompt"]) == 2
     assert len(figures["prompt_lookup"]["tau_per_seed"]) == 2

@@ -37,37 +37,49 @@ def test_served_sampling_reads_what_the_generation_config_sets(
         "temperature": 0.6,
         "top_p": 0.95,
         "top_k": 20,
+        "repetition_penalty": 1.0,
+    }
+    qwen25 = {**QWEN3_LIKE, "temperature": 0.7, "top_p": 0.8, "repetition_penalty": 1.05}
+    assert served_sampling(str(_target_with(tiny_qwen3, tmp_path / "q", qwen25))) == {
+        "temperature": 0.7,
+        "top_p": 0.8,
+        "top_k": 20,
+        "repetition_penalty": 1.05,
     }
     # none set (or no file): the servers' defaults, not transformers' top_k 50
-    plain = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+    plain = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
     assert (
         served_sampling(str(_target_with(tiny_qwen3, tmp_path / "b", {"eos_token_id": 2}))) == plain
     )
     assert served_sampling(str(_target_with(tiny_qwen3, tmp_path / "c", None))) == plain
     only_t = _target_with(tiny_qwen3, tmp_path / "d", {"temperature": 0.7})
-    assert served_sampling(str(only_t)) == {"temperature": 0.7, "top_p": 1.0, "top_k": 0}
+    assert served_sampling(str(only_t)) == {**plain, "temperature": 0.7}
 
 
 def test_unmodelled_settings_are_warned_of(tiny_qwen3: Path, tmp_path: Path) -> None:
-    generation = {**QWEN3_LIKE, "repetition_penalty": 1.05, "min_p": 0.0}
-    target = _target_with(tiny_qwen3, tmp_path, generation)
+    generation = {**QWEN3_LIKE, "min_p": 0.05}
     with dflash_messages(logging.WARNING) as seen:
-        served_sampling(str(target))
-    assert any("sets repetition_penalty 1.05, which a server applies" in m for m in seen), seen
+        served_sampling(str(_target_with(tiny_qwen3, tmp_path / "a", generation)))
+    assert any("sets min_p 0.05, which a server applies" in m for m in seen), seen
+    with dflash_messages(logging.WARNING) as seen:
+        served_sampling(str(_target_with(tiny_qwen3, tmp_path / "b", {**generation, "min_p": 0})))
     assert not any("min_p" in m for m in seen)  # 0: changes nothing
 
 
 @pytest.mark.parametrize(
     ("flags", "sampling"),
     [
-        ([], {"temperature": 0.6, "top_p": 0.95, "top_k": 20}),
-        (["--temperature", "0.9", "--top-k", "5"], {"temperature": 0.9, "top_p": 0.95, "top_k": 5}),
+        ([], {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1}),
+        (
+            ["--temperature", "0.9", "--top-k", "5", "--repetition-penalty", "1"],
+            {"temperature": 0.9, "top_p": 0.95, "top_k": 5, "repetition_penalty": 1.0},
+        ),
     ],
 )
 def test_evaluate_samples_as_served_and_flags_win(
     tiny_qwen3: Path, tmp_path: Path, flags: list[str], sampling: dict
 ) -> None:
-    target = _target_with(tiny_qwen3, tmp_path, QWEN3_LIKE)
+    target = _target_with(tiny_qwen3, tmp_path, {**QWEN3_LIKE, "repetition_penalty": 1.1})
     data = tmp_path / "dev.jsonl"
     data.write_text(json.dumps({"text": "def f(x):\n    return x\n" * 3}) + "\n")
     out = tmp_path / "served.json"
