@@ -7,9 +7,10 @@ decoder layer's forward over the same tokens (one sequence of `tokens`, sdpa): t
 inside the call, so `share_of_forward` = layers_tapped x encode / (num_layers x layer forward)
 is the encoder's share of a bare forward, without building the whole 8B target (which the
 whole-loop `bench_extract.py --hidden-dtype nvfp4` measures where a call has the minutes).
-Also records the compiled nvfp4 encoder's first call (its compile) and whether its bytes equal
+Also records the compiled nvfp4 encoder's first call (its compile), whether its bytes equal
 the eager encoder's on this device (any e4m3 block scale decodes validly; equal bytes say the
-compiled choice of the least-error scale is the eager one). JSON lines to stdout and, where $OUT
+compiled choice of the least-error scale is the eager one), and where its time goes (a
+profile of three calls: the top kernels on a GPU, operators on the CPU). JSON lines to stdout and, where $OUT
 is set, $OUT/encode_cost.jsonl:
 
     python bench/encode_cost.py [--device cuda] [--tokens 11776] [--repeats 20]
@@ -115,6 +116,43 @@ def main() -> None:
                 "vs_layer_forward": round(ms / layer_ms, 4),
                 "share_of_forward": round(args.layers_tapped * ms / forward_ms, 4),
                 "tokens": args.tokens,
+            }
+        )
+    profile_kernels(cases["nvfp4_compiled"], device)
+
+
+def profile_kernels(run: Callable[[], object], device: torch.device, top: int = 12) -> None:
+    """The `top` kernels (GPU) or operators (CPU) of three calls of `run` by time, each one's
+    calls and its mean time per call of `run`: where the compiled nvfp4 encoder's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        for _ in range(3):
+            run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    gpu = device.type == "cuda"
+
+    def wanted(event: object) -> bool:
+        # on a GPU the kernels (device time); on the CPU the aten operators themselves
+        key = event.key
+        if gpu:
+            return event.device_time_total > 0 and not key.startswith("aten::")
+        return key.startswith("aten::")
+
+    rows = [e for e in prof.key_averages() if wanted(e)]
+    rows.sort(key=lambda e: e.device_time_total if gpu else e.self_cpu_time_total, reverse=True)
+    for e in rows[:top]:
+        us = (e.device_time_total if gpu else e.self_cpu_time_total) / 3
+        emit(
+            {
+                "part": "profile_nvfp4_compiled",
+                "kernel": e.key[:120],
+                "calls_per_encode": e.count / 3,
+                "ms_per_encode": round(us / 1e3, 4),
             }
         )
 

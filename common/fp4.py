@@ -22,6 +22,7 @@ fp4's ~10%). Only nvfp4 has a store format; mxfp4 is measurable through the load
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -77,11 +78,11 @@ class Fp4Features:
 
 
 def encode_fp4(
-    hidden_ND: torch.Tensor, kind: Fp4Kind, candidate: NvCandidate | None = None
+    hidden_ND: torch.Tensor, kind: Fp4Kind, kernels: Nvfp4Kernels | None = None
 ) -> Fp4Features:
     """[..., D] features -> `kind`'s blocks (module docstring). D must be a multiple of the
-    block. `candidate` evaluates one nvfp4 block-scale candidate (default: `nvfp4_candidate`;
-    the compiled encoder passes its compiled twin)."""
+    block. `kernels`: nvfp4's elementwise parts (default: eager; the compiled encoder passes
+    their compiled twins)."""
     if kind not in BLOCK:
         raise ValueError(f"unknown fp4 layout {kind!r}: one of {', '.join(BLOCK)}")
     block = BLOCK[kind]
@@ -102,7 +103,7 @@ def encode_fp4(
         per_row = amax.amax(-2, keepdim=True) / (E2M1_MAX * E4M3_MAX)
         per_row = torch.where(per_row == 0, torch.ones_like(per_row), per_row)
         e4m3, scale, codes = _nvfp4_least_error_scales(
-            blocks, amax, per_row, candidate or nvfp4_candidate
+            blocks, amax, per_row, kernels or Nvfp4Kernels()
         )
         return Fp4Features(codes, scale, [e4m3.view(torch.uint8), per_row])
     return Fp4Features(_block_codes(blocks, scale), scale, stored)
@@ -124,51 +125,73 @@ NVFP4_SCALE_CANDIDATES = ((6.0, 0), (6.0, -1), (6.0, 1), (4.0, 0), (4.0, -1), (4
 E4M3_MAX_BITS = 0x7E  # 448; 0x7F is NaN
 
 
-NvCandidate = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-    tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-]
-
-
 def nvfp4_candidate(
     blocks: torch.Tensor,
     amax: torch.Tensor,
     per_row: torch.Tensor,
     top: torch.Tensor,
     step: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One block-scale candidate of [..., B, 16] `blocks`: the e4m3 scale mapping each block's
     amax to `top`, `step` e4m3 steps away (0-d tensors, so that one compiled graph serves all
-    six), as (its bits, its fp32 decode scale, the codes under it, the block's float64 squared
-    error)."""
+    six), as (its bits [..., B, 1], the block's float64 squared error under it). The codes it
+    would give are not kept: only the chosen candidate's are made (`_nvfp4_codes`), so six
+    candidates cost six reads of the features and no copies of their codes."""
     e4m3 = (amax / top / per_row).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
     bits = (e4m3.view(torch.uint8).int() + step).clamp(0, E4M3_MAX_BITS).to(torch.uint8)
-    scale = bits.view(torch.float8_e4m3fn).float() * per_row
-    codes = _block_codes(blocks, scale)
+    scale, codes = _nvfp4_codes(blocks, bits, per_row)
     error = ((e2m1_value(codes) * scale).double() - blocks.double()).square().sum(-1, True)
-    return bits, scale, codes, error
+    return bits, error
 
 
-def _nvfp4_least_error_scales(
-    blocks: torch.Tensor, amax: torch.Tensor, per_row: torch.Tensor, candidate: NvCandidate
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(e4m3 block scales, their fp32 decode scales, codes) of [..., B, 16] `blocks`: of
+def _nvfp4_codes(
+    blocks: torch.Tensor, bits: torch.Tensor, per_row: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 decode scales, codes) of [..., B, 16] `blocks` under e4m3 block-scale `bits`."""
+    scale = bits.view(torch.float8_e4m3fn).float() * per_row
+    return scale, _block_codes(blocks, scale)
+
+
+@dataclass(frozen=True)
+class Nvfp4Kernels:
+    """The nvfp4 encoder's elementwise parts over the features: a candidate's bits and error
+    (`nvfp4_candidate`), and the chosen scale's codes (`_nvfp4_codes`). Eager by default;
+    `compiled_quantize_nvfp4` passes each as one compiled region."""
+
+    candidate: Callable[..., tuple[torch.Tensor, torch.Tensor]] = nvfp4_candidate
+    codes: Callable[..., tuple[torch.Tensor, torch.Tensor]] = _nvfp4_codes
+
+
+def _nvfp4_least_error_bits(
+    blocks: torch.Tensor, amax: torch.Tensor, per_row: torch.Tensor, candidate: Callable
+) -> torch.Tensor:
+    """The e4m3 block-scale bits [..., B, 1] of [..., B, 16] `blocks`: of
     NVFP4_SCALE_CANDIDATES, the first of least squared error (fp64) of the decoded block
-    (FORMAT.md "Hidden states"). A NaN block keeps the first candidate (every comparison fails).
-    """
-    best = None
+    (FORMAT.md "Hidden states"). A NaN error never wins, and a block whose first candidate's
+    error is NaN (a NaN feature) keeps that first candidate: a comparison in turn's rule."""
+    bits, errors = [], []
     for top, step in NVFP4_SCALE_CANDIDATES:
         # on the features' device: a compiled graph then takes no host scalar among them
         top_t = torch.tensor(top, device=blocks.device)
         step_t = torch.tensor(step, dtype=torch.int32, device=blocks.device)
-        found = candidate(blocks, amax, per_row, top_t, step_t)
-        if best is None:
-            best = found
-            continue
-        better = found[3] < best[3]
-        best = tuple(torch.where(better, new, old) for new, old in zip(found, best, strict=True))
-    assert best is not None
-    bits, scale, codes, _ = best
+        found_bits, error = candidate(blocks, amax, per_row, top_t, step_t)
+        # as compared in turn with `<`: a NaN first candidate is never beaten, a later NaN
+        # never beats
+        error = error.nan_to_num(nan=-math.inf if not errors else math.inf)
+        bits.append(found_bits)
+        errors.append(error)
+    # argmin: the first of the least, as `<` in turn keeps the earlier of equals
+    best = torch.stack(errors).argmin(0, keepdim=True)
+    return torch.stack(bits).gather(0, best)[0]
+
+
+def _nvfp4_least_error_scales(
+    blocks: torch.Tensor, amax: torch.Tensor, per_row: torch.Tensor, kernels: Nvfp4Kernels
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e4m3 block scales, their fp32 decode scales, codes) of [..., B, 16] `blocks` under the
+    least-error block scales (`_nvfp4_least_error_bits`)."""
+    bits = _nvfp4_least_error_bits(blocks, amax, per_row, kernels.candidate)
+    scale, codes = kernels.codes(blocks, bits, per_row)
     return bits.view(torch.float8_e4m3fn), scale, codes
 
 
@@ -195,7 +218,7 @@ def nvfp4_codes_bytes(row_bytes: int) -> int:
 
 
 def quantize_nvfp4(
-    hidden_ND: torch.Tensor, candidate: NvCandidate | None = None
+    hidden_ND: torch.Tensor, kernels: Nvfp4Kernels | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., D] -> (uint8 rows [..., nvfp4_row_bytes(D)], fp32 scale [...]): the FORMAT.md
     nvfp4 encoding of `hidden_dtype: "nvfp4"`. A row is D / 2 bytes of e2m1 codes, feature 2i
@@ -203,7 +226,7 @@ def quantize_nvfp4(
     float8_e4m3fn bits of each block's scale; the fp32 scale is the row's (per token and
     layer). Decodes to exactly what `round_features_fp4(hidden, "nvfp4")` gives. D must be a
     multiple of 16."""
-    encoded = encode_fp4(hidden_ND, "nvfp4", candidate)
+    encoded = encode_fp4(hidden_ND, "nvfp4", kernels)
     codes_ND = encoded.codes.flatten(-2)
     packed_ND = codes_ND[..., 0::2] | (codes_ND[..., 1::2] << 4)
     block_bits, row_scale = encoded.stored_scales
@@ -213,15 +236,19 @@ def quantize_nvfp4(
 
 @functools.cache
 def compiled_quantize_nvfp4() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """`quantize_nvfp4` with each block-scale candidate one torch.compile region (extract's
-    encoder where the head is compiled: a CUDA target's default). Eager a candidate is ~30
-    elementwise passes over the features; compiled, one graph serves all six (their target and
-    step are tensors) and every batch's token count (rows marked dynamic), the same bytes as
-    eager on the CPU. The whole encoder as one region compiled 4x as long (57 s against 14 s
+    """`quantize_nvfp4` with its elementwise parts compiled (extract's encoder where the head is
+    compiled: a CUDA target's default): each block-scale candidate one region, its codes fused
+    into its error and never written (one graph serves all six: their target and step are
+    tensors), and the chosen scale's codes another; each serves every batch's token count
+    (dynamic). Eager a candidate is ~30 elementwise passes over the features. The same bytes
+    as eager on the CPU. The whole encoder as one region compiled 4x as long (57 s against 14 s
     on this project's CPU) for the six candidates unrolled. fullgraph: a graph break raises
     instead of running eager silently."""
-    candidate = torch.compile(nvfp4_candidate, dynamic=True, fullgraph=True)
-    return functools.partial(quantize_nvfp4, candidate=candidate)
+    kernels = Nvfp4Kernels(
+        candidate=torch.compile(nvfp4_candidate, dynamic=True, fullgraph=True),
+        codes=torch.compile(_nvfp4_codes, dynamic=True, fullgraph=True),
+    )
+    return functools.partial(quantize_nvfp4, kernels=kernels)
 
 
 def dequantize_nvfp4(
