@@ -168,3 +168,36 @@ def test_a_hidden_size_off_the_block_is_refused_at_the_start(tmp_path: Path) -> 
     with pytest.raises(ValueError, match=r"hidden_as_fp4=mxfp4 .* hidden size 48 .* use nvfp4"):
         check_inputs(cfg("mxfp4"))
     check_inputs(cfg("nvfp4"))  # 48 = 3 blocks of 16
+
+
+def test_least_error_pick_is_the_in_turn_comparison() -> None:
+    """The six candidates' errors picked at once (argmin) as comparing them in turn with `<`
+    picks: the first of equals, a later NaN never wins, a NaN first candidate is kept."""
+    from common.fp4 import NVFP4_SCALE_CANDIDATES, _nvfp4_least_error_bits
+
+    nan, inf = float("nan"), float("inf")
+    errors = [  # one block per row, six candidates' errors
+        [3.0, 2.0, 2.0, 5.0, 1.0, 1.0],  # least at 4 and 5: 4
+        [1.0, nan, 0.5, nan, 0.5, 2.0],  # NaNs never win: 2
+        [nan, 0.1, 0.0, 0.2, 0.3, 0.4],  # a NaN first is never beaten: 0
+        [inf, inf, inf, inf, inf, inf],  # all equal: 0
+        [inf, nan, 7.0, inf, nan, 7.0],  # 2
+    ]
+
+    def in_turn(row: list[float]) -> int:
+        best = 0
+        for k in range(1, len(row)):
+            if row[k] < row[best]:
+                best = k
+        return best
+
+    table = torch.tensor(errors, dtype=torch.float64)[:, None, :, None]  # [5, 1, 6, 1]
+    calls = iter(range(len(NVFP4_SCALE_CANDIDATES)))
+
+    def candidate(blocks, amax, per_row, top, step):  # noqa: ANN001, ANN202
+        k = next(calls)  # the bits name the candidate
+        return torch.full((5, 1, 1), k, dtype=torch.uint8), table[:, 0, k : k + 1]
+
+    blocks = torch.zeros(5, 1, 16)
+    picked = _nvfp4_least_error_bits(blocks, blocks[..., :1], blocks[:, :1, :1], candidate)
+    assert picked.flatten().tolist() == [in_turn(row) for row in errors] == [4, 2, 0, 0, 2]
