@@ -197,7 +197,7 @@ def _fill_served_sampling(kwargs: dict[str, Any]) -> None:
     """--server-sampling: the sampling flags left at their defaults take the served values."""
     from click.core import ParameterSource
 
-    from evaluation.served import served_sampling
+    from common.served_sampling import served_sampling
 
     context = click.get_current_context()
     for key, value in served_sampling(kwargs["target"]).items():

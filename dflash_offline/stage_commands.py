@@ -7,7 +7,7 @@ import click
 
 from common.config import build_config
 from common.errors import cli_errors
-from common.logging import init_logger, quiet_launcher_logs
+from common.logging import get_logger, init_logger, quiet_launcher_logs
 from dflash_offline.options import config_options, help_config_option
 from stage1_extract.config import ExtractConfig
 from stage1_generate.config import GenerateConfig
@@ -39,6 +39,14 @@ def _model_name(model: str | None) -> str:
 @click.option(
     "--overwrite", is_flag=True, help="delete an existing folder at --out first (output.overwrite)"
 )
+@click.option(
+    "--server-sampling",
+    is_flag=True,
+    help="write the text as vLLM and SGLang serve a request that sets no sampling: "
+    "sampling.temperature, top_p, top_k and repetition_penalty from the target's "
+    "generation_config.json where it sets them, else the servers' defaults (temperature 1.0, "
+    "every token, no penalty); over the config file, under --set sampling.* given beside it",
+)
 @help_config_option(GenerateConfig)
 @cli_errors
 def generate(
@@ -50,6 +58,7 @@ def generate(
     devices: str | None,
     endpoint: str | None,
     overwrite: bool,
+    server_sampling: bool,
 ) -> None:
     """Let the target write its own training text: rewrite every assistant turn of chat rows
     (turn by turn, through its chat template), continue windows of text rows.
@@ -72,9 +81,32 @@ def generate(
         extra.append("output.overwrite=true")
     init_logger()
     cfg = build_config(GenerateConfig, config_path, "generate", [*overrides, *extra])
+    if server_sampling:
+        cfg = _with_served_sampling(cfg, config_path, [*overrides, *extra])
     from stage1_generate.run import run_generate
 
     run_generate(cfg, _model_name(model))
+
+
+def _with_served_sampling(
+    cfg: GenerateConfig, config_path: str | None, sets: list[str]
+) -> GenerateConfig:
+    """`cfg` rebuilt with the served sampling (common.served_sampling) set over the config
+    file and under `sets` (the user's --set and flags, applied after it)."""
+    from common.served_sampling import served_sampling
+
+    served = served_sampling(cfg.target.model)
+    served_sets = [f"sampling.{key}={value}" for key, value in served.items()]
+    cfg = build_config(GenerateConfig, config_path, "generate", [*served_sets, *sets])
+    sampling = cfg.sampling
+    get_logger().info(
+        "--server-sampling: temperature %s, top-p %s, top-k %s, repetition penalty %s",
+        sampling.temperature,
+        sampling.top_p,
+        sampling.top_k,
+        sampling.repetition_penalty,
+    )
+    return cfg
 
 
 @click.command(short_help="Write a store of the target's features (stage 1).")

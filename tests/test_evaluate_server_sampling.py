@@ -14,8 +14,8 @@ import pytest
 from click.testing import CliRunner
 from log_capture import dflash_messages
 
+from common.served_sampling import served_sampling
 from dflash_offline.cli import main
-from evaluation.served import served_sampling
 
 
 def _target_with(tiny_qwen3: Path, tmp_path: Path, generation: dict | None) -> Path:

@@ -146,3 +146,39 @@ def test_inspect_says_how_a_folder_sampled() -> None:
     assert how({"temperature": 0.0, "repetition_penalty": 1.05}).startswith(
         "greedy, repetition penalty 1.05,"
     )
+
+
+@pytest.mark.parametrize(
+    ("sets", "expected"),
+    [
+        ([], {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05}),
+        (["--set", "sampling.top_k=5"], {"temperature": 0.6, "top_p": 0.95, "top_k": 5}),
+    ],
+)
+def test_server_sampling_writes_as_the_server_samples(
+    tiny_qwen3: Path, tmp_path: Path, sets: list[str], expected: dict
+) -> None:
+    """`dflash generate --server-sampling`: the sampling the target's generation_config.json
+    sets (as vLLM serves a request that sets none), --set beside it winning."""
+    import json
+    import shutil
+
+    from click.testing import CliRunner
+
+    from common.generated import read_manifest
+    from dflash_offline.cli import main
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_qwen3, target)
+    served = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    (target / "generation_config.json").write_text(
+        json.dumps({**served, "repetition_penalty": 1.05, "eos_token_id": 2})
+    )
+    data = write_jsonl(tmp_path / "rows.jsonl", chat_rows()[:2])
+    out = tmp_path / "out"
+    args = ["generate", "--target", str(target), "--data", str(data), "--out", str(out)]
+    args += ["--devices", "cpu", "--set", "sampling.max_new_tokens=4", "--server-sampling"]
+    result = CliRunner().invoke(main, [*args, *sets])
+    assert result.exit_code == 0, result.output
+    sampling = read_manifest(out)["content"]["sampling"]
+    assert {key: sampling[key] for key in expected} == expected

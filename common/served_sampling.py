@@ -1,4 +1,5 @@
-"""The sampling a server applies to a request that sets none (`dflash evaluate --server-sampling`).
+"""The sampling a server applies to a request that sets none (`--server-sampling` of `dflash
+evaluate` and `dflash generate`).
 
 vLLM (`--generation-config auto`, its default) and SGLang (`--sampling-defaults model`) fill a
 request's missing sampling parameters from the target's generation_config.json, where it sets
