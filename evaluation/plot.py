@@ -49,9 +49,7 @@ def plot_acceptance(results: dict[str, Any], path: str | Path) -> Path:
     for axes in (by_position, histogram):
         axes.grid(alpha=0.3)
         axes.legend()
-    # files written before sampling existed hold no "sampling": they were greedy
-    temperature = results.get("sampling", {}).get("temperature", 0)
-    verification = f"sampled at temperature {temperature}" if temperature else "greedy"
+    verification = verification_title(results.get("sampling", {}))
     fig.suptitle(
         f"{verification} verification, {results['num_prompts']} prompts x "
         f"{results['new_tokens']} new tokens"
@@ -61,3 +59,20 @@ def plot_acceptance(results: dict[str, Any], path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     return path
+
+
+def verification_title(sampling: dict) -> str:
+    """How the target picked its tokens, for the plot's title: greedy, or the sampling settings
+    that cut its distribution (files written before sampling existed hold none: greedy)."""
+    parts = []
+    if sampling.get("temperature"):
+        parts.append(f"sampled at temperature {sampling['temperature']}")
+        if sampling.get("top_p", 1) != 1:
+            parts.append(f"top-p {sampling['top_p']}")
+        if sampling.get("top_k"):
+            parts.append(f"top-k {sampling['top_k']}")
+    else:
+        parts.append("greedy")
+    if sampling.get("repetition_penalty", 1) != 1:
+        parts.append(f"repetition penalty {sampling['repetition_penalty']}")
+    return ", ".join(parts)

@@ -88,3 +88,15 @@ def test_evaluate_samples_as_served_and_flags_win(
     result = CliRunner().invoke(main, [*args, "--json-out", str(out)])
     assert result.exit_code == 0, result.output
     assert json.loads(out.read_text())["sampling"] == {"seed": 0, "num_seeds": 1, **sampling}
+
+
+def test_the_plot_title_names_the_sampling() -> None:
+    from evaluation.plot import verification_title
+
+    assert verification_title({}) == "greedy"
+    assert verification_title({"temperature": 0.0, "top_k": 20}) == "greedy"
+    assert verification_title({"temperature": 0.0, "repetition_penalty": 1.05}) == (
+        "greedy, repetition penalty 1.05"
+    )
+    served = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.0}
+    assert verification_title(served) == "sampled at temperature 0.6, top-p 0.95, top-k 20"
