@@ -10,6 +10,12 @@ is the tau at those settings.
 
 Of what the servers fill, min-p is not modelled by `dflash evaluate`: a generation config
 that sets it is warned of by name, as the measured tau is then not quite the served one.
+
+This is vLLM's reading (`ModelConfig.get_diff_sampling_param`: `to_diff_dict`). SGLang's
+`get_default_sampling_params` reads `to_dict()` instead: under transformers 4, whose
+GenerationConfig defaults are set (top_k 50), it also fills top_k 50 where the file sets no
+top_k (sgl-project/sglang#11574). And SGLang's repetition penalty counts the reply's tokens
+only, not the prompt's; vLLM's and transformers' (modelled here) count both.
 """
 
 from __future__ import annotations

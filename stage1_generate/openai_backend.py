@@ -128,7 +128,8 @@ class OpenAIBackend:
             # vLLM applies the target's generation_config.json defaults to what a request leaves
             # out (Qwen2.5-Instruct's repetition penalty 1.05, Qwen3's top_k 20): the rows follow
             # sampling.* alone, as the local backend's (greedy: the target's argmax, after
-            # sampling.repetition_penalty where set)
+            # sampling.repetition_penalty where set; SGLang penalizes the reply's tokens only,
+            # vLLM and the local backend the prompt's too)
             "repetition_penalty": self.sampling.repetition_penalty,
             "top_k": self.sampling.top_k or -1,  # vLLM's and SGLang's "every token"
             "min_p": 0.0,
