@@ -25,7 +25,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -189,10 +189,21 @@ def _nvfp4_least_error_scales(
     blocks: torch.Tensor, amax: torch.Tensor, per_row: torch.Tensor, kernels: Nvfp4Kernels
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(e4m3 block scales, their fp32 decode scales, codes) of [..., B, 16] `blocks` under the
-    least-error block scales (`_nvfp4_least_error_bits`)."""
-    bits = _nvfp4_least_error_bits(blocks, amax, per_row, kernels.candidate)
-    scale, codes = kernels.codes(blocks, bits, per_row)
-    return bits.view(torch.float8_e4m3fn), scale, codes
+    least-error block scales (`_nvfp4_least_error_bits`). The parts see every block as a row
+    of [M, 16] (per_row repeated for each of its blocks): compiled, one graph with one dynamic
+    size, M, and the block's 16 static, whatever the features' leading shape (an extract
+    batch's [N, D], a training batch's [T, K, D])."""
+    blocks_M16 = blocks.reshape(-1, blocks.shape[-1])
+    amax_M1 = amax.reshape(-1, 1)
+    # contiguous: a single row's reshape stays a stride-0 view, which a compiled graph guards
+    per_row_M1 = per_row.expand(amax.shape).reshape(-1, 1).contiguous()
+    bits_M1 = _nvfp4_least_error_bits(blocks_M16, amax_M1, per_row_M1, kernels.candidate)
+    scale_M1, codes_M16 = kernels.codes(blocks_M16, bits_M1, per_row_M1)
+    return (
+        bits_M1.view(torch.float8_e4m3fn).reshape(amax.shape),
+        scale_M1.reshape(amax.shape),
+        codes_M16.reshape(blocks.shape),
+    )
 
 
 def round_features_fp4(hidden_ND: torch.Tensor, kind: Fp4Kind) -> torch.Tensor:
@@ -240,15 +251,29 @@ def compiled_quantize_nvfp4() -> Callable[[torch.Tensor], tuple[torch.Tensor, to
     compiled: a CUDA target's default): each block-scale candidate one region, its codes fused
     into its error and never written (one graph serves all six: their target and step are
     tensors), and the chosen scale's codes another; each serves every batch's token count
-    (dynamic). Eager a candidate is ~30 elementwise passes over the features. The same bytes
+    (`_rows_dynamic`). Eager a candidate is ~30 elementwise passes over the features. The same bytes
     as eager on the CPU. The whole encoder as one region compiled 4x as long (57 s against 14 s
     on this project's CPU) for the six candidates unrolled. fullgraph: a graph break raises
     instead of running eager silently."""
     kernels = Nvfp4Kernels(
-        candidate=torch.compile(nvfp4_candidate, dynamic=True, fullgraph=True),
-        codes=torch.compile(_nvfp4_codes, dynamic=True, fullgraph=True),
+        candidate=_rows_dynamic(torch.compile(nvfp4_candidate, fullgraph=True)),
+        codes=_rows_dynamic(torch.compile(_nvfp4_codes, fullgraph=True)),
     )
     return functools.partial(quantize_nvfp4, kernels=kernels)
+
+
+def _rows_dynamic(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """`compiled` with its [M, ...] inputs' M marked dynamic before each call: one graph for
+    every batch, the other sizes (a block's 16) static. dynamic=True made every size symbolic,
+    the 16 of the per-block reduction included."""
+
+    def call(*tensors: torch.Tensor) -> Any:
+        for tensor in tensors:
+            if tensor.dim() == 2:
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+        return compiled(*tensors)
+
+    return call
 
 
 def dequantize_nvfp4(

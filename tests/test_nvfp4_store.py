@@ -170,10 +170,20 @@ def test_import_encodes_the_files_features(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_the_compiled_encoder_writes_eagers_bytes() -> None:
     """Extract's encoder where the head is compiled (a CUDA target's default): one graph for
-    every token count, the same rows and scales as eager (on the CPU), a zero row's included;
-    a row with a NaN has a NaN scale both ways (its codes mean nothing: verify flags the row)."""
+    every token count and leading shape (a single row's included), the same rows and scales as
+    eager (on the CPU), a zero row's included; a row with a NaN has a NaN scale both ways (its
+    codes mean nothing: verify flags the row)."""
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    counters.clear()
     try:
+        one = torch.randn(1, 128, generator=torch.Generator().manual_seed(1)) * 30
+        assert all(
+            map(
+                torch.equal, encode_hidden(one, "nvfp4", compiled=True), encode_hidden(one, "nvfp4")
+            )
+        )
         for tokens in (37, 300, 5):
             x = torch.randn(tokens, 3, 128, generator=torch.Generator().manual_seed(tokens)) * 30
             x[1] = 0.0
@@ -184,5 +194,7 @@ def test_the_compiled_encoder_writes_eagers_bytes() -> None:
             assert finite.sum() == 3 * tokens - 1 and got_scale[2, 1].isnan()
             assert torch.equal(got_rows[finite], want_rows[finite])
             assert torch.equal(got_scale[finite], want_scale[finite])
+        # the candidate's and the codes' graphs, each compiled once for every shape above
+        assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
     finally:
         torch._dynamo.reset()
