@@ -21,6 +21,7 @@ import torch
 from common.logging import get_logger
 from common.target_config import text_config
 from evaluation.acceptance import (
+    AcceptanceResult,
     CachedTarget,
     Sampling,
     TokenPicker,
@@ -388,9 +389,7 @@ def _evaluate(
             lookup.ended_at_prefill,
         )
     results["prompt_lookup"] = lookup.to_json()
-    log.info(
-        "prompt lookup: tau %.3f (%.1f tokens/s)", lookup.tau, lookup.new_tokens / lookup.seconds
-    )
+    log.info("prompt lookup: %s", _tau_line(lookup))
 
     if drafter is not None:
         tapped = read_export_config(cfg.drafter)["dflash_config"]["target_layer_ids"]
@@ -407,7 +406,7 @@ def _evaluate(
             max_positions=limit,
         )
         results["dflash"] = dflash.to_json()
-        log.info("dflash: tau %.3f (%.1f tokens/s)", dflash.tau, dflash.new_tokens / dflash.seconds)
+        log.info("dflash: %s", _tau_line(dflash))
     if cfg.plot:
         try:
             from evaluation.plot import plot_acceptance
@@ -417,3 +416,12 @@ def _evaluate(
             path = plot_acceptance(results, cfg.plot)
             log.info("plot of acceptance by draft position: %s", path)
     return results
+
+
+def _tau_line(result: AcceptanceResult) -> str:
+    """tau and speed for the log, with each seed's tau when several ran (a sampled tau on a
+    dozen prompts moves 10-30% between seeds: the spread says how far to trust the mean)."""
+    line = f"tau {result.tau:.3f} ({result.new_tokens / result.seconds:.1f} tokens/s)"
+    if len(result.tau_per_seed) > 1:
+        line += ", per seed " + " / ".join(f"{tau:.3f}" for tau in result.tau_per_seed)
+    return line

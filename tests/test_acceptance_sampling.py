@@ -504,3 +504,13 @@ def test_speculative_sampling_is_lossless_end_to_end() -> None:
     dof = torch.tensor((int(support.sum()) - 1) / 2, dtype=torch.float64)
     p_value = float(torch.special.gammaincc(dof, chi2 / 2))
     assert p_value > 1e-6, (float(chi2), int(support.sum()), p_value)
+
+
+def test_the_log_line_gives_each_seeds_tau() -> None:
+    from evaluation.acceptance import AcceptanceResult
+    from evaluation.online import _tau_line
+
+    one = AcceptanceResult([2.0, 4.0], forwards=9, new_tokens=30, seconds=3.0, tau_per_seed=[3.0])
+    assert _tau_line(one) == "tau 3.000 (10.0 tokens/s)"
+    three = AcceptanceResult([2.0, 4.0], 9, 30, seconds=2.0, tau_per_seed=[2.5, 3.25, 3.25])
+    assert _tau_line(three) == "tau 3.000 (15.0 tokens/s), per seed 2.500 / 3.250 / 3.250"
