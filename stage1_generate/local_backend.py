@@ -241,7 +241,8 @@ class LocalBackend:
             }
         )
         if sampling.repetition_penalty != 1:  # greedy too: it moves the argmax
-            pads_B = torch.tensor([width - len(p) for p in prompts])
+            # on the device once: the processor runs at every decode step
+            pads_B = torch.tensor([width - len(p) for p in prompts], device=self.device)
             penalty = PaddedRepetitionPenalty(sampling.repetition_penalty, pads_B)
             kwargs["logits_processor"] = LogitsProcessorList([penalty])
         cache = cache_kwargs(self.model, width + max_new) if self.preallocated else {}

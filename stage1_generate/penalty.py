@@ -22,7 +22,7 @@ class PaddedRepetitionPenalty(LogitsProcessor):
         self.pads_B = pads_B
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        pads_B1 = self.pads_B.to(input_ids.device)[:, None]
+        pads_B1 = self.pads_B[:, None]  # on the scores' device (the backend puts it there)
         # a padding column reads the row's first real token instead: already penalized once
         first_B1 = input_ids.gather(1, pads_B1)
         columns_1X = torch.arange(input_ids.size(1), device=input_ids.device)[None]
