@@ -251,10 +251,10 @@ def compiled_quantize_nvfp4() -> Callable[[torch.Tensor], tuple[torch.Tensor, to
     compiled: a CUDA target's default): each block-scale candidate one region, its codes fused
     into its error and never written (one graph serves all six: their target and step are
     tensors), and the chosen scale's codes another; each serves every batch's token count
-    (`_rows_dynamic`). Eager a candidate is ~30 elementwise passes over the features. The same bytes
-    as eager on the CPU. The whole encoder as one region compiled 4x as long (57 s against 14 s
-    on this project's CPU) for the six candidates unrolled. fullgraph: a graph break raises
-    instead of running eager silently."""
+    (`_rows_dynamic`). Eager a candidate is ~30 elementwise passes over the features. The same
+    bytes as eager on the CPU. The whole encoder as one region compiled 4x as long (57 s
+    against 14 s on this project's CPU) for the six candidates unrolled. fullgraph: a graph
+    break raises instead of running eager silently."""
     kernels = Nvfp4Kernels(
         candidate=_rows_dynamic(torch.compile(nvfp4_candidate, fullgraph=True)),
         codes=_rows_dynamic(torch.compile(_nvfp4_codes, fullgraph=True)),

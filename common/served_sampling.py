@@ -39,17 +39,17 @@ UNMODELLED = {"min_p": 0.0}
 
 
 def served_sampling(target: str) -> dict[str, Any]:
-    """temperature, top_p, top_k and repetition_penalty as a server samples `target` for a request that sets
-    none: its generation_config.json's where set, else the servers' defaults. A hub target
-    whose generation config is not in the local cache is taken to set none, with a warning."""
+    """temperature, top_p, top_k and repetition_penalty as a server samples `target` for a
+    request that sets none: its generation_config.json's where set, else the servers'
+    defaults. A hub target whose generation config is not in the local cache is taken to set
+    none, with a warning."""
     from transformers import GenerationConfig
 
     try:
         # to_diff_dict: what the file sets apart from transformers' defaults, as vLLM reads it
         found = GenerationConfig.from_pretrained(target).to_diff_dict()
     except OSError:
-        where = "folder" if Path(target).expanduser().is_dir() else "hub id"
-        if where == "hub id":
+        if not Path(target).expanduser().is_dir():  # a hub id (a folder may have no such file)
             get_logger().warning(
                 f"--target {target}: its generation_config.json is not in the local hub cache "
                 "(HF_HUB_OFFLINE, or the hub unreachable): --server-sampling assumes it sets "
@@ -75,3 +75,12 @@ def served_sampling(target: str) -> dict[str, Any]:
             "tau measured is at its temperature, top-p, top-k and repetition penalty alone"
         )
     return served
+
+
+def log_served(values: dict[str, Any]) -> None:
+    """Say which sampling --server-sampling settled on (`values` holds SERVER_DEFAULTS' keys,
+    after the flags given beside it)."""
+    get_logger().info(
+        "--server-sampling: temperature %s, top-p %s, top-k %s, repetition penalty %s",
+        *(values[key] for key in SERVER_DEFAULTS),
+    )

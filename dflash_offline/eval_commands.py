@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from common.errors import cli_errors
-from common.logging import get_logger, init_logger
+from common.logging import init_logger
 from dflash_offline.options import (
     check_out_file,
     device_option,
@@ -197,19 +197,13 @@ def _fill_served_sampling(kwargs: dict[str, Any]) -> None:
     """--server-sampling: the sampling flags left at their defaults take the served values."""
     from click.core import ParameterSource
 
-    from common.served_sampling import served_sampling
+    from common.served_sampling import log_served, served_sampling
 
     context = click.get_current_context()
     for key, value in served_sampling(kwargs["target"]).items():
         if context.get_parameter_source(key) is ParameterSource.DEFAULT:
             kwargs[key] = value
-    get_logger().info(
-        "--server-sampling: temperature %s, top-p %s, top-k %s, repetition penalty %s",
-        kwargs["temperature"],
-        kwargs["top_p"],
-        kwargs["top_k"],
-        kwargs["repetition_penalty"],
-    )
+    log_served(kwargs)
 
 
 @click.command(

@@ -7,7 +7,7 @@ import click
 
 from common.config import build_config
 from common.errors import cli_errors
-from common.logging import get_logger, init_logger, quiet_launcher_logs
+from common.logging import init_logger, quiet_launcher_logs
 from dflash_offline.options import config_options, help_config_option
 from stage1_extract.config import ExtractConfig
 from stage1_generate.config import GenerateConfig
@@ -93,19 +93,12 @@ def _with_served_sampling(
 ) -> GenerateConfig:
     """`cfg` rebuilt with the served sampling (common.served_sampling) set over the config
     file and under `sets` (the user's --set and flags, applied after it)."""
-    from common.served_sampling import served_sampling
+    from common.served_sampling import log_served, served_sampling
 
     served = served_sampling(cfg.target.model)
     served_sets = [f"sampling.{key}={value}" for key, value in served.items()]
     cfg = build_config(GenerateConfig, config_path, "generate", [*served_sets, *sets])
-    sampling = cfg.sampling
-    get_logger().info(
-        "--server-sampling: temperature %s, top-p %s, top-k %s, repetition penalty %s",
-        sampling.temperature,
-        sampling.top_p,
-        sampling.top_k,
-        sampling.repetition_penalty,
-    )
+    log_served({key: getattr(cfg.sampling, key) for key in served})
     return cfg
 
 
