@@ -2,13 +2,13 @@
 
 At Qwen3-8B's width (hidden 4096, bf16 activations) over one batch of `tokens` valid tokens,
 times common.store.encode_hidden for one tapped layer, as extract's hook runs it (bf16 cast,
-fp8 with per-token scales, nvfp4 eager and compiled), beside one random-weight Qwen3-8B
+fp8 with per-token scales and nvfp4, each eager and compiled), beside one random-weight Qwen3-8B
 decoder layer's forward over the same tokens (one sequence of `tokens`, sdpa): the yardstick
 inside the call, so `share_of_forward` = layers_tapped x encode / (num_layers x layer forward)
 is the encoder's share of a bare forward, without building the whole 8B target (which the
 whole-loop `bench_extract.py --hidden-dtype nvfp4` measures where a call has the minutes).
-Also records the compiled nvfp4 encoder's first call (its compile), whether its bytes equal
-the eager encoder's on this device (any e4m3 block scale decodes validly; equal bytes say the
+Also records the compiled nvfp4 encoder's first call (its compile), whether its bytes (and the
+compiled fp8 encoder's) equal the eager encoder's on this device (any e4m3 block scale decodes validly; equal bytes say the
 compiled choice of the least-error scale is the eager one), and where its time goes (a
 profile of three calls: the top kernels on a GPU, operators on the CPU). JSON lines to stdout
 and, where $OUT is set, $OUT/encode_cost.jsonl:
@@ -85,6 +85,8 @@ def main() -> None:
         torch.cuda.synchronize(device)
     first_call_s = time.perf_counter() - t0
     eager_rows, eager_scales = encode_hidden(features, "nvfp4")
+    fp8_compiled_bits, fp8_compiled_scales = encode_hidden(features, "float8_e4m3fn", True)
+    fp8_eager_bits, fp8_eager_scales = encode_hidden(features, "float8_e4m3fn")
     emit(
         {
             "part": "nvfp4_compiled_vs_eager",
@@ -94,6 +96,8 @@ def main() -> None:
             "rows_equal": bool(torch.equal(compiled_rows, eager_rows)),
             "rows_differing": int((compiled_rows != eager_rows).any(-1).sum()),
             "scales_equal": bool(torch.equal(compiled_scales, eager_scales)),
+            "fp8_rows_differing": int((fp8_compiled_bits != fp8_eager_bits).any(-1).sum()),
+            "fp8_scales_equal": bool(torch.equal(fp8_compiled_scales, fp8_eager_scales)),
         }
     )
 
@@ -103,6 +107,7 @@ def main() -> None:
     cases: dict[str, Callable[[], object]] = {
         "bfloat16": lambda: encode_hidden(features, "bfloat16"),
         "float8_e4m3fn": lambda: encode_hidden(features, "float8_e4m3fn"),
+        "float8_e4m3fn_compiled": lambda: encode_hidden(features, "float8_e4m3fn", True),
         "nvfp4_eager": lambda: encode_hidden(features, "nvfp4"),
         "nvfp4_compiled": lambda: encode_hidden(features, "nvfp4", compiled=True),
     }

@@ -171,9 +171,10 @@ def test_a_hidden_size_off_the_block_is_refused_at_the_start(tmp_path: Path) -> 
 
 
 def test_least_error_pick_is_the_in_turn_comparison() -> None:
-    """The six candidates' errors picked at once (argmin) as comparing them in turn with `<`
-    picks: the first of equals, a later NaN never wins, a NaN first candidate is kept."""
-    from common.fp4 import NVFP4_SCALE_CANDIDATES, _nvfp4_least_error_bits
+    """The six candidates' errors kept one by one (`keep_least`, inside each compiled
+    candidate) as comparing them in turn with `<` picks: the first of equals, a later NaN
+    never wins, a NaN first candidate is kept."""
+    from common.fp4 import keep_least
 
     nan, inf = float("nan"), float("inf")
     errors = [  # one block per row, six candidates' errors
@@ -191,13 +192,12 @@ def test_least_error_pick_is_the_in_turn_comparison() -> None:
                 best = k
         return best
 
-    table = torch.tensor(errors, dtype=torch.float64)[:, None, :, None]  # [5, 1, 6, 1]
-    calls = iter(range(len(NVFP4_SCALE_CANDIDATES)))
-
-    def candidate(blocks, amax, per_row, top, step):  # noqa: ANN001, ANN202
-        k = next(calls)  # the bits name the candidate
-        return torch.full((5, 1, 1), k, dtype=torch.uint8), table[:, 0, k : k + 1]
-
-    blocks = torch.zeros(5, 1, 16)
-    picked = _nvfp4_least_error_bits(blocks, blocks[..., :1], blocks[:, :1, :1], candidate)
-    assert picked.flatten().tolist() == [in_turn(row) for row in errors] == [4, 2, 0, 0, 2]
+    table = torch.tensor(errors, dtype=torch.float64)
+    # the kept-so-far start as the encoder starts them: zeros, which the first replaces
+    bits, error = torch.zeros(5, 1, dtype=torch.uint8), torch.zeros(5, 1, dtype=torch.float64)
+    for k in range(table.shape[1]):  # the bits name the candidate
+        candidate_bits = torch.full((5, 1), k, dtype=torch.uint8)
+        bits, error = keep_least(
+            bits, error, torch.tensor(k == 0), candidate_bits, table[:, k, None]
+        )
+    assert bits.flatten().tolist() == [in_turn(row) for row in errors] == [4, 2, 0, 0, 2]

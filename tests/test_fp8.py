@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 from common.config import build_config
 from common.inspect_store import summarize
 from common.inspect_verify import verify_store
-from common.store import StoreError, dequantize_fp8, open_store, quantize_fp8
+from common.store import StoreError, dequantize_fp8, encode_hidden, open_store, quantize_fp8
 from dflash_offline.cli import main as cli
 from stage1_extract.run import run_extract
 from stage2_train.config import TrainConfig
@@ -72,6 +72,34 @@ def test_round_trip_error_bound_with_layers_of_very_different_magnitude() -> Non
     # bf16 input (the GPU case) is quantized in fp32: the same bits as its fp32 value
     x_bf16 = x.to(torch.bfloat16)
     assert torch.equal(quantize_fp8(x_bf16)[0], quantize_fp8(x_bf16.float())[0])
+
+
+@pytest.mark.slow
+def test_the_compiled_fp8_encoder_writes_eagers_bytes() -> None:
+    """Extract's fp8 encoder where the head is compiled (a CUDA target's default): the same
+    bits and scales as eager on the CPU, fp32 and bf16 features, a zero row's included, one
+    graph per input dtype for every token count (a single row runs eager); a row with a NaN
+    has a NaN scale both ways (its bits mean nothing: verify flags the row)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        for tokens in (37, 300, 5, 1):
+            x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(tokens)) * 10
+            if tokens > 1:
+                x[1] = 0.0
+                x[-1, 3] = float("nan")
+            for features in (x, x.bfloat16()):
+                got_bits, got_scale = encode_hidden(features, "float8_e4m3fn", compiled=True)
+                want_bits, want_scale = encode_hidden(features, "float8_e4m3fn")
+                finite = want_scale.isfinite()
+                assert finite.sum() == tokens - (tokens > 1) and got_scale[~finite].isnan().all()
+                assert torch.equal(got_bits[finite], want_bits[finite])
+                assert torch.equal(got_scale[finite], want_scale[finite])
+        assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    finally:
+        torch._dynamo.reset()
 
 
 @pytest.fixture(scope="module")
