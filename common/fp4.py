@@ -295,8 +295,9 @@ def compiled_quantize_nvfp4() -> Callable[[torch.Tensor], tuple[torch.Tensor, to
     serves all six: their target, step and first flag are tensors), the chosen scales' rows a
     third; each serves every batch's token count (`rows_dynamic`). Eager, a candidate is ~30
     elementwise passes over the features. The same bytes as eager on the CPU. The whole encoder
-    as one region compiled 4x as long (57 s against 14 s on this project's CPU) for the six
-    candidates unrolled. fullgraph: a graph break raises instead of running eager silently."""
+    as one region compiled 4x as long (57 s against 14 s on this project's CPU, thirty-sixth
+    session), and since the fortieth its C++ build fails there (gcc 12: internal compiler
+    error). fullgraph: a graph break raises instead of running eager silently."""
     kernels = Nvfp4Kernels(
         block_amax=rows_dynamic(torch.compile(nvfp4_block_amax, fullgraph=True)),
         candidate=rows_dynamic(torch.compile(nvfp4_candidate, fullgraph=True)),
