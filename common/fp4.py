@@ -226,17 +226,29 @@ def _nvfp4_least_error_bits(
     device = blocks_M16.device
     best_bits = torch.zeros(amax_M1.shape, dtype=torch.uint8, device=device)
     best_error = torch.zeros(amax_M1.shape, dtype=torch.float64, device=device)
-    for k, (top, step) in enumerate(NVFP4_SCALE_CANDIDATES):
-        # on the features' device: a compiled graph then takes no host scalar among them
+    for top, step, first in _candidate_tensors(device):
         best_bits, best_error = candidate(
-            blocks_M16,
-            amax_M1,
-            per_row_M1,
-            torch.tensor(top, device=device),
-            torch.tensor(step, dtype=torch.int32, device=device),
-            (best_bits, best_error, torch.tensor(k == 0, device=device)),
+            blocks_M16, amax_M1, per_row_M1, top, step, (best_bits, best_error, first)
         )
     return best_bits
+
+
+@functools.cache
+def _candidate_tensors(device: torch.device) -> tuple[tuple[torch.Tensor, ...], ...]:
+    """Each of NVFP4_SCALE_CANDIDATES as 0-d tensors on `device` (its target, its step, whether
+    it is the first): a compiled graph then takes no host scalar among them, and one graph
+    serves all six. Made once per device: a tensor made from a Python number on a GPU is a
+    blocking copy that waits for the stream (18 of them a tapped layer, inside the target's
+    forward). Outside inference mode, as extract's hook runs in it and training does not."""
+    with torch.inference_mode(False):
+        return tuple(
+            (
+                torch.tensor(top, device=device),
+                torch.tensor(step, dtype=torch.int32, device=device),
+                torch.tensor(k == 0, device=device),
+            )
+            for k, (top, step) in enumerate(NVFP4_SCALE_CANDIDATES)
+        )
 
 
 def round_features_fp4(hidden_ND: torch.Tensor, kind: Fp4Kind) -> torch.Tensor:
@@ -274,8 +286,9 @@ def quantize_nvfp4(
     block = _check_hidden_size(hidden_ND, "nvfp4")
     D, leading = hidden_ND.shape[-1], hidden_ND.shape[:-1]
     if hidden_ND.numel() == 0:  # no rows: the parts' reshapes by -1 cannot size nothing
-        rows = torch.zeros((*leading, nvfp4_row_bytes(D)), dtype=torch.uint8)
-        return rows.to(hidden_ND.device), torch.ones(leading, device=hidden_ND.device)
+        device = hidden_ND.device
+        rows = torch.zeros((*leading, nvfp4_row_bytes(D)), dtype=torch.uint8, device=device)
+        return rows, torch.ones(leading, device=device)
     if kernels is None or hidden_ND.numel() == D:
         # a single row eager: one row as M = D / 16 blocks would specialize a compiled graph
         # to it (its rows' count, 1, is guarded), and costs nothing
