@@ -8,10 +8,10 @@ inside the call, so `share_of_forward` = layers_tapped x encode / (num_layers x 
 is the encoder's share of a bare forward, without building the whole 8B target (which the
 whole-loop `bench_extract.py --hidden-dtype nvfp4` measures where a call has the minutes).
 Also records the compiled nvfp4 encoder's first call (its compile), whether its bytes (and the
-compiled fp8 encoder's) equal the eager encoder's on this device (any e4m3 block scale decodes validly; equal bytes say the
-compiled choice of the least-error scale is the eager one), and where its time goes (a
-profile of three calls: the top kernels on a GPU, operators on the CPU). JSON lines to stdout
-and, where $OUT is set, $OUT/encode_cost.jsonl:
+compiled fp8 encoder's) equal the eager encoder's on this device (any e4m3 block scale decodes
+validly; equal bytes say the compiled choice of the least-error scale is the eager one), and
+where its time goes (a profile of three calls: the top kernels on a GPU, operators on the
+CPU). JSON lines to stdout and, where $OUT is set, $OUT/encode_cost.jsonl:
 
     python bench/encode_cost.py [--device cuda] [--tokens 11776] [--repeats 20]
 """

@@ -153,8 +153,19 @@ def compiled_quantize_fp8() -> Callable[[torch.Tensor], tuple[torch.Tensor, torc
     """`quantize_fp8` as one compiled region over [N, D] features, N dynamic (extract's fp8
     encoder where the head is compiled: a CUDA target's default). Eager it is four passes over
     each tapped layer's features (fp32 copy, amax, divide, cast): 0.64 ms a layer at the 8B
-    width on an H200, 0.8% of a bare forward for five layers (BENCHMARKS.md, "encode_cost")."""
-    return rows_dynamic(torch.compile(quantize_fp8, fullgraph=True))
+    width on an H200, 0.8% of a bare forward for five layers (BENCHMARKS.md, "encode_cost").
+    Any leading shape is seen as [N, D]; a single row runs eager (its row count, 1, would get a
+    graph of its own), as `compiled_quantize_nvfp4`'s does."""
+    compiled = rows_dynamic(torch.compile(quantize_fp8, fullgraph=True))
+
+    def quantize(hidden_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        D, leading = hidden_ND.shape[-1], hidden_ND.shape[:-1]
+        if hidden_ND.numel() == D:
+            return quantize_fp8(hidden_ND)
+        bits_ND, scale_N = compiled(hidden_ND.reshape(-1, D))
+        return bits_ND.reshape(hidden_ND.shape), scale_N.reshape(leading)
+
+    return quantize
 
 
 def dequantize_fp8(
@@ -199,9 +210,7 @@ def encode_hidden(
     if hidden_dtype == "bfloat16":
         return hidden_ND.to(torch.bfloat16), None
     if hidden_dtype == "float8_e4m3fn":
-        # a single row eager: its row count, 1, would get a graph of its own
-        single_row = hidden_ND.numel() == hidden_ND.shape[-1]
-        return (compiled_quantize_fp8() if compiled and not single_row else quantize_fp8)(hidden_ND)
+        return (compiled_quantize_fp8() if compiled else quantize_fp8)(hidden_ND)
     if hidden_dtype == "nvfp4":
         return (compiled_quantize_nvfp4() if compiled else quantize_nvfp4)(hidden_ND)
     raise ValueError(f"hidden_dtype {hidden_dtype!r}: one of {', '.join(HIDDEN_DTYPES)}")
