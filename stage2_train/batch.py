@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from common.fp4 import Fp4Kind, compiled_quantize_nvfp4, quantize_nvfp4, round_features_fp4
-from common.store import dequantize_fp8, quantize_fp8
+from common.store import compiled_quantize_fp8, dequantize_fp8, quantize_fp8
 from stage2_train.mask_widths import narrow_widths
 from stage2_train.masks import NARROW, TILE, MaskTables, anchor_mask_tables, context_intervals
 
@@ -87,10 +87,12 @@ class Batch:
 
     def rounded_to_fp8(self) -> Batch:
         """This batch as an fp8 store would give it (`data.hidden_as_fp8`): bf16 hidden states
-        quantized by extract's own `quantize_fp8`, on the batch's device; an fp8 batch as it is."""
+        quantized by extract's own encoder, on the batch's device; an fp8 batch as it is."""
         if self.hidden_scale_TK is not None:
             return self
-        bits_TKD, scale_TK = quantize_fp8(self.hidden_TKD)
+        # on a GPU compiled, as extract encodes there: eager it is four passes every step
+        quantize = compiled_quantize_fp8() if self.hidden_TKD.is_cuda else quantize_fp8
+        bits_TKD, scale_TK = quantize(self.hidden_TKD)
         return replace(self, hidden_TKD=bits_TKD, hidden_scale_TK=scale_TK)
 
 
