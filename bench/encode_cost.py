@@ -28,6 +28,7 @@ from shapes import QWEN3_8B
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
+from common.fp4 import quantize_nvfp4, rows_dynamic
 from common.store import encode_hidden
 
 
@@ -72,6 +73,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=11_776, help="valid tokens in the batch")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--layers-tapped", type=int, default=5)
+    parser.add_argument(
+        "--also-one-region",
+        action="store_true",
+        help="also time the whole nvfp4 encoder as one compiled region (rows dynamic): whether "
+        "inductor fuses the six candidates' reads where the three-part encoder cannot",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -111,6 +118,19 @@ def main() -> None:
         "nvfp4_eager": lambda: encode_hidden(features, "nvfp4"),
         "nvfp4_compiled": lambda: encode_hidden(features, "nvfp4", compiled=True),
     }
+    if args.also_one_region:
+        one_region = rows_dynamic(torch.compile(quantize_nvfp4, fullgraph=True))
+        t0 = time.perf_counter()
+        one_rows, one_scales = one_region(features)
+        emit(
+            {
+                "part": "nvfp4_one_region_vs_eager",
+                "first_call_s": round(time.perf_counter() - t0, 2),
+                "rows_differing": int((one_rows != eager_rows).any(-1).sum()),
+                "scales_equal": bool(torch.equal(one_scales, eager_scales)),
+            }
+        )
+        cases["nvfp4_one_region"] = lambda: one_region(features)
     for name, run in cases.items():
         ms = _ms(run, device, args.repeats)
         emit(
