@@ -28,7 +28,7 @@ from shapes import QWEN3_8B
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
-from common.fp4 import quantize_nvfp4, rows_dynamic
+from common.fp4 import compiled_encoder, quantize_nvfp4
 from common.store import encode_hidden
 
 
@@ -119,7 +119,7 @@ def main() -> None:
         "nvfp4_compiled": lambda: encode_hidden(features, "nvfp4", compiled=True),
     }
     if args.also_one_region:
-        one_region = rows_dynamic(torch.compile(quantize_nvfp4, fullgraph=True))
+        one_region = compiled_encoder(quantize_nvfp4)
         t0 = time.perf_counter()
         one_rows, one_scales = one_region(features)
         emit(

@@ -24,7 +24,13 @@ case "${1:-}" in
     tar xf /tmp/fa4/fa4.tar -C /tmp/fa4/wheels
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
       /tmp/fa4/wheels/*.whl
-    python3 -c "import flash_attn.cute; print('flash_attn.cute', flash_attn.cute.__file__)"
+    # nvidia-cutlass-dsl puts its `cutlass` package on sys.path from a .pth file, and Python
+    # reads .pth files only in site directories, not in PYTHONPATH's: resolve them here into
+    # the PYTHONPATH the benchmark exports (`export PYTHONPATH=$(cat /tmp/fa4/pythonpath)`)
+    python3 -c "import site, sys; before = list(sys.path); site.addsitedir('/tmp/site'); \
+print(':'.join([p for p in sys.path if p not in before] + ['/tmp/site']))" > /tmp/fa4/pythonpath
+    PYTHONPATH=$(cat /tmp/fa4/pythonpath) python3 -c \
+      "import cutlass, flash_attn.cute; print('flash_attn.cute', flash_attn.cute.__file__)"
     ;;
   *) echo "usage: bash bench/fa4_parts.sh keep|install" >&2; exit 2 ;;
 esac

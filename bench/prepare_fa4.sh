@@ -8,9 +8,10 @@
 # machine (each call within 30 s of the last keeps /tmp):
 #   calls 1 and 2, carry [".fa4-1"] then [".fa4-2"]:  bash bench/fa4_parts.sh keep
 #   call 3, carry [".whl", ".fa4-3", ".bench"]: the install line, then
-#     bash bench/fa4_parts.sh install && python3 bench/bench_attention.py --sweep --only flash_backend;
-#     python3 .bench/yardstick_attention.py
-# (fa4_parts.sh install puts them into /tmp/site, the install line's PYTHONPATH).
+#     bash bench/fa4_parts.sh install && export PYTHONPATH=$(cat /tmp/fa4/pythonpath) &&
+#     python3 bench/bench_attention.py --sweep --only flash_backend; python3 .bench/yardstick_attention.py
+# (fa4_parts.sh install puts them into /tmp/site, the install line's PYTHONPATH, and writes
+# /tmp/fa4/pythonpath: that with the directories the wheels' .pth files add, `cutlass`'s).
 set -euo pipefail
 PLATFORMS=(--python-version 3.12 --only-binary=:all: --platform manylinux_2_28_x86_64
   --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)

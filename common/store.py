@@ -23,11 +23,11 @@ import torch
 
 from common.fp4 import (
     BLOCK,
+    compiled_encoder,
     compiled_quantize_nvfp4,
     dequantize_nvfp4,
     nvfp4_row_bytes,
     quantize_nvfp4,
-    rows_dynamic,
 )
 from common.generated import META_DIR as GENERATE_META_DIR
 from common.generated import read_manifest
@@ -156,7 +156,7 @@ def compiled_quantize_fp8() -> Callable[[torch.Tensor], tuple[torch.Tensor, torc
     width on an H200, 0.8% of a bare forward for five layers (BENCHMARKS.md, "encode_cost").
     Any leading shape is seen as [N, D]; a single row runs eager (its row count, 1, would get a
     graph of its own), as `compiled_quantize_nvfp4`'s does."""
-    compiled = rows_dynamic(torch.compile(quantize_fp8, fullgraph=True))
+    compiled = compiled_encoder(quantize_fp8)
 
     def quantize(hidden_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         D, leading = hidden_ND.shape[-1], hidden_ND.shape[:-1]
