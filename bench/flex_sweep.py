@@ -319,5 +319,8 @@ class Sweep:
 
 
 def _short(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {(text[0] if text else '')[:300]}"
+    """The error's type and its text's lines joined, banner lines (==== ...) left out, up to
+    4,000 characters: a lowering error's first line is often a banner alone, the cause below it
+    (the flash backend's "CuteDSL template failed", forty-first session)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip(" =-")]
+    return f"{type(err).__name__}: {' | '.join(lines)[:4000]}"
