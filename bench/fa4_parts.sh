@@ -5,19 +5,19 @@
 # /tmp/site (no index, no dependencies: every one is in the tar).
 set -euo pipefail
 mkdir -p /tmp/fa4
-for part in .fa4-1 .fa4-2; do
+for part in .fa4-1 .fa4-2 .fa4-3; do
   [ -d "$part" ] && cp "$part"/* /tmp/fa4/
 done
 case "${1:-}" in
   keep) ls -la /tmp/fa4 ;;
   install)
-    missing=$(for k in 0 1; do [ -f "/tmp/fa4/part-$k" ] || echo "part-$k"; done)
+    missing=$(for k in 0 1 2; do [ -f "/tmp/fa4/part-$k" ] || echo "part-$k"; done)
     if [ -n "$missing" ]; then
       echo "missing $missing: a fresh machine (the earlier calls' /tmp went with the old one);" \
         "start over with call 1" >&2
       exit 4
     fi
-    cat /tmp/fa4/part-0 /tmp/fa4/part-1 > /tmp/fa4/fa4.tar
+    cat /tmp/fa4/part-0 /tmp/fa4/part-1 /tmp/fa4/part-2 > /tmp/fa4/fa4.tar
     [ "$(sha256sum /tmp/fa4/fa4.tar | cut -d' ' -f1)" = "$(cat /tmp/fa4/fa4.tar.sha256)" ] \
       || { echo "the reassembled tar does not match its sha256" >&2; exit 1; }
     mkdir -p /tmp/fa4/wheels
