@@ -325,7 +325,7 @@ def compiled_encoder(encode: Callable[..., Any]) -> Callable[..., Any]:
     eager silently), for every row count (`rows_dynamic`), with IEEE-rounded fp32 division as
     eager's: Triton's default division is approximate, and on an H100 it moved 5,084 of 11,776
     nvfp4 rows (65 fp8 rows) off the bytes FORMAT.md's rule gives at rounding boundaries; with
-    the option none (forty-first session), at +18% of the nvfp4 encoder's time (+0.3% of an 8B
+    the option none (forty-first session), at +14% of the nvfp4 encoder's time (+0.2% of an 8B
     forward for five tapped layers). So a store's bytes follow the written rule on every device."""
     options = {"eager_numerics.division_rounding": True}
     return rows_dynamic(torch.compile(encode, fullgraph=True, options=options))

@@ -195,7 +195,8 @@ def hidden_dtype_problem(hidden_dtype: str, hidden_size: int) -> str | None:
     if hidden_dtype == "nvfp4" and hidden_size % block:
         return (
             f"store.hidden_dtype=nvfp4 stores blocks of {block} features, and the target's "
-            f"hidden size {hidden_size} is not a multiple: use float8_e4m3fn or bfloat16"
+            f"hidden size {hidden_size} is not a multiple: --set store.hidden_dtype="
+            "float8_e4m3fn (one byte a feature) or bfloat16"
         )
     return None
 

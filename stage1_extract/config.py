@@ -166,13 +166,15 @@ class StoreConfig:
         "zstd, through Blosc: lossless, ~20% fewer bytes for a bf16 store (FORMAT.md)",
     )
     hidden_dtype: Literal["bfloat16", "float8_e4m3fn", "nvfp4"] = doc(
-        "float8_e4m3fn",
-        "dtype of the stored hidden states: float8_e4m3fn with one fp32 scale per token and "
-        "tapped layer (0.65x the bytes of a bf16 store on pystd-28m; its online tau 6.21 lay "
-        "between two bf16 runs' 6.04 and 6.37, held-out level), bfloat16, or nvfp4: 4-bit e2m1 "
-        "values with an e4m3 scale per 16 and an fp32 one per token and layer (0.56 bytes a "
-        "feature, 0.62x an fp8 store's bytes on pystd-28m; a hidden size that is a multiple of "
-        "16; pystd online tau within 2% of an fp8 store's, 6.39 vs 6.42: BENCHMARKS.md)",
+        "nvfp4",
+        "dtype of the stored hidden states: nvfp4, 4-bit e2m1 values with an e4m3 scale per 16 "
+        "and an fp32 one per token and tapped layer (0.56 bytes a feature, 0.62x an fp8 store's "
+        "bytes on pystd-28m, 11.5 KB a token at the 8B width with five layers; a hidden size "
+        "that is a multiple of 16; pystd online tau within 2% of an fp8 store's, 6.39 vs 6.42; "
+        "extraction's loop at 8B 0.98x a bare forward against fp8's 0.96x: BENCHMARKS.md); "
+        "float8_e4m3fn, one fp32 scale per token and tapped layer (the default before the "
+        "forty-first session; 0.65x a bf16 store's bytes, its online tau 6.21 between two bf16 "
+        "runs' 6.04 and 6.37); or bfloat16",
     )
     overwrite: bool = doc(False, "delete an existing store at `out` first")
 

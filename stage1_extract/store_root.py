@@ -244,7 +244,7 @@ def write_root_attrs(store: Path, attrs: dict[str, Any]) -> None:
 
 # settings a rerun can set back to the store's value to resume it: label -> --set key
 _SET_BACK = {
-    "hidden_dtype": "store.hidden_dtype",  # its default changed to float8_e4m3fn
+    "hidden_dtype": "store.hidden_dtype",  # its default: bf16, fp8 (13th session), nvfp4 (41st)
     "topk": "verifier.topk",
     "seq_len": "packing.seq_len",
     "sequences_per_shard": "store.sequences_per_shard",

@@ -414,7 +414,9 @@ def test_real_store_summary_verify_and_sample(extracted: Path, tiny_qwen3: Path)
 
 def test_real_store_tampering_is_caught(extracted: Path, tmp_path: Path) -> None:
     copy = Path(shutil.copytree(extracted, tmp_path / "store"))
-    write(copy / S0 / "hidden", (0, 1, 1, 5), 0x7F)  # a NaN's float8_e4m3fn bits (the default)
+    # the default nvfp4 rows of hidden size 64: 32 bytes of codes, then 4 e4m3 block scales;
+    # 0x7F is e4m3's NaN, here the second block's scale
+    write(copy / S0 / "hidden", (0, 1, 1, 33), 0x7F)
     write(copy / S0 / "position_ids", (0, 2), 9)
     problems = {(p["array"], p["problem"]) for p in verify_store(copy)["problems"]}
     assert problems == {

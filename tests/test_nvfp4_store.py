@@ -70,15 +70,20 @@ def test_encoding_decodes_to_the_rounding_train_measures() -> None:
 def test_extract_and_import_refuse_a_hidden_size_off_the_block(tmp_path: Path) -> None:
     target = build_tiny_target(tmp_path / "target", hidden_size=40)
     data = write_data(tmp_path)
-    result = cli_extract(target, data, tmp_path / "store", "store.hidden_dtype=nvfp4")
+    result = cli_extract(target, data, tmp_path / "store")  # nvfp4: the default
     assert result.exit_code == 2, result.output
     message = " ".join(result.output.split())
-    assert "hidden size 40 is not a multiple" in message and "float8_e4m3fn or bfloat16" in message
+    assert "hidden size 40 is not a multiple" in message
+    assert "--set store.hidden_dtype=float8_e4m3fn (one byte a feature) or bfloat16" in message
     assert not (tmp_path / "store").exists()
+    fp8 = cli_extract(target, data, tmp_path / "store", "store.hidden_dtype=float8_e4m3fn")
+    assert fp8.exit_code == 0, fp8.output
     store = build_store(tmp_path / "s40", FactorySpec(hidden_size=40, num_sequences=4))
     write_input(store, tmp_path / "in.h5", verifier=True, head=True)
     code, out = convert(tmp_path / "in.h5", tmp_path / "imported", "--hidden-dtype", "nvfp4")
-    assert code == 2 and "--hidden-dtype=nvfp4 stores blocks of 16" in " ".join(out.split())
+    message = " ".join(out.split())
+    assert code == 2 and "--hidden-dtype=nvfp4 stores blocks of 16" in message
+    assert "not a multiple: --hidden-dtype float8_e4m3fn (one byte a feature)" in message
 
 
 def test_train_refuses_rounding_an_nvfp4_store_again(tmp_path: Path) -> None:

@@ -184,7 +184,12 @@ def hdf5_to_store(h5: str | Path, store: str | Path, opts: ImportOptions) -> Pat
     inp = open_input(h5)
     if problem := hidden_dtype_problem(opts.hidden_dtype, inp.hidden_size):
         inp.file.close()
-        raise ValueError(f"{inp.path}: {problem.replace('store.hidden_dtype', '--hidden-dtype')}")
+        for extract_words, import_words in (
+            ("--set store.hidden_dtype=", "--hidden-dtype "),
+            ("store.hidden_dtype", "--hidden-dtype"),
+        ):
+            problem = problem.replace(extract_words, import_words)
+        raise ValueError(f"{inp.path}: {problem}")
     # beside the store until prepare_store has checked or created it (it refuses a folder
     # holding anything but a store)
     head_file = store.parent / f".tmp-{store.name}-{HEAD_FILE}-{os.getpid()}"
