@@ -104,8 +104,11 @@ def anchor_block_mask_mod(
     rows = rows_per_block or block_size
 
     def dflash_anchor_block(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        # Clamp: rows of a partly filled last query tile may index past the last block.
-        blk = torch.clamp(q_idx // rows, max=last_block)
+        # Rows of a partly filled last query tile may index past the last block: held to it.
+        # A where, not a clamp: flex's flash backend (CuteDSL) on torch 2.11 cannot lower
+        # `minimum`, which a clamp becomes (forty-first session); same values.
+        blk = q_idx // rows
+        blk = torch.where(blk > last_block, last_block, blk)
         in_context = (kv_idx >= ctx_lo_A[blk]) & (kv_idx < ctx_hi_A[blk])
         own_lo = context_len + blk * block_size
         in_block = (kv_idx >= own_lo) & (kv_idx < own_lo + block_size)

@@ -82,6 +82,21 @@ def test_mask_mod_equals_dense_definition(case: str) -> None:
     assert torch.equal(got[0, 0], dense_mask(anchors, doc_ids, bsz))
 
 
+def test_mask_mod_uses_no_op_flex_flash_cannot_lower() -> None:
+    """flex's flash backend (CuteDSL) on torch 2.11 has no `minimum`, and a clamp lowers to it:
+    its lowering of the mask failed on exactly that (forty-first session). The mask_mod's traced
+    ops hold none; the dense comparison above holds its values."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    doc_ids, anchors, bsz = CASES["partial_last_tile"]
+    lo_A, hi_A, n_ctx = _make(doc_ids, anchors, bsz)
+    mask_mod = anchor_block_mask_mod(lo_A, hi_A, n_ctx, bsz)
+    rows = torch.arange(len(anchors) * bsz)  # every query row, those past the last block too
+    graph = make_fx(mask_mod)(rows, rows, rows + 7, rows).graph
+    ops = {str(node.target) for node in graph.nodes if node.op == "call_function"}
+    assert not {op for op in ops if "clamp" in op or "minimum" in op or "min." in op}, ops
+
+
 def test_known_peer_bugs_are_absent() -> None:
     doc_ids, anchors, bsz = CASES["close_and_edges"]
     mask = dense_mask(anchors, doc_ids, bsz)
