@@ -19,6 +19,7 @@ CPU). JSON lines to stdout and, where $OUT is set, $OUT/encode_cost.jsonl:
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable
 
@@ -29,7 +30,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
 from common.fp4 import compiled_encoder, quantize_nvfp4
-from common.store import encode_hidden
+from common.store import decode_scaled_hidden, encode_hidden
 
 
 def _ms(run: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -144,6 +145,37 @@ def main() -> None:
             }
         )
     profile_kernels(cases["nvfp4_compiled"], device)
+    decode_cost(features, layer_ms, device, args.repeats)
+
+
+def decode_cost(
+    features: torch.Tensor, layer_ms: float, device: torch.device, repeats: int
+) -> None:
+    """What training's decode of the same features costs (`decode_scaled_hidden` to bf16, as
+    the step decodes a batch of an fp8 or nvfp4 store), eager and compiled, per tapped layer:
+    the drafter's step pays it for every tapped layer of every batch. Also whether the compiled
+    decode's values equal eager's on this device."""
+    D = features.shape[-1]
+    for dtype in ("float8_e4m3fn", "nvfp4"):
+        stored, scale = encode_hidden(features, dtype)
+        want = decode_scaled_hidden(stored, scale, D, torch.bfloat16)
+        got = decode_scaled_hidden(stored, scale, D, torch.bfloat16, compiled=True)
+        for compiled in (False, True):
+            decode = functools.partial(
+                decode_scaled_hidden, stored, scale, D, torch.bfloat16, compiled
+            )
+            ms = _ms(decode, device, repeats)
+            emit(
+                {
+                    "part": "decode",
+                    "hidden_dtype": dtype,
+                    "compiled": compiled,
+                    "decode_ms_per_layer": round(ms, 3),
+                    "vs_layer_forward": round(ms / layer_ms, 4),
+                    "values_equal": bool(torch.equal(got, want)),
+                    "tokens": features.shape[0],
+                }
+            )
 
 
 def profile_kernels(run: Callable[[], object], device: torch.device, top: int = 12) -> None:

@@ -76,7 +76,11 @@ def forward_batch(
     else:  # fp8 or nvfp4 store: decoded here, on the device, from the bytes the loader moved
         hidden_size = head.embed_VD.shape[1]
         features_TKD = decode_scaled_hidden(
-            batch.hidden_TKD, batch.hidden_scale_TK, hidden_size, dtype
+            batch.hidden_TKD,
+            batch.hidden_scale_TK,
+            hidden_size,
+            dtype,
+            compiled=batch.hidden_TKD.is_cuda,  # one graph, not ~10 eager passes a step
         )
     return model(
         features_TKD,

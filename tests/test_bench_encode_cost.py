@@ -33,7 +33,16 @@ def test_bench_encode_cost_tiny_runs_and_agrees(tmp_path: Path) -> None:
     check, yardstick, *rest = records
     encodes = [r for r in rest if r["part"] == "encode"]
     profiled = [r for r in rest if r["part"] == "profile_nvfp4_compiled"]
-    assert len(encodes) + len(profiled) == len(rest)
+    decodes = [r for r in rest if r["part"] == "decode"]
+    assert len(encodes) + len(profiled) + len(decodes) == len(rest)
+    # training's decode of the same features, eager and compiled, per store dtype
+    assert [(r["hidden_dtype"], r["compiled"]) for r in decodes] == [
+        ("float8_e4m3fn", False),
+        ("float8_e4m3fn", True),
+        ("nvfp4", False),
+        ("nvfp4", True),
+    ]
+    assert all(r["values_equal"] and r["decode_ms_per_layer"] > 0 for r in decodes)
     # where the compiled encoder's time goes: its operators (the CPU's; a GPU's kernels)
     assert 0 < len(profiled) <= 12 and all(r["ms_per_encode"] >= 0 for r in profiled)
     # the reductions over the features run inside the compiled regions, none eager (they did

@@ -203,3 +203,29 @@ def test_the_compiled_encoder_writes_eagers_bytes() -> None:
         assert counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])
     finally:
         torch._dynamo.reset()
+
+
+def test_the_compiled_decoder_gives_eagers_values() -> None:
+    """Training's decode on a GPU (`decode_scaled_hidden(..., compiled=True)`): the same values
+    as the eager decode for fp8 and nvfp4 batches of any token count and leading shape, in fp32
+    and bf16, zero rows included; one graph per store dtype and compute dtype, not per batch
+    (a single row runs eager)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        for dtype in ("nvfp4", "float8_e4m3fn"):
+            for tokens in (1, 37, 300, 5):
+                x = torch.randn(tokens, 3, 64, generator=torch.Generator().manual_seed(tokens))
+                x[0, 1] = 0.0
+                stored, scale = encode_hidden(x * 20, dtype)
+                for compute in (torch.float32, torch.bfloat16):
+                    want = decode_scaled_hidden(stored, scale, 64, compute)
+                    got = decode_scaled_hidden(stored, scale, 64, compute, compiled=True)
+                    assert got.shape == (tokens, 3, 64) and got.dtype == compute
+                    assert torch.equal(got, want), (dtype, tokens, compute)
+        # (nvfp4, fp8) x (fp32, bf16)
+        assert counters["stats"]["unique_graphs"] == 4, dict(counters["stats"])
+    finally:
+        torch._dynamo.reset()
