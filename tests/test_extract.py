@@ -31,7 +31,7 @@ from stage1_extract.config import ExtractConfig
 from stage1_extract.run import run_extract
 
 DEBUG = Path(__file__).parents[1] / "configs" / "debug.yaml"
-BF16 = "store.hidden_dtype=bfloat16"  # where bf16 features are the subject (the default: fp8)
+BF16 = "store.hidden_dtype=bfloat16"  # where bf16 features are the subject (the default: nvfp4)
 SMALL = [
     "packing.seq_len=64",
     "store.sequences_per_shard=2",

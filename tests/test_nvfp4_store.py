@@ -86,6 +86,24 @@ def test_extract_and_import_refuse_a_hidden_size_off_the_block(tmp_path: Path) -
     assert "not a multiple: --hidden-dtype float8_e4m3fn (one byte a feature)" in message
 
 
+def test_an_fp8_store_from_before_the_nvfp4_default_resumes_with_its_set(
+    tiny_qwen3: Path, tmp_path: Path
+) -> None:
+    """A store begun under the old default (fp8, the thirteenth to the fortieth session) and
+    rerun with its old command: refused, never mixed, with the `--set` that resumes it."""
+    data, out = write_data(tmp_path), tmp_path / "store"
+    fp8 = "store.hidden_dtype=float8_e4m3fn"
+    first = cli_extract(tiny_qwen3, data, out, fp8, "data.max_samples=4")
+    assert first.exit_code == 0, first.output
+    again = cli_extract(tiny_qwen3, data, out, "data.max_samples=4")
+    message = " ".join(again.output.split())
+    assert again.exit_code == 2 and "(hidden_dtype differ)" in message, message
+    assert "to resume it, rerun with --set store.hidden_dtype=float8_e4m3fn" in message, message
+    assert open_store(out).hidden_dtype == "float8_e4m3fn"
+    resumed = cli_extract(tiny_qwen3, data, out, "data.max_samples=4", fp8)
+    assert resumed.exit_code == 0, resumed.output
+
+
 def test_train_refuses_rounding_an_nvfp4_store_again(tmp_path: Path) -> None:
     store = build_store(tmp_path / "s", FactorySpec(num_sequences=6, hidden_dtype="nvfp4"))
     for option in (
