@@ -12,10 +12,13 @@
 #       on GPU k mod the count of TRAIN_GPUS (e.g. TRAIN_GPUS=0,1; DEVICE=0,1 runs generate and
 #       extract data parallel). STAGES=train,evaluate reuses $WORK's gen/ and store/.
 #   FOLLOW=1 bash bench/recipe_pystd.sh              train while extract writes the store
-#   STORES="nv|--set store.hidden_dtype=nvfp4" VARIANTS="T5|;NV5||nv" bash bench/recipe_pystd.sh
-#       also extract the generated text into $WORK/store-nv (EXTRACT_SETS, then its own sets),
+#   STORES="f8|--set store.hidden_dtype=float8_e4m3fn" VARIANTS="NV5|;T5||f8" bash bench/recipe_pystd.sh
+#       also extract the generated text into $WORK/store-f8 (EXTRACT_SETS, then its own sets),
 #       after the main store; a variant's third field names the store it trains from (two
-#       stores of one text side by side: the fp8 and the nvfp4 store of the same features)
+#       stores of one text side by side: the nvfp4 store (the config's, the default since the
+#       forty-first session) and the fp8 store of the same features; the thirty-ninth session
+#       ran it the other way round, fp8 then the default: STORES="nv|--set
+#       store.hidden_dtype=nvfp4" VARIANTS="T5|;NV5||nv")
 set -uo pipefail
 OUT=${OUT:-runs/recipe}
 WORK=${WORK:-/tmp/recipe}
@@ -49,7 +52,7 @@ stamp() { echo "\"$1_s\": $(( $(date +%s) - $2 ))" >> "$OUT/timings.txt"; }
 # documents of dev.jsonl.gz (41): the same figure over 3.4x the prompts, for comparisons. Two
 # generations: generate leaves out a document whose reply is empty, so the first 12 rows of
 # the larger one are not the 12 online prompts. The dev stores keep bf16 features (the store
-# default is fp8): with them the offline figure matched the online one to 4 decimals. They take
+# default is nvfp4): with them the offline figure matched the online one to 4 decimals. They take
 # EXTRACT_SETS first (the tapped layers must match the training store's), then their own sets,
 # among them full fp32 matmuls (the config's TF32 is for the training text): `dflash evaluate`
 # verifies in fp32, and the twin should be its text. They stop at the end of text whatever the
