@@ -11,7 +11,8 @@ Also records the compiled nvfp4 encoder's first call (its compile), whether its 
 compiled fp8 encoder's) equal the eager encoder's on this device (any e4m3 block scale decodes
 validly; equal bytes say the compiled choice of the least-error scale is the eager one), and
 where its time goes (a profile of three calls: the top kernels on a GPU, operators on the
-CPU). JSON lines to stdout and, where $OUT is set, $OUT/encode_cost.jsonl:
+CPU); then what training's decode of those features costs, eager and compiled (`decode`).
+JSON lines to stdout and, where $OUT is set, $OUT/encode_cost.jsonl:
 
     python bench/encode_cost.py [--device cuda] [--tokens 11776] [--repeats 20]
 """
