@@ -408,6 +408,22 @@ def read_root_attrs(store: str | Path) -> dict[str, Any]:
     return attrs
 
 
+def rounded_dev_features_note(info: StoreInfo, named: str) -> str | None:
+    """Why chained tau on this dev store is not quite the drafter's online tau, or None: its
+    features are rounded (fp8, nvfp4) where a server feeds the drafter the target's own. On
+    bf16 dev stores the offline figure matched the online one to 4 decimals (pystd-28m); the
+    default store is nvfp4 since the forty-first session, so a dev store extracted with the
+    training store's settings would otherwise be scored on 4-bit features unannounced."""
+    if info.hidden_dtype == "bfloat16":
+        return None
+    return (
+        f"{named} {info.path} holds {info.hidden_dtype} features, which a server never feeds "
+        "the drafter: its chained tau there is not quite the online tau (bf16 features gave "
+        "the online figure to 4 decimals); extract the dev store with --set "
+        "store.hidden_dtype=bfloat16 (a dev store is small)"
+    )
+
+
 def open_store(store: str | Path, *, require_complete: bool = False) -> StoreInfo:
     """Validate a store's format and version and return its attributes.
 

@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from common.logging import get_logger
-from common.store import open_store
+from common.store import open_store, rounded_dev_features_note
 from evaluation.chained import chained_tau_on_store
 from evaluation.heldout import evaluate
 from stage2_train.anchors import slot_weights
@@ -84,6 +84,8 @@ def run_offline_eval(cfg: OfflineEvalConfig) -> dict[str, Any]:
     """Per-slot accuracy and implied tau of the drafter over the store's sequences."""
     cfg.validate()
     info = open_store(cfg.store, require_complete=True)
+    if note := rounded_dev_features_note(info, "--store"):
+        get_logger().warning(note)
     drafter_config = read_export_config(cfg.drafter)
     check_fits(drafter_config, info.attrs, cfg.store)
     store_target = trained_for(info.attrs)

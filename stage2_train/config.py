@@ -257,7 +257,8 @@ class TrainDataConfig:
     dev_store: str | None = doc(
         None,
         "a store of the target's own continuation of your online prompts (`dflash generate` "
-        "with {prompt, completion} rows, then `dflash extract`): every evaluation logs "
+        "with {prompt, completion} rows, then `dflash extract --set store.hidden_dtype="
+        "bfloat16`: a server feeds unrounded features): every evaluation logs "
         "dev_chained_tau on it, the online tau computed from the store (README); checked at "
         "the start: a store of the training store's target and tokenizer, holding the tapped "
         "layers the drafter reads",

@@ -14,12 +14,14 @@ from safetensors import SafetensorError, safe_open
 
 from common.fp4 import BLOCK as FP4_BLOCK
 from common.generated import META_DIR as GENERATE_META_DIR
+from common.logging import get_logger
 from common.store import (
     HEAD_FILE,
     StoreError,
     StoreInfo,
     committed_shards,
     open_store,
+    rounded_dev_features_note,
     sequence_array_specs,
     shard_name,
     shards_dir,
@@ -251,7 +253,8 @@ def open_dev_store(path: str, train_info: StoreInfo, layers: list[int]) -> Store
         raise StoreError(
             f"data.dev_store {path} {what}: pass a store of your dev prompts, written by "
             "`dflash generate --data DEV.jsonl --out GEN` then `dflash extract --data GEN "
-            "--out STORE` with the training target (README's evaluate-offline recipe), or "
+            "--out STORE --set store.hidden_dtype=bfloat16` with the training target (README's "
+            "evaluate-offline recipe), or "
             "leave data.dev_store unset"
         ) from None
     differ = []
@@ -283,6 +286,8 @@ def open_dev_store(path: str, train_info: StoreInfo, layers: list[int]) -> Store
         check_shards(info, loader_arrays(info.hidden_dtype, False))  # chained tau's arrays
     except StoreError as err:
         raise StoreError(f"data.dev_store: {err}") from None
+    if note := rounded_dev_features_note(info, "data.dev_store"):
+        get_logger().warning(note)
     return info
 
 

@@ -25,7 +25,8 @@ from stage2_train.inputs import open_dev_store
 DEBUG = Path(__file__).parents[1] / "configs" / "debug.yaml"
 DEV_FIX = (
     ": pass a store of your dev prompts, written by `dflash generate --data DEV.jsonl --out "
-    "GEN` then `dflash extract --data GEN --out STORE` with the training target (README's "
+    "GEN` then `dflash extract --data GEN --out STORE --set store.hidden_dtype=bfloat16` with "
+    "the training target (README's "
     "evaluate-offline recipe), or leave data.dev_store unset"
 )
 

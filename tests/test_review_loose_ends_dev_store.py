@@ -81,3 +81,22 @@ def test_stores_that_record_less_keep_the_size_check(tmp_path: Path, store: Path
     )
     with pytest.raises(ValueError, match=r"\(tokenizer of 40 vs 48 tokens\)"):
         open_dev_store(str(smaller), train, train.tapped_layers)
+
+
+@pytest.mark.parametrize("dtype", ["nvfp4", "float8_e4m3fn", "bfloat16"])
+def test_a_dev_store_of_rounded_features_is_announced(
+    tmp_path: Path, dtype: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The default store is nvfp4 (forty-first session): a dev store extracted as the training
+    store was would score the drafter on rounded features, where a server feeds it the target's
+    own; bf16 dev stores gave the online figure. Said at the start, with the fix."""
+    spec = FactorySpec(num_sequences=4, hidden_dtype=dtype)
+    train, dev = build_store(tmp_path / "t", spec), build_store(tmp_path / "d", spec)
+    info = open_store(train)
+    open_dev_store(str(dev), info, info.tapped_layers)
+    said = " ".join(caplog.text.split())
+    if dtype == "bfloat16":
+        assert "features, which a server never feeds" not in said
+    else:
+        assert f"data.dev_store {dev} holds {dtype} features, which a server never feeds" in said
+        assert "extract the dev store with --set store.hidden_dtype=bfloat16" in said
