@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from common.fp4 import Fp4Kind, compiled_quantize_nvfp4, quantize_nvfp4, round_features_fp4
-from common.store import compiled_quantize_fp8, dequantize_fp8, quantize_fp8
+from common.fp4 import Fp4Kind, round_features_fp4
+from common.store import dequantize_fp8, encode_hidden
 from stage2_train.mask_widths import narrow_widths
 from stage2_train.masks import NARROW, TILE, MaskTables, anchor_mask_tables, context_intervals
 
@@ -68,10 +68,9 @@ class Batch:
         else:
             features_TKD = dequantize_fp8(self.hidden_TKD, self.hidden_scale_TK)
         if kind == "nvfp4":
-            # on a GPU compiled, as extract encodes there: eager, the six block-scale candidates
-            # are ~180 elementwise passes over a batch's features, every step
-            quantize = compiled_quantize_nvfp4() if features_TKD.is_cuda else quantize_nvfp4
-            rows_TKW, scale_TK = quantize(features_TKD)
+            # extract's encoder, on a GPU compiled as extract's is there: eager, the six
+            # block-scale candidates are ~180 elementwise passes over a batch's features
+            rows_TKW, scale_TK = encode_hidden(features_TKD, "nvfp4", features_TKD.is_cuda)
             return replace(self, hidden_TKD=rows_TKW, hidden_scale_TK=scale_TK)
         rounded_TKD = round_features_fp4(features_TKD, kind).to(torch.bfloat16)
         return replace(self, hidden_TKD=rounded_TKD, hidden_scale_TK=None)
@@ -91,8 +90,9 @@ class Batch:
         if self.hidden_scale_TK is not None:
             return self
         # on a GPU compiled, as extract encodes there: eager it is four passes every step
-        quantize = compiled_quantize_fp8() if self.hidden_TKD.is_cuda else quantize_fp8
-        bits_TKD, scale_TK = quantize(self.hidden_TKD)
+        bits_TKD, scale_TK = encode_hidden(
+            self.hidden_TKD, "float8_e4m3fn", self.hidden_TKD.is_cuda
+        )
         return replace(self, hidden_TKD=bits_TKD, hidden_scale_TK=scale_TK)
 
 
