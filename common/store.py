@@ -190,14 +190,21 @@ def hidden_bytes_per_token(hidden_dtype: str, num_tapped: int, hidden_size: int)
     return num_tapped * hidden_size * 2
 
 
-def hidden_dtype_problem(hidden_dtype: str, hidden_size: int) -> str | None:
-    """Why features of `hidden_size` cannot be stored as `hidden_dtype`, or None."""
+def hidden_dtype_problem(
+    hidden_dtype: str,
+    hidden_size: int,
+    option: str = "store.hidden_dtype=",
+    set_option: str = "--set store.hidden_dtype=",
+) -> str | None:
+    """Why features of `hidden_size` cannot be stored as `hidden_dtype`, or None. `option` and
+    `set_option`: how the command names the setting and how its user sets it (extract's by
+    default; `dflash convert`'s import passes `--hidden-dtype=` and `--hidden-dtype `)."""
     block = BLOCK["nvfp4"]
     if hidden_dtype == "nvfp4" and hidden_size % block:
         return (
-            f"store.hidden_dtype=nvfp4 stores blocks of {block} features, and the target's "
-            f"hidden size {hidden_size} is not a multiple: --set store.hidden_dtype="
-            "float8_e4m3fn (one byte a feature) or bfloat16"
+            f"{option}nvfp4 stores blocks of {block} features, and the target's hidden size "
+            f"{hidden_size} is not a multiple: {set_option}float8_e4m3fn (one byte a feature) "
+            "or bfloat16"
         )
     return None
 

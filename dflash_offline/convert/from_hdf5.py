@@ -182,13 +182,9 @@ def hdf5_to_store(h5: str | Path, store: str | Path, opts: ImportOptions) -> Pat
             "new store folder or resumes its own; pass a new or empty folder"
         )
     inp = open_input(h5)
-    if problem := hidden_dtype_problem(opts.hidden_dtype, inp.hidden_size):
+    flag = ("--hidden-dtype=", "--hidden-dtype ")
+    if problem := hidden_dtype_problem(opts.hidden_dtype, inp.hidden_size, *flag):
         inp.file.close()
-        for extract_words, import_words in (
-            ("--set store.hidden_dtype=", "--hidden-dtype "),
-            ("store.hidden_dtype", "--hidden-dtype"),
-        ):
-            problem = problem.replace(extract_words, import_words)
         raise ValueError(f"{inp.path}: {problem}")
     # beside the store until prepare_store has checked or created it (it refuses a folder
     # holding anything but a store)
