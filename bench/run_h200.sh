@@ -4,6 +4,8 @@
 #   bash bench/run_h200.sh A   extraction at Qwen3-8B shape vs a bare forward (bf16, store
 #                              kept), then a full `dflash train` step from that store on disk
 #   bash bench/run_h200.sh B   the yardstick training step, then extraction with fp8 features
+#   bash bench/run_h200.sh L   the 8B step in the real loop from a small default store, then
+#                              the yardstick step (~10 minutes; one call, carry .whl and .bench)
 #   bash bench/run_h200.sh E1  extraction with writer processes, bf16 then fp8 features
 #   bash bench/run_h200.sh E3  fp8 and bf16 with 8 writer processes, each also without writes
 #   bash bench/run_h200.sh E4  fp8 and bf16 with 8 writer processes, 1.25M tokens, timeline
@@ -28,6 +30,18 @@ case "$PART" in
       | tee "$OUT/extract.log" | grep '^{'
     timeout 300 python3 bench/bench_train.py --store /tmp/bench-extract/store --steps 40 2>&1 \
       | tee "$OUT/train.log" | grep -E '^\{|Error'
+    ;;
+  L)
+    # the 8B step in the real loop (loader workers, the default nvfp4 store on disk, compiled
+    # layers) beside the yardstick step, one card: a small store (~150k tokens: --tokens counts
+    # words) is enough for 60 steps, and the yardstick needs up to ~5 minutes of the call
+    timeout 120 python3 bench/bench_extract.py --tokens 60000 --keep --writer-processes 8 \
+      --hidden-dtype nvfp4 2>&1 \
+      | tee "$OUT/extract.log" | grep '^{"what": "extract"'
+    timeout 150 python3 bench/bench_train.py --store /tmp/bench-extract/store --steps 60 2>&1 \
+      | tee "$OUT/train.log" | grep -E '^\{|Error'
+    timeout 300 python3 .bench/yardstick_train_step.py 2>&1 | tee "$OUT/yardstick_train.log" \
+      | grep '^{'
     ;;
   B)
     timeout 330 python3 .bench/yardstick_train_step.py 2>&1 | tee "$OUT/yardstick_train.log" \
@@ -92,5 +106,5 @@ case "$PART" in
       --writer-processes 8 > "$OUT/extract_bf16_p8.log" 2>&1
     grep -h '^{' "$OUT"/*.log
     ;;
-  *) echo "usage: run_h200.sh A|B|X2|E1|E3|E4|E6" >&2; exit 2 ;;
+  *) echo "usage: run_h200.sh A|B|L|X2|E1|E3|E4|E6" >&2; exit 2 ;;
 esac
