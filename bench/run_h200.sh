@@ -19,7 +19,7 @@
 # the device command with the wheel install line of ../shared/tools/device-wheels.sh and carry
 # [".whl", ".bench"] (.bench: an ignored copy of ../shared/bench).
 set -uo pipefail
-PART=${1:?usage: run_h200.sh A|B}
+PART=${1:?usage: run_h200.sh A|B|L|X2|E1|E3|E4|E6}
 OUT=${OUT:-runs/bench}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
