@@ -182,8 +182,9 @@ def hdf5_to_store(h5: str | Path, store: str | Path, opts: ImportOptions) -> Pat
             "new store folder or resumes its own; pass a new or empty folder"
         )
     inp = open_input(h5)
-    flag = ("--hidden-dtype=", "--hidden-dtype ")
-    if problem := hidden_dtype_problem(opts.hidden_dtype, inp.hidden_size, *flag):
+    if problem := hidden_dtype_problem(
+        opts.hidden_dtype, inp.hidden_size, option="--hidden-dtype=", set_option="--hidden-dtype "
+    ):
         inp.file.close()
         raise ValueError(f"{inp.path}: {problem}")
     # beside the store until prepare_store has checked or created it (it refuses a folder
