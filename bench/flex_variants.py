@@ -89,6 +89,37 @@ VARIANTS = [
         fwd=(64, 64, 3, 4),
         bwd=(16, 64, 64, 16, 3, 4),
     ),
+    # the H100's winner in the forty-third session (bwd16 0.670 vs the region's 1.005 ms): which
+    # half of it wins (M1, the dK/dV loop's query rows; N2, the dQ loop's KV columns), and its
+    # stage and warp neighbours
+    Variant(
+        "bwd16_m1",
+        "64x64 tiles, bwd 16/64/64/32: only the dK/dV loop at 16 query rows",
+        tile=(64, 64),
+        fwd=(64, 64, 3, 4),
+        bwd=(16, 64, 64, 32, 3, 4),
+    ),
+    Variant(
+        "bwd16_n2",
+        "64x64 tiles, bwd 32/64/64/16: only the dQ loop at 16 KV columns",
+        tile=(64, 64),
+        fwd=(64, 64, 3, 4),
+        bwd=(32, 64, 64, 16, 3, 4),
+    ),
+    Variant(
+        "bwd16_8warps",
+        "64x64 tiles, bwd 16/64/64/16 with 8 warps",
+        tile=(64, 64),
+        fwd=(64, 64, 3, 4),
+        bwd=(16, 64, 64, 16, 3, 8),
+    ),
+    Variant(
+        "bwd16_2stages",
+        "64x64 tiles, bwd 16/64/64/16 with 2 stages",
+        tile=(64, 64),
+        fwd=(64, 64, 3, 4),
+        bwd=(16, 64, 64, 16, 2, 4),
+    ),
     Variant(
         "bwd32_square",
         "64x64 tiles, bwd 32/32/32/32",
