@@ -9,7 +9,8 @@ and the cost of building the BlockMask each step. Writes JSON lines to stdout an
 
 `--sweep` instead times fwd+bwd of flex_attention's own knobs in compiled regions (BlockMask
 tile sizes, kernel_options, anchor orderings; bench/flex_sweep.py), each checked against an fp32
-reference, within `--budget-s` seconds ($OUT/attention_sweep.jsonl). `--device cpu --tiny`
+reference, within `--budget-s` seconds ($OUT/attention_sweep.jsonl); `--rounds N` repeats
+them N times in the process and ranks by medians. `--device cpu --tiny`
 smoke-runs either mode at a tiny shape; on the CPU flex has no backward, so the sweep times
 the forward only there (and kernel options are not the Triton ones measured on the GPU).
 
@@ -17,6 +18,7 @@ the forward only there (and kernel options are not the Triton ones measured on t
     python bench/bench_attention.py --sweep --budget-s 240 # needs a CUDA GPU
     python bench/bench_attention.py --sweep --device cpu --tiny --only prescale_qk
     python bench/bench_attention.py --sweep --only none --fresh-cache   # the region's kernels
+    python bench/bench_attention.py --sweep --only bwd16_m1,bwd16_n2 --rounds 3  # medians
 """
 
 from __future__ import annotations
@@ -158,30 +160,61 @@ def run_sweep(args: argparse.Namespace) -> None:
         make_timer(dev),
         emit,
         backward=dev == "cuda",
-        budget_s=args.budget_s,
+        budget_s=args.budget_s * args.rounds,
         variant_timeout_s=args.variant_timeout_s,
     )
-    sweep.run_baseline()
-    if not args.only or any(name.startswith("order_") for name in args.only):
-        sweep.run_orderings()
-    if not args.only or any(name.startswith("gqa_packed") for name in args.only):
-        sweep.run_gqa_packed()
-    for variant in VARIANTS:
-        if not args.only or variant.name in args.only:
+    if dev == "cuda":
+        emit({"what": "gpu_warm", "seconds": warm_gpu(args.warm_s)})
+    chosen = [v for v in VARIANTS if not args.only or v.name in args.only]
+    for round_index in range(args.rounds):
+        sweep.round = round_index
+        sweep.run_baseline()  # first in every round: each round's variants judged against it
+        if not args.only or any(name.startswith("order_") for name in args.only):
+            sweep.run_orderings()
+        if not args.only or any(name.startswith("gqa_packed") for name in args.only):
+            sweep.run_gqa_packed()
+        # rotated, so that no variant always runs right after the baseline's compile
+        shift = round_index % len(chosen) if chosen else 0
+        for variant in chosen[shift:] + chosen[:shift]:
             sweep.run_variant(variant)
     summary = sweep.summary()
     emit(summary)
     if args.fresh_cache:  # which kernel configurations this process compiled
         emit({"what": "flex_kernels", "kernels": cached_flex_kernels(cache_dir())})
-    key = summary["metric"]
-    print(f"\n{'variant':<20} {'status':<8} {'tile':<9} {key:>10} {'speedup':>8} {'valid':>6}")
+    print_table(sweep, summary, args.rounds)
+
+
+def print_table(sweep: Sweep, summary: dict, rounds: int) -> None:
+    """The sweep's table: each name's figure (its median over the rounds, with their range
+    when there are several) and its speedup against the baseline's."""
+    key, spread = summary["metric"], summary["spread"]
+    base = summary["baseline_ms"]
+    ranged = f"{'min-max':>17}" if rounds > 1 else ""
+    print(
+        f"\n{'variant':<20} {'status':<8} {'tile':<9} {key:>10} {'speedup':>8} {'valid':>6}{ranged}"
+    )
     for name, r in sweep.results.items():
         tile = "x".join(map(str, r.get("tile", []))) or "-"
-        ms = r.get(key, "-")
+        figure = spread.get(name)
+        ms = figure["median"] if figure else r.get(key, "-")
+        speedup = round(base / figure["median"], 3) if figure and base else "-"
+        span = f"{figure['min']:>8.4f}-{figure['max']:<8.4f}" if figure and rounds > 1 else ""
         print(
             f"{name:<20} {r.get('status', '-'):<8} {tile:<9} {ms:>10} "
-            f"{r.get('speedup_vs_project', '-'):>8} {str(r.get('valid', '-')):>6}"
+            f"{speedup:>8} {str(r.get('valid', '-')):>6} {span}".rstrip()
         )
+
+
+def warm_gpu(seconds: float) -> float:
+    """bf16 matmuls for `seconds` (then synchronized): the seconds actually spent."""
+    t0 = time.perf_counter()
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    product = torch.empty_like(a)
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(20):
+            torch.mm(a, a, out=product)
+        torch.cuda.synchronize()
+    return round(time.perf_counter() - t0, 2)
 
 
 def main() -> None:
@@ -196,6 +229,21 @@ def main() -> None:
         help="sweep: stop starting variants once this many seconds are spent",
     )
     parser.add_argument("--variant-timeout-s", type=float, default=90.0)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="sweep: run the baseline and the variants this many times in this process (the "
+        "variants' order rotated each round; --budget-s is per round); the summary ranks by "
+        "each one's median over the rounds",
+    )
+    parser.add_argument(
+        "--warm-s",
+        type=float,
+        default=2.0,
+        help="sweep on a GPU: seconds of matmuls before the first measurement, so that the "
+        "baseline, measured first, does not meet a GPU still raising its clocks",
+    )
     parser.add_argument(
         "--fresh-cache",
         action="store_true",
@@ -220,6 +268,8 @@ def main() -> None:
         "training); the same values either way",
     )
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be 1 or more, got {args.rounds}")
     # the layout the project's region hands flex, and so of every input made here
     attention_module.FLEX_LAYOUT = args.layout
     if args.tiny:

@@ -15,6 +15,13 @@ baseline's (or 1e-2). A variant that fails (lowering error, OOM, out of shared m
 per-variant timeout) is recorded and the sweep goes on; once ``budget_s`` is spent the
 remaining variants are recorded as skipped.
 
+With ``--rounds N`` the baseline and the chosen variants run N times in one process, the
+variants' order rotated each round and every record carrying its ``round``; the summary ranks
+by each one's median over the rounds and gives its range. One process's single figure was not
+enough to rank backward tiles on H100s (forty-third session: the region 0.61-0.83 ms over six
+processes, the same forward kernel 0.145-0.300 ms within one), so a ranking should come from
+rounds in several processes.
+
     python bench/bench_attention.py --sweep --budget-s 240 # needs a CUDA GPU
     python bench/bench_attention.py --sweep --device cpu --tiny --only prescale_qk
 
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -74,7 +82,9 @@ class Sweep:
         self.cuda = problem.q.device.type == "cuda"
         self.started = time.perf_counter()
         self.masks: dict[tuple[int, int], BlockMask] = {}
-        self.results: dict[str, dict] = {}
+        self.results: dict[str, dict] = {}  # each name's latest record
+        self.round = 0  # the round running now (--rounds)
+        self.by_round: dict[str, list[dict]] = {}  # each name's records, one a round
         self.baseline: dict | None = None
         self.baseline_out: Tensor | None = None  # project_region's output
         self.last_out: Tensor | None = None
@@ -160,6 +170,7 @@ class Sweep:
     def run_baseline(self) -> None:
         """The project's compiled region (block_attention) on the project's BlockMask."""
         record: dict[str, Any] = {"what": "sweep_variant", "name": "project_region"}
+        record["round"] = self.round
         record["idea"] = "stage2_train.attention.block_attention, anchors sorted (the baseline)"
         record["tile"] = [TILE, TILE]
         try:
@@ -171,7 +182,12 @@ class Sweep:
             self.baseline, self.baseline_out = record, self.last_out
         except Exception as err:  # the variants still run, compared with the reference only
             record.update(status="error", error=_short(err))
-        self.results["project_region"] = record
+        self._keep("project_region", record)
+
+    def _keep(self, name: str, record: dict) -> None:
+        """Record `name`'s measurement of this round and emit it."""
+        self.results[name] = record
+        self.by_round.setdefault(name, []).append(record)
         self.emit(record)
 
     @contextlib.contextmanager
@@ -184,8 +200,7 @@ class Sweep:
             judge(record, self.baseline, self.backward)
         except Exception as err:  # record, keep sweeping
             record.update(status="error", error=_short(err))
-        self.results[name] = record
-        self.emit(record)
+        self._keep(name, record)
 
     def run_orderings(self, seed: int = 0) -> None:
         """Other anchor orders in the same compiled region: rows (and the block K/V slots)
@@ -206,6 +221,7 @@ class Sweep:
         }
         for name, perm_A in orders.items():
             record: dict[str, Any] = {"what": "sweep_variant", "name": name, "idea": ideas[name]}
+            record["round"] = self.round
             record["tile"] = [TILE, TILE]
             with self._judged(name, record):
                 q, k, v = permute_blocks(p, perm_A)
@@ -232,6 +248,7 @@ class Sweep:
         for tile in (TILE, 128):
             name = f"gqa_packed_{tile}"
             record: dict[str, Any] = {"what": "sweep_variant", "name": name, "tile": [tile, tile]}
+            record["round"] = self.round
             record["idea"] = (
                 f"query heads folded into rows ({per_group} per key/value head): "
                 f"{rows} rows an anchor block, {tile}-row tiles"
@@ -262,6 +279,7 @@ class Sweep:
         record: dict[str, Any] = {
             "what": "sweep_variant",
             "name": variant.name,
+            "round": self.round,
             "idea": variant.idea,
         }
         if variant.name == COMBO:
@@ -298,19 +316,35 @@ class Sweep:
             record.update(status="error", error=_short(err))
             if self.cuda:
                 torch.cuda.empty_cache()
-        self.results[variant.name] = record
-        self.emit(record)
+        self._keep(variant.name, record)
+
+    def spread(self, key: str) -> dict[str, dict[str, float]]:
+        """Each name's `key` over its valid rounds: median, min, max and their count."""
+        spreads = {}
+        for name, records in self.by_round.items():
+            values = [r[key] for r in records if r.get("valid") and key in r]
+            if values:
+                spreads[name] = {
+                    "median": round(statistics.median(values), 4),
+                    "min": min(values),
+                    "max": max(values),
+                    "rounds": len(values),
+                }
+        return spreads
 
     def summary(self) -> dict:
+        """The best variant by its median over the rounds (one round: its one figure)."""
         key = "fwd_bwd_ms" if self.backward else "fwd_ms"
-        ok = {n: r for n, r in self.results.items() if r.get("valid") and key in r}
-        best = min(ok, key=lambda n: ok[n][key], default=None)
+        spreads = self.spread(key)
+        best = min(spreads, key=lambda n: spreads[n]["median"], default=None)
+        baseline = spreads.get("project_region")
         return {
             "what": "sweep_summary",
             "metric": key,
-            "baseline_ms": self.baseline.get(key) if self.baseline else None,
+            "baseline_ms": baseline["median"] if baseline else None,
             "best": best,
-            "best_ms": ok[best][key] if best else None,
+            "best_ms": spreads[best]["median"] if best else None,
+            "spread": spreads,
             "goal_ms": 0.45 if self.backward else None,
             "invalid": sorted(n for n, r in self.results.items() if r.get("valid") is False),
             "failed": sorted(n for n, r in self.results.items() if r.get("status") == "error"),

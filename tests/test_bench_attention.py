@@ -42,3 +42,39 @@ def test_bench_attention_runs_in_either_layout_on_the_cpu(
     baseline = next(r for r in records if r.get("name") == "project_region")
     assert setup["layout"] == setup["region_layout"] == layout
     assert baseline["valid"] is True and baseline["rel_err_out"] < 1e-5, baseline
+
+
+def test_bench_attention_rounds_rank_by_the_median_of_each_rounds_figure(tmp_path: Path) -> None:
+    """bench/bench_attention.py --sweep --rounds 2: the baseline and each chosen variant are
+    measured once a round, every record names its round, and the summary's figure for each is
+    the median of its rounds' records with their range (a ranking from one measurement each
+    was not enough on H100s: forty-third session)."""
+    out = tmp_path / "att"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "bench_attention.py"),
+            *("--sweep", "--device", "cpu", "--tiny", "--only", "bwd16", "--rounds", "2"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OUT": str(out)},
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = [json.loads(line) for line in (out / "attention_sweep.jsonl").open()]
+    summary = next(r for r in records if r["what"] == "sweep_summary")
+    for name in ("project_region", "bwd16"):
+        mine = [r for r in records if r.get("name") == name]
+        assert [r["round"] for r in mine] == [0, 1], mine
+        figures = sorted(r["fwd_ms"] for r in mine)
+        assert summary["spread"][name] == {
+            "median": round((figures[0] + figures[1]) / 2, 4),
+            "min": figures[0],
+            "max": figures[1],
+            "rounds": 2,
+        }
+    assert summary["baseline_ms"] == summary["spread"]["project_region"]["median"]
+    best = min(summary["spread"], key=lambda n: summary["spread"][n]["median"])
+    assert summary["best"] == best
