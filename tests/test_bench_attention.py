@@ -13,6 +13,25 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def cpu_sweep(tmp_path: Path, *flags: str) -> list[dict]:
+    """The records of `bench_attention.py --sweep --device cpu --tiny FLAGS`, run as a script."""
+    out = tmp_path / "att"  # not there yet: the bench makes it
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "bench_attention.py"),
+            *("--sweep", "--device", "cpu", "--tiny", *flags),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OUT": str(out)},
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return [json.loads(line) for line in (out / "attention_sweep.jsonl").open()]
+
+
 @pytest.mark.parametrize(("layout", "flags"), [("tokens", ["--layout", "tokens"]), ("heads", [])])
 def test_bench_attention_runs_in_either_layout_on_the_cpu(
     tmp_path: Path, layout: str, flags: list[str]
@@ -22,22 +41,7 @@ def test_bench_attention_runs_in_either_layout_on_the_cpu(
     (as the layers' projections write them), made so and handed so to flex by the region
     (DFLASH_FLEX_LAYOUT's switch, whose effect tests/test_model.py checks), and the results
     say which (a GPU A/B reads them); without --layout, heads-major."""
-    out = tmp_path / "att"  # not there yet: the bench makes it
-    env = {**os.environ, "OUT": str(out)}
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bench" / "bench_attention.py"),
-            *("--sweep", "--device", "cpu", "--tiny", "--only", "none", *flags),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=ROOT,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    records = [json.loads(line) for line in (out / "attention_sweep.jsonl").open()]
+    records = cpu_sweep(tmp_path, "--only", "none", *flags)
     setup = next(r for r in records if r["what"] == "sweep_setup")
     baseline = next(r for r in records if r.get("name") == "project_region")
     assert setup["layout"] == setup["region_layout"] == layout
@@ -49,21 +53,7 @@ def test_bench_attention_rounds_rank_by_the_median_of_each_rounds_figure(tmp_pat
     measured once a round, every record names its round, and the summary's figure for each is
     the median of its rounds' records with their range (a ranking from one measurement each
     was not enough on H100s: forty-third session)."""
-    out = tmp_path / "att"
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bench" / "bench_attention.py"),
-            *("--sweep", "--device", "cpu", "--tiny", "--only", "bwd16", "--rounds", "2"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OUT": str(out)},
-        cwd=ROOT,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    records = [json.loads(line) for line in (out / "attention_sweep.jsonl").open()]
+    records = cpu_sweep(tmp_path, "--only", "bwd16", "--rounds", "2")
     summary = next(r for r in records if r["what"] == "sweep_summary")
     for name in ("project_region", "bwd16"):
         mine = [r for r in records if r.get("name") == name]
