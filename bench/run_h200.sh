@@ -6,6 +6,9 @@
 #   bash bench/run_h200.sh B   the yardstick training step, then extraction with fp8 features
 #   bash bench/run_h200.sh L   the 8B step in the real loop from a small default store, then
 #                              the yardstick step (~10 minutes; one call, carry .whl and .bench)
+#   bash bench/run_h200.sh T   the backward tiles at 16 rows or columns against the region's,
+#                              three rounds in each of three processes, then the attention
+#                              yardstick (~4 minutes; carry .whl and .bench)
 #   bash bench/run_h200.sh E1  extraction with writer processes, bf16 then fp8 features
 #   bash bench/run_h200.sh E3  fp8 and bf16 with 8 writer processes, each also without writes
 #   bash bench/run_h200.sh E4  fp8 and bf16 with 8 writer processes, 1.25M tokens, timeline
@@ -19,7 +22,7 @@
 # the device command with the wheel install line of ../shared/tools/device-wheels.sh and carry
 # [".whl", ".bench"] (.bench: an ignored copy of ../shared/bench).
 set -uo pipefail
-PART=${1:?usage: run_h200.sh A|B|L|X2|E1|E3|E4|E6}
+PART=${1:?usage: run_h200.sh A|B|L|T|X2|E1|E3|E4|E6}
 OUT=${OUT:-runs/bench}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -41,6 +44,16 @@ case "$PART" in
     timeout 150 python3 bench/bench_train.py --store /tmp/bench-extract/store --steps 60 2>&1 \
       | tee "$OUT/train.log" | grep -E '^\{|Error'
     timeout 300 python3 .bench/yardstick_train_step.py 2>&1 | tee "$OUT/yardstick_train.log" \
+      | grep '^{'
+    ;;
+  T)
+    # one process's figure cannot rank these (forty-third session): medians of three rounds
+    # in each of three processes, each process's table kept
+    for i in 1 2 3; do
+      OUT="$OUT/tiles-p$i" timeout 150 python3 bench/bench_attention.py --sweep \
+        --only bwd16_m1,bwd16_n2 --rounds 3 2>&1 | tee "$OUT/tiles-p$i.log" | tail -4
+    done
+    timeout 90 python3 .bench/yardstick_attention.py 2>&1 | tee "$OUT/yardstick_attention.log" \
       | grep '^{'
     ;;
   B)
