@@ -82,7 +82,6 @@ class Sweep:
         self.cuda = problem.q.device.type == "cuda"
         self.started = time.perf_counter()
         self.masks: dict[tuple[int, int], BlockMask] = {}
-        self.results: dict[str, dict] = {}  # each name's latest record
         self.round = 0  # the round running now (--rounds)
         self.by_round: dict[str, list[dict]] = {}  # each name's records, one a round
         self.baseline: dict | None = None
@@ -184,9 +183,13 @@ class Sweep:
             record.update(status="error", error=_short(err))
         self._keep("project_region", record)
 
+    @property
+    def results(self) -> dict[str, dict]:
+        """Each name's latest record."""
+        return {name: records[-1] for name, records in self.by_round.items()}
+
     def _keep(self, name: str, record: dict) -> None:
         """Record `name`'s measurement of this round and emit it."""
-        self.results[name] = record
         self.by_round.setdefault(name, []).append(record)
         self.emit(record)
 
