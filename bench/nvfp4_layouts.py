@@ -34,13 +34,14 @@ import zarr
 from numcodecs import Zstd
 from zarr.codecs import ZstdCodec
 
+from common.fp4 import nvfp4_codes_bytes
 from common.store import open_store, shards_dir
 
 
 def layouts(chunk_TKW: np.ndarray) -> dict[str, list[np.ndarray]]:
     """The byte streams each layout compresses apart, for one chunk [T, K, W]."""
     width = chunk_TKW.shape[-1]
-    codes = width // 9 * 8  # W = D/2 + D/16 = 9 * D/16
+    codes = nvfp4_codes_bytes(width)  # D/2 of the row's 9 * D/16 bytes
     column = width // 9
     return {
         "rows": [chunk_TKW],
