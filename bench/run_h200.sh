@@ -119,5 +119,5 @@ case "$PART" in
       --writer-processes 8 > "$OUT/extract_bf16_p8.log" 2>&1
     grep -h '^{' "$OUT"/*.log
     ;;
-  *) echo "usage: run_h200.sh A|B|L|X2|E1|E3|E4|E6" >&2; exit 2 ;;
+  *) echo "usage: run_h200.sh A|B|L|T|X2|E1|E3|E4|E6" >&2; exit 2 ;;
 esac
