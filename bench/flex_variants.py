@@ -219,6 +219,17 @@ VARIANTS = [
         mode="max-autotune-no-cudagraphs",
         est_s=120.0,
     ),
+    # the region's own 64x64 tiles with inductor's autotuned kernel tiles instead of the fixed
+    # 32/64/64/32: of its 24 backward candidates those dividing 64 remain (the 32 and 64 rows
+    # and columns at 1, 3, 4 or 5 stages), so it asks whether the stages or the card pick a
+    # better pair than the one chosen by hand (never run before the forty-fourth session)
+    Variant(
+        "max_autotune_64",
+        "64x64 tiles, torch.compile mode max-autotune-no-cudagraphs picks the kernel tiles",
+        tile=(64, 64),
+        mode="max-autotune-no-cudagraphs",
+        est_s=180.0,
+    ),
 ]
 FLAGS = ("PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "WRITE_DQ", "USE_TMA")
 

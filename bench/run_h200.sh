@@ -6,9 +6,9 @@
 #   bash bench/run_h200.sh B   the yardstick training step, then extraction with fp8 features
 #   bash bench/run_h200.sh L   the 8B step in the real loop from a small default store, then
 #                              the yardstick step (~10 minutes; one call, carry .whl and .bench)
-#   bash bench/run_h200.sh T   the backward tiles at 16 rows or columns against the region's,
-#                              three rounds in each of three processes, then the attention
-#                              yardstick (~4 minutes; carry .whl and .bench)
+#   bash bench/run_h200.sh T   the backward tiles at 16 rows or columns and max-autotune's own
+#                              against the region's, three rounds in each of three processes,
+#                              then the attention yardstick (~6 minutes; carry .whl and .bench)
 #   bash bench/run_h200.sh E1  extraction with writer processes, bf16 then fp8 features
 #   bash bench/run_h200.sh E3  fp8 and bf16 with 8 writer processes, each also without writes
 #   bash bench/run_h200.sh E4  fp8 and bf16 with 8 writer processes, 1.25M tokens, timeline
@@ -48,10 +48,14 @@ case "$PART" in
     ;;
   T)
     # one process's figure cannot rank these (forty-third session): medians of three rounds
-    # in each of three processes, each process's table kept
+    # in each of three processes, each process's table kept. max_autotune_64's first compile
+    # benchmarks its candidate tiles (minutes, once: later processes read inductor's cache),
+    # so the first process has the longer limit; its log keeps inductor's AUTOTUNE tables
     for i in 1 2 3; do
-      OUT="$OUT/tiles-p$i" timeout 150 python3 bench/bench_attention.py --sweep \
-        --only bwd16_m1,bwd16_n2 --rounds 3 2>&1 | tee "$OUT/tiles-p$i.log" | tail -4
+      limit=$([ "$i" = 1 ] && echo 270 || echo 110)
+      OUT="$OUT/tiles-p$i" timeout "$limit" python3 bench/bench_attention.py --sweep \
+        --only bwd16_m1,bwd16_n2,max_autotune_64 --rounds 3 --variant-timeout-s 240 \
+        --budget-s 300 2>&1 | tee "$OUT/tiles-p$i.log" | tail -5
     done
     timeout 90 python3 .bench/yardstick_attention.py 2>&1 | tee "$OUT/yardstick_attention.log" \
       | grep '^{'
