@@ -220,9 +220,10 @@ VARIANTS = [
         est_s=120.0,
     ),
     # the region's own 64x64 tiles with inductor's autotuned kernel tiles instead of the fixed
-    # 32/64/64/32: of its 24 backward candidates those dividing 64 remain (the 32 and 64 rows
-    # and columns at 1, 3, 4 or 5 stages), so it asks whether the stages or the card pick a
-    # better pair than the one chosen by hand (never run before the forty-fourth session)
+    # 32/64/64/32: of the 28 backward candidates (torch 2.13's list; 2.11's may differ) the 12
+    # dividing 64 remain (32 or 64 rows and columns at 1, 3, 4 or 5 stages) with the 16-token
+    # default, so it asks whether the stages or the card pick better than the hand-chosen pair
+    # (never run before the forty-fourth session)
     Variant(
         "max_autotune_64",
         "64x64 tiles, torch.compile mode max-autotune-no-cudagraphs picks the kernel tiles",
