@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerFast
 
 from common.logging import quiet_import_noise
 
@@ -63,7 +63,9 @@ def build_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrainedTo
     return tokenizer
 
 
-def tiny_config(arch: str, vocab_size: int, num_layers: int = 4, hidden_size: int = 64):
+def tiny_config(
+    arch: str, vocab_size: int, num_layers: int = 4, hidden_size: int = 64
+) -> PretrainedConfig:
     """A transformers config of a small Qwen3 or Llama model."""
     from transformers import LlamaConfig, Qwen3Config
 

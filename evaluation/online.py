@@ -30,6 +30,8 @@ from evaluation.acceptance import (
 )
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from stage1_extract.target import MaxPositions
     from stage2_train.model import DFlashDrafter
 
@@ -92,7 +94,9 @@ class EvaluateConfig:
             raise ValueError("invalid evaluate settings: " + "; ".join(problems))
 
 
-def _chat_prompt(tokenizer, messages: list[dict], template_kwargs: dict[str, Any]) -> list[int]:
+def _chat_prompt(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], template_kwargs: dict[str, Any]
+) -> list[int]:
     """The conversation before the reply a server would write next, through the chat template
     with the generation prompt: without its final assistant turn when it ends with one (the
     dataset's reply), else all of it (a pending user turn is what the model answers)."""
@@ -104,7 +108,7 @@ def _chat_prompt(tokenizer, messages: list[dict], template_kwargs: dict[str, Any
     return tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
-def load_prompts(cfg: EvaluateConfig, tokenizer) -> list[list[int]]:
+def load_prompts(cfg: EvaluateConfig, tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
     """Prompts from text rows (their first tokens) or chat rows (`messages`, up to the last
     assistant turn, rendered by the target's chat template)."""
     from stage1_extract.chat import InvalidRow, template_message

@@ -307,7 +307,7 @@ class TappedTarget:
         self._hidden_NKD: torch.Tensor | None = None
         self._scale_NK: torch.Tensor | None = None
 
-    def _hook(self, k: int):
+    def _hook(self, k: int) -> Callable[[torch.nn.Module, Any, Any], None]:
         def keep(_module: torch.nn.Module, _args: Any, output: Any) -> None:
             hidden_BTD = output[0] if isinstance(output, tuple) else output
             idx = self._valid_idx.to(hidden_BTD.device, non_blocking=True)
