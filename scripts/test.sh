@@ -7,4 +7,7 @@ bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 ruff check .
 ruff format --check .
-python -m pytest -q "$@"
+# two pytest-xdist workers by default (CI's machine has two cores: 7 vs 12 minutes of tests);
+# PYTEST_WORKERS=0, or -n 0 among the arguments (the last -n wins), runs them in this process,
+# as --pdb needs
+python -m pytest -q -n "${PYTEST_WORKERS:-2}" "$@"
