@@ -1,4 +1,5 @@
-"""Every shard of a store checked before a reader starts (`dflash train`, `dflash convert`).
+"""Every shard of a store checked before a reader starts (`dflash train`, `dflash convert`,
+`dflash evaluate-offline`).
 
 Two kinds of damage, both found from JSON and `stat` alone (no array data is read):
 - its files against the sizes recorded at commit (store_files.py: zarr reads a deleted file as

@@ -23,10 +23,11 @@ from tqdm import tqdm
 
 from common.logging import get_logger
 from common.store import open_store, rounded_dev_features_note
+from common.store_check import check_shards
 from evaluation.chained import chained_tau_on_store
 from evaluation.heldout import evaluate
 from stage2_train.anchors import slot_weights
-from stage2_train.data import StoreSequences, collate
+from stage2_train.data import StoreSequences, collate, loader_arrays
 from stage2_train.export import load_export, other_target, read_export_config, trained_for
 from stage2_train.plan import EVAL_EPOCH
 from stage2_train.step import load_frozen_head
@@ -98,15 +99,19 @@ def run_offline_eval(cfg: OfflineEvalConfig) -> dict[str, Any]:
             differs,
             cfg.store,
         )
+    total = int(info.attrs["counts"]["sequences"])
+    count = total if cfg.max_sequences is None else min(total, cfg.max_sequences)
+    if count < 1:
+        raise ValueError(f"store {cfg.store}: no sequences to evaluate")
+    # the shards read, checked as train checks its store: a damaged sequence was blanked in the
+    # random-anchor pass (figures without it) and then failed the chained pass as a bug (exit 1)
+    per_shard = int(info.attrs["sequences_per_shard"])
+    check_shards(info, loader_arrays(info.hidden_dtype, False), list(range(-(-count // per_shard))))
     device = torch.device(cfg.device)
     dtype = getattr(torch, cfg.dtype)
     model = load_export(cfg.drafter).to(device, dtype).eval()
     head = load_frozen_head(cfg.store, device, dtype)
     shape = model.shape
-    total = int(info.attrs["counts"]["sequences"])
-    count = total if cfg.max_sequences is None else min(total, cfg.max_sequences)
-    if count < 1:
-        raise ValueError(f"store {cfg.store}: no sequences to evaluate")
     sequences = StoreSequences(
         info,
         num_anchors=cfg.num_anchors,
