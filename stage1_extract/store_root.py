@@ -264,9 +264,13 @@ def _explain_mismatch(old: dict[str, Any], new: dict[str, Any]) -> tuple[str, li
     for label, get in _EXPLAINED:
         try:
             if get(old) != get(new):
-                changed.append(label)
-                if label in _SET_BACK:
-                    set_back.append(f"--set {_SET_BACK[label]}={shown(get(old))}")
+                if label not in _SET_BACK:
+                    changed.append(label)
+                    continue
+                # by its --set key with both values, as the keys below (`hidden_dtype differ`
+                # left out which encoding the store holds and which this run asked for)
+                changed.append(f"{_SET_BACK[label]} ({get(old)!r} -> {get(new)!r})")
+                set_back.append(f"--set {_SET_BACK[label]}={shown(get(old))}")
         except (KeyError, TypeError):
             changed.append(label)
     # each key of these sections by name, as `dflash generate` and `dflash train` name theirs

@@ -408,7 +408,9 @@ def test_store_from_before_fingerprints_still_resumes(existing_store, qwen3_stor
     # its command from before the default became float8_e4m3fn: refused, with the way back
     result = cli_extract(tiny_qwen3, data, existing_store, "target.tapped_layers=[0,1,3]")
     message = " ".join(result.output.split())
-    assert result.exit_code == 2 and "(hidden_dtype differ)" in message, message
+    assert (
+        result.exit_code == 2 and "(store.hidden_dtype ('bfloat16' -> 'nvfp4') differ)" in message
+    ), message
     assert "to resume it, rerun with --set store.hidden_dtype=bfloat16" in message, message
     result = cli_extract(tiny_qwen3, data, existing_store, "target.tapped_layers=[0,1,3]", BF16)
     assert result.exit_code == 0, result.output
@@ -578,7 +580,7 @@ def test_refusal_names_the_matmul_precision_and_how_to_resume() -> None:
         }
         attrs["target"] |= {"revision": None, "config": {}}
     what, set_back = _explain_mismatch(old, new)
-    assert what == "target.matmul_precision"
+    assert what == "target.matmul_precision ('highest' -> 'high')"
     assert set_back == ["--set target.matmul_precision=highest"]
 
 

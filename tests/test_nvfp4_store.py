@@ -97,7 +97,10 @@ def test_an_fp8_store_from_before_the_nvfp4_default_resumes_with_its_set(
     assert first.exit_code == 0, first.output
     again = cli_extract(tiny_qwen3, data, out, "data.max_samples=4")
     message = " ".join(again.output.split())
-    assert again.exit_code == 2 and "(hidden_dtype differ)" in message, message
+    assert (
+        again.exit_code == 2
+        and "(store.hidden_dtype ('float8_e4m3fn' -> 'nvfp4') differ)" in message
+    ), message
     assert "to resume it, rerun with --set store.hidden_dtype=float8_e4m3fn" in message, message
     assert open_store(out).hidden_dtype == "float8_e4m3fn"
     resumed = cli_extract(tiny_qwen3, data, out, "data.max_samples=4", fp8)

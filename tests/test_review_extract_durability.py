@@ -139,7 +139,10 @@ def test_a_changed_seq_len_is_named_with_the_set_that_resumes(reference: Path) -
     gives the store's value back (the packing section listed beside it withheld that)."""
     old, new = _rerun_attrs(reference, packing__seq_len=128)
     new["seq_len"] = 128
-    assert _explain_mismatch(old, new) == ("seq_len", ["--set packing.seq_len=64"])
+    assert _explain_mismatch(old, new) == (
+        "packing.seq_len (64 -> 128)",
+        ["--set packing.seq_len=64"],
+    )
 
 
 def test_a_path_spelled_otherwise_is_not_named_as_changed(reference: Path) -> None:
@@ -151,4 +154,4 @@ def test_a_path_spelled_otherwise_is_not_named_as_changed(reference: Path) -> No
     new["tokenizer"]["name_or_path"] += "/"
     folder, name = new["dataset"]["path"].rsplit("/", 1)
     new["dataset"]["path"] = new["extract_config"]["data"]["path"] = f"{folder}/./{name}"
-    assert _explain_mismatch(old, new)[0] == "seq_len"
+    assert _explain_mismatch(old, new)[0] == "packing.seq_len (64 -> 128)"

@@ -70,7 +70,7 @@ def test_a_local_store_keyed_before_resumes_under_any_revision(
     # the rule takes back only what a local path ignores
     new["topk"] = parts["topk"] = 1
     new["content_key"] = content_key(parts)
-    with pytest.raises(StoreError, match=r"\(topk differ\)"):
+    with pytest.raises(StoreError, match=r"\(verifier\.topk \(8 -> 1\) differ\)"):
         prepare_store(store, new, overwrite=False, parts=parts)
 
 
