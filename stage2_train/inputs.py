@@ -235,14 +235,17 @@ def trained_layers(cfg: TrainConfig, info: StoreInfo) -> list[int]:
     return sorted(info.tapped_layers) if layers is None else list(layers)
 
 
-def open_dev_store(path: str, train_info: StoreInfo, layers: list[int]) -> StoreInfo:
+def open_dev_store(
+    path: str, train_info: StoreInfo, layers: list[int], announce: bool = True
+) -> StoreInfo:
     """The store `data.dev_store` names, checked against the training store: the same target
     (sizes, vocabulary and weights) and tokenizer (`_tokenizer_differences`), the `layers` the
     drafter reads (`trained_layers`: all the training store's, or `data.tapped_layers`; a dev
     store may hold more, as `dflash evaluate-offline`'s store may), and every shard whole (what
     chained tau reads); else an error naming data.dev_store, the training store and the fix.
     run_train calls it with the other input checks: at its first use (after the model is
-    built) it came minutes late."""
+    built) it came minutes late. `announce`: log the note on rounded features (the worker's
+    second opening passes False: the launcher's check has said it)."""
     try:
         info = open_store(path, require_complete=True)
     except StoreError as err:
@@ -286,7 +289,7 @@ def open_dev_store(path: str, train_info: StoreInfo, layers: list[int]) -> Store
         check_shards(info, loader_arrays(info.hidden_dtype, False))  # chained tau's arrays
     except StoreError as err:
         raise StoreError(f"data.dev_store: {err}") from None
-    if note := rounded_dev_features_note(info, "data.dev_store"):
+    if announce and (note := rounded_dev_features_note(info, "data.dev_store")):
         get_logger().warning(note)
     return info
 

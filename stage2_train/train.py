@@ -300,7 +300,9 @@ def train_worker(cfg: TrainConfig, ctx: WorkerContext) -> None:
             resumed_step=state.step,
         )
 
-    dev_info = open_dev_store(cfg.data.dev_store, info, layers) if cfg.data.dev_store else None
+    dev_info = None
+    if cfg.data.dev_store:  # checked and announced by run_train before the launch
+        dev_info = open_dev_store(cfg.data.dev_store, info, layers, announce=False)
 
     def run_dev_eval() -> dict[str, Any]:
         """Chained tau on data.dev_store (rank 0: the figure needs no other rank), computed the

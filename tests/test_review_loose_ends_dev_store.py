@@ -9,6 +9,7 @@ names none (converted from HDF5 without a tokenizer) keeps the size check alone.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -100,3 +101,31 @@ def test_a_dev_store_of_rounded_features_is_announced(
     else:
         assert f"data.dev_store {dev} holds {dtype} features, which a server never feeds" in said
         assert "extract the dev store with --set store.hidden_dtype=bfloat16" in said
+
+
+def test_a_rounded_dev_store_is_announced_once_per_run(tmp_path: Path) -> None:
+    """`dflash train --set data.dev_store=...` on the default (nvfp4) dev store said its note
+    twice: once in the launcher's input checks, again when the worker opened the store."""
+    from common.config import build_config
+    from common.logging import get_logger
+    from stage2_train.config import TrainConfig
+    from stage2_train.train import run_train
+
+    spec = FactorySpec(num_sequences=6, hidden_dtype="nvfp4")
+    train, dev = build_store(tmp_path / "t", spec), build_store(tmp_path / "d", spec)
+    config = Path(__file__).parents[1] / "configs" / "debug.yaml"
+    sets = [f"data.store={train}", f"run.out={tmp_path / 'r'}", "run.progress=false"]
+    sets += ["optim.max_steps=1", f"data.dev_store={dev}", "data.holdout_sequences=2"]
+    # a handler of our own on the logger: caplog's sees a record twice where the logger also
+    # propagates to the root
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    log = get_logger()
+    log.addHandler(handler)
+    try:
+        run_train(build_config(TrainConfig, config, "train", sets))
+    finally:
+        log.removeHandler(handler)
+    notes = [m for m in said if m.startswith(f"data.dev_store {dev} holds nvfp4 features")]
+    assert len(notes) == 1, said
