@@ -118,7 +118,8 @@ def run_verify(store: str | Path, as_json: bool = False) -> bool:
             f"{checked['tokens']:,} tokens verified"
         )
         return True
-    print(f"FAILED: {len(report['problems'])} problems")
+    count = len(report["problems"])
+    print(f"FAILED: {count} problem{'s' if count != 1 else ''}")
     width = max(len(p["array"]) for p in report["problems"])
     for p in report["problems"]:
         print(f"  {p['shard']:<13} {p['array']:<{width}}  {p['problem']}")

@@ -309,7 +309,7 @@ def test_verify_catches_corruption(store: Path, case: str) -> None:
     assert problems[0]["problem"].startswith(reason), problems[0]
     result = invoke("verify", store)
     assert result.exit_code == 1
-    assert "FAILED: 1 problems" in result.stdout and reason in result.stdout
+    assert "FAILED: 1 problem\n" in result.stdout and reason in result.stdout
 
 
 def test_verify_streams_in_small_chunks(tmp_path: Path) -> None:
