@@ -39,9 +39,11 @@ from common.store import (
     committed_shards,
     open_store,
     read_root_attrs,
+    shard_layout,
     shard_name,
     shards_dir,
 )
+from common.store_check import check_shards
 
 # root attributes compared when the content key differs, to say what changed; paths as the
 # key has them (`m/` and `./m` are the folder `m`)
@@ -449,6 +451,10 @@ def finalize_store(
             f"store {store}: cannot finalize, shards {missing[:10]} or {HEAD_FILE} are missing; "
             "rerun the same command to complete it"
         )
+    # every shard's files against their recorded sizes and every array's metadata (JSON and
+    # stat only): a rerun over a store whose shard was cut since used to say "complete"
+    info = open_store(store)
+    check_shards(info, list(shard_layout(info, 0, 0)))
     shard_attrs = [_shard_attrs(store, i) for i in range(attrs["num_shards"])]
 
     def total(key: str) -> int:
