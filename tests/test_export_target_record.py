@@ -11,21 +11,14 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
+from tiny_runs import tiny_store_and_run
 
-from common.config import build_config
 from common.logging import get_logger
 from common.store import open_store
-from common.tiny import EXAMPLE_DATA
 from evaluation.offline import OfflineEvalConfig, run_offline_eval
 from evaluation.online import EvaluateConfig, run_evaluate
-from stage1_extract.config import ExtractConfig
 from stage1_extract.fingerprints import weights_fingerprint
-from stage1_extract.run import run_extract
-from stage2_train.config import TrainConfig
 from stage2_train.export import TRAINED_FOR_KEY, export_checkpoint, other_target, trained_for
-from stage2_train.train import run_train
-
-DEBUG = Path(__file__).parents[1] / "configs" / "debug.yaml"
 
 
 def test_other_target_tells_only_what_it_can_know() -> None:
@@ -45,17 +38,7 @@ def test_other_target_tells_only_what_it_can_know() -> None:
 
 @pytest.fixture(scope="module")
 def run(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    work = tmp_path_factory.mktemp("trained-for")
-    data = work / "data.jsonl"
-    data.write_text("\n".join(EXAMPLE_DATA.read_text().splitlines()[:8]) + "\n")
-    store = work / "store"
-    sets = [f"target.model={tiny_qwen3}", f"data.path={data}", f"store.out={store}"]
-    sets += ["packing.seq_len=64", "store.sequences_per_shard=4", "run.progress=false"]
-    run_extract(build_config(ExtractConfig, DEBUG, "extract", sets))
-    sets = [f"data.store={store}", f"run.out={work / 'run'}", "run.progress=false"]
-    sets += ["optim.max_steps=2", "run.eval_every=0", "data.holdout_sequences=0"]
-    run_train(build_config(TrainConfig, DEBUG, "train", sets))
-    return store, work / "run"
+    return tiny_store_and_run(tiny_qwen3, tmp_path_factory.mktemp("trained-for"), steps=2)
 
 
 def _warnings(caplog: pytest.LogCaptureFixture, call) -> str:

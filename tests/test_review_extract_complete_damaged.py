@@ -8,25 +8,17 @@ import shutil
 from pathlib import Path
 
 import pytest
+from tiny_runs import tiny_extract_config
 
-from common.config import build_config
 from common.store import StoreError, open_store
-from common.tiny import EXAMPLE_DATA
-from stage1_extract.config import ExtractConfig
 from stage1_extract.run import run_extract
-
-DEBUG = Path(__file__).parents[1] / "configs" / "debug.yaml"
 
 
 def test_a_cut_shard_stops_the_rerun_until_its_folder_is_deleted(
     tiny_qwen3: Path, tmp_path: Path
 ) -> None:
-    data = tmp_path / "data.jsonl"
-    data.write_text("\n".join(EXAMPLE_DATA.read_text().splitlines()[:8]) + "\n")
-    store = tmp_path / "store"  # the default hidden_dtype: nvfp4
-    sets = [f"target.model={tiny_qwen3}", f"data.path={data}", f"store.out={store}"]
-    sets += ["packing.seq_len=64", "store.sequences_per_shard=4", "run.progress=false"]
-    cfg = build_config(ExtractConfig, DEBUG, "extract", sets)
+    cfg = tiny_extract_config(tiny_qwen3, tmp_path)  # the default hidden_dtype: nvfp4
+    store = tmp_path / "store"
     run_extract(cfg)
     shards = sorted((store / "shards").iterdir())
     assert len(shards) >= 2, shards

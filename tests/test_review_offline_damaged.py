@@ -9,32 +9,17 @@ import shutil
 from pathlib import Path
 
 import pytest
+from tiny_runs import tiny_store_and_run
 
-from common.config import build_config
 from common.store import StoreError
-from common.tiny import EXAMPLE_DATA
 from evaluation.offline import OfflineEvalConfig, run_offline_eval
-from stage1_extract.config import ExtractConfig
-from stage1_extract.run import run_extract
-from stage2_train.config import TrainConfig
-from stage2_train.train import run_train
-
-DEBUG = Path(__file__).parents[1] / "configs" / "debug.yaml"
 
 
 @pytest.fixture(scope="module")
 def run(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    work = tmp_path_factory.mktemp("offline-damaged")
-    data = work / "data.jsonl"
-    data.write_text("\n".join(EXAMPLE_DATA.read_text().splitlines()[:8]) + "\n")
-    store = work / "store"  # the default hidden_dtype: nvfp4
-    sets = [f"target.model={tiny_qwen3}", f"data.path={data}", f"store.out={store}"]
-    sets += ["packing.seq_len=64", "store.sequences_per_shard=4", "run.progress=false"]
-    run_extract(build_config(ExtractConfig, DEBUG, "extract", sets))
-    sets = [f"data.store={store}", f"run.out={work / 'run'}", "run.progress=false"]
-    sets += ["optim.max_steps=1", "run.eval_every=0", "data.holdout_sequences=0"]
-    run_train(build_config(TrainConfig, DEBUG, "train", sets))
-    return store, work / "run" / "export"
+    # the default hidden_dtype: nvfp4
+    store, run = tiny_store_and_run(tiny_qwen3, tmp_path_factory.mktemp("offline-damaged"), 1)
+    return store, run / "export"
 
 
 def test_a_cut_shard_file_is_refused_before_evaluating(
