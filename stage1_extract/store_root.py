@@ -452,7 +452,8 @@ def finalize_store(
             "rerun the same command to complete it"
         )
     # every shard's files against their recorded sizes and every array's metadata (JSON and
-    # stat only): a rerun over a store whose shard was cut since used to say "complete"
+    # stat only; the layout's names do not depend on the counts): a rerun over a store whose
+    # shard was cut since used to say "complete"
     info = open_store(store)
     check_shards(info, list(shard_layout(info, 0, 0)))
     shard_attrs = [_shard_attrs(store, i) for i in range(attrs["num_shards"])]
@@ -474,7 +475,6 @@ def finalize_store(
     }
     if skipped:
         counts["skipped_rows"] = dict(skipped)
-    current = open_store(store).attrs
-    final = dict(current, complete=True, counts=counts)
+    final = dict(info.attrs, complete=True, counts=counts)
     write_root_attrs(store, final)
     return final
